@@ -1,0 +1,85 @@
+// The one place that turns torch (stable-ABI) tensors into torch-free kernel arguments.
+// Only csrc/api/ includes torch headers.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <cuda_runtime.h>
+
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "common/cuda_check.h"
+
+namespace kernel_fun::api {
+
+using torch::headeronly::ScalarType;
+using Tensor = torch::stable::Tensor;
+
+// Every argument error names the argument: "kernel_fun.cconv: weight must be ..., got ...".
+#define KF_ARG_CHECK(cond, ...)                                             \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      std::ostringstream kf_oss_;                                           \
+      kf_oss_ << __VA_ARGS__;                                               \
+      throw std::invalid_argument(kf_oss_.str());                           \
+    }                                                                       \
+  } while (0)
+
+inline const char* scalar_type_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return "float32";
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Long: return "int64";
+    case ScalarType::Bool: return "bool";
+    default: return "other";
+  }
+}
+
+inline std::optional<DType> to_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return DType::kFloat32;
+    case ScalarType::Half: return DType::kFloat16;
+    case ScalarType::BFloat16: return DType::kBFloat16;
+    case ScalarType::Double: return DType::kFloat64;
+    default: return std::nullopt;
+  }
+}
+
+inline std::string shape_str(const Tensor& t) {
+  std::ostringstream o;
+  o << "[";
+  for (int64_t i = 0; i < t.dim(); ++i) o << (i ? ", " : "") << t.size(i);
+  o << "]";
+  return o.str();
+}
+
+inline void check_cuda(const Tensor& t, const char* name) {
+  KF_ARG_CHECK(t.is_cuda(), name << " must be a CUDA tensor");
+}
+
+inline void check_same_device(const Tensor& t, const Tensor& ref, const char* name, const char* ref_name) {
+  KF_ARG_CHECK(t.is_cuda() && t.get_device_index() == ref.get_device_index(),
+               name << " must be on the same CUDA device as " << ref_name);
+}
+
+// The current stream of t's device: every launch goes there (never the legacy default stream).
+inline cudaStream_t current_stream(const Tensor& t) {
+  void* stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream));
+  return reinterpret_cast<cudaStream_t>(stream);
+}
+
+inline const void* cptr(const std::optional<Tensor>& t) { return t ? t->data_ptr() : nullptr; }
+inline void* mptr(const std::optional<Tensor>& t) { return t ? t->data_ptr() : nullptr; }
+
+}  // namespace kernel_fun::api

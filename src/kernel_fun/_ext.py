@@ -1,0 +1,71 @@
+"""Loading the compiled extension (``kernel_fun/_C*.so``) and saying why it is unavailable.
+
+The library registers its ops under ``torch.ops.kernel_fun`` through the LibTorch stable ABI;
+it is loaded with ``torch.ops.load_library`` on first use, never at ``import kernel_fun``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+
+_lock = threading.Lock()
+_state: tuple[bool, str] | None = None
+
+
+def _find_library() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for pat in ("_C.abi3.so", "_C*.so", "_C*.pyd"):
+        hits = sorted(glob.glob(os.path.join(here, pat)))
+        if hits:
+            return hits[0]
+    return None
+
+
+def status() -> tuple[bool, str]:
+    """(True, path) when the kernels are loaded, else (False, why not). Cached after first call."""
+    global _state
+    if _state is not None:
+        return _state
+    with _lock:
+        if _state is not None:
+            return _state
+        path = _find_library()
+        if path is None:
+            _state = (False, "kernel-fun was built without its CUDA extension (no CUDA toolkit at "
+                             "install time, or KERNEL_FUN_SKIP_CUDA=1): GPU kernels are unavailable")
+            return _state
+        try:
+            import torch
+
+            torch.ops.load_library(path)
+            # Fakes/autograd registrations live in Python next to each family.
+            from kernel_fun import _fakes  # noqa: F401
+
+            _state = (True, path)
+        except Exception as e:  # noqa: BLE001 - report, never crash the caller
+            _state = (False, f"kernel-fun's CUDA extension failed to load from {path}: {e}")
+        return _state
+
+
+def available() -> bool:
+    return status()[0]
+
+
+def build_info() -> str | None:
+    if not available():
+        return None
+    import torch
+
+    return torch.ops.kernel_fun.build_info()
+
+
+def ops():
+    """torch.ops.kernel_fun, loading the library first; raises with the reason if unavailable."""
+    ok, why = status()
+    if not ok:
+        raise RuntimeError(why)
+    import torch
+
+    return torch.ops.kernel_fun
