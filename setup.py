@@ -45,14 +45,16 @@ def _cuda_archs() -> list[str]:
 
 
 def _cutlass_include() -> str:
-    try:
-        import cutlass_library  # from the pinned PyPI package nvidia-cutlass
-    except ImportError as e:  # pragma: no cover - surfaced as a build error
+    # Locate the package without importing it: only its headers are needed, not its Python deps.
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
             "kernel-fun setup: the CUTLASS/CuTe headers come from the PyPI package "
             "nvidia-cutlass (see requirements-build.txt); install it first"
-        ) from e
-    inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+        )
+    inc = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
     if not os.path.isdir(os.path.join(inc, "cute")):
         raise SystemExit(f"kernel-fun setup: no CuTe headers under {inc}")
     return inc

@@ -1,0 +1,63 @@
+"""Environment switches, read on every call. A bad value warns (once per value) and keeps the
+default; it never raises.
+
+KERNEL_FUN_DISABLE=1         every family goes to fla
+KERNEL_FUN_KDA_DISABLE=1     chunk_kda goes to fla
+KERNEL_FUN_CCONV_DISABLE=1   causal_conv1d goes to fla
+KERNEL_FUN_KDA_MIN_CTAS=<n>  grid floor below which kda prefers fla (default 0: no floor)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+_log = logging.getLogger("kernel_fun")
+_warned: set[tuple[str, str]] = set()
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bad(name: str, raw: str, default) -> None:
+    if (name, raw) not in _warned:
+        _warned.add((name, raw))
+        _log.warning("kernel-fun: ignoring %s=%r (not understood); using the default %r", name, raw, default)
+
+
+def flag(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    _bad(name, raw, default)
+    return default
+
+
+def integer(name: str, default: int, minimum: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw.strip())
+    except ValueError:
+        _bad(name, raw, default)
+        return default
+    if v < minimum:
+        _bad(name, raw, default)
+        return default
+    return v
+
+
+def family_disabled(family: str) -> str | None:
+    """The reason a family is switched off by the environment, or None."""
+    if flag("KERNEL_FUN_DISABLE"):
+        return "KERNEL_FUN_DISABLE=1"
+    var = f"KERNEL_FUN_{family.upper()}_DISABLE"
+    if flag(var):
+        return f"{var}=1"
+    return None
