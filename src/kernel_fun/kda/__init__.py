@@ -1,0 +1,327 @@
+"""kernel_fun.kda: fla's ``chunk_kda`` (Kimi Delta Attention), served by our Hopper kernels.
+
+``chunk_kda`` takes fla 0.5.2's exact arguments and returns fla's results. Routing, per call:
+
+1. Invalid input (a wrong shape, dtype, device, bad cu_seqlens, a bad flag combination) raises
+   ``ValueError``/``TypeError`` naming the argument, on every path.
+2. CPU tensors run the torch reference (``kernel_fun.ref.kda``), forward and backward through
+   autograd, in the inputs' precision (float32/float64 work).
+3. CUDA tensors run our kernels when the call is supported (see ``is_supported``), else fla with
+   the caller's original arguments (reason logged once at WARNING), else a clear error.
+
+Until the KDA backward lands, a call that needs gradients is routed wholly to fla.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kernel_fun import _dispatch, _env, _ext
+
+__all__ = ["chunk_kda", "is_supported", "warmup"]
+
+FAMILY = "kda"
+_FLA = ("fla.ops.kda", "chunk_kda")
+# Keyword arguments fla's chunk_kda reads from **kwargs; anything else is a flag we do not know.
+_KNOWN_KWARGS = frozenset({"A_log", "dt_bias", "chunk_size"})
+
+
+def _fail(exc, msg: str):
+    raise exc(f"kernel_fun.kda.chunk_kda: {msg}")
+
+
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor | None:
+    """Validate cu_seqlens; return a host copy (one device->host read only when the caller gave
+    no cu_seqlens_cpu, as fla also does) so the kernels can build their chunk map sync-free."""
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            _fail(ValueError, "cu_seqlens_cpu was given without cu_seqlens")
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        _fail(TypeError, f"cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        _fail(ValueError, f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if B != 1:
+        _fail(ValueError, f"cu_seqlens requires batch size B == 1 (packed sequences), got B={B}")
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
+    if not isinstance(host, torch.Tensor) or host.shape != cu_seqlens.shape:
+        _fail(ValueError, f"cu_seqlens_cpu must be a tensor of cu_seqlens' shape {list(cu_seqlens.shape)}")
+    host = host.to("cpu", torch.int64)
+    if int(host[0]) != 0:
+        _fail(ValueError, f"cu_seqlens must start at 0, got {int(host[0])}")
+    if bool((host[1:] < host[:-1]).any()):
+        _fail(ValueError, "cu_seqlens must be non-decreasing (sequence lengths >= 0)")
+    if int(host[-1]) != T:
+        _fail(ValueError, f"cu_seqlens must end at T={T} (the packed length), got {int(host[-1])}")
+    return host
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+              allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
+              kwargs) -> torch.Tensor | None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            _fail(TypeError, f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.dim() != 4:
+        _fail(ValueError, f"q must be [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        _fail(ValueError, f"k must have q's shape {list(q.shape)}, got {list(k.shape)}")
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        _fail(ValueError, f"v must be [B={B}, T={T}, HV, V], got shape {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        _fail(ValueError, f"v's head count HV={HV} must be a multiple of q's H={H} (GVA)")
+    if K > 256:
+        _fail(ValueError, f"head dim K={K} is above fla's limit of 256")
+    if tuple(g.shape) != (B, T, HV, K):
+        _fail(ValueError, f"g must be [B, T, HV, K]={[B, T, HV, K]}, got {list(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        _fail(ValueError, f"beta must be [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}")
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != dev:
+            _fail(ValueError, f"{name} is on {t.device} but q is on {dev}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        _fail(TypeError, f"scale must be a float or None, got {type(scale).__name__}")
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        _fail(ValueError, f"chunk_size must be 32 or 64, got {chunk_size}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        _fail(ValueError, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            _fail(ValueError, "lower_bound must be given when safe_gate=True and use_gate_in_kernel=True")
+        if not (-5 <= lower_bound < 0):
+            _fail(ValueError, f"lower_bound must lie in [-5, 0) with safe_gate, got {lower_bound}")
+    if use_gate_in_kernel:
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+        if A_log is None and lower_bound is None:
+            _fail(ValueError, "A_log must be given when use_gate_in_kernel=True")
+        if A_log is not None:
+            if not isinstance(A_log, torch.Tensor) or A_log.numel() != HV:
+                _fail(ValueError, f"A_log must have HV={HV} elements, got "
+                                  f"{list(A_log.shape) if isinstance(A_log, torch.Tensor) else type(A_log).__name__}")
+            if A_log.device != dev:
+                _fail(ValueError, f"A_log is on {A_log.device} but q is on {dev}")
+        if dt_bias is not None:
+            if not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K:
+                _fail(ValueError, f"dt_bias must have HV*K={HV * K} elements")
+            if dt_bias.device != dev:
+                _fail(ValueError, f"dt_bias is on {dt_bias.device} but q is on {dev}")
+    host_cu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+    if cu_seqlens is not None and cu_seqlens.device != dev:
+        _fail(ValueError, f"cu_seqlens is on {cu_seqlens.device} but q is on {dev}")
+    if initial_state is not None:
+        N = B if host_cu is None else host_cu.numel() - 1
+        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
+            got = list(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            _fail(ValueError, f"initial_state must be {list(want)} "
+                              f"({'[N, HV, V, K]' if state_v_first else '[N, HV, K, V]'}), got {got}")
+        if initial_state.dtype != torch.float32 and dev.type == "cuda":
+            _fail(TypeError, f"initial_state must be float32 (as fla asserts), got {initial_state.dtype}")
+        if initial_state.device != dev:
+            _fail(ValueError, f"initial_state is on {initial_state.device} but q is on {dev}")
+    return host_cu
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _reason(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+            disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+            cp_context, kwargs) -> str | None:
+    """Why our kernels cannot serve this (valid, CUDA) call, or None when they can."""
+    off = _env.family_disabled(FAMILY)
+    if off:
+        return f"disabled by {off}"
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        return f"unrecognized argument {', '.join(unknown)} (fla may have grown a flag)"
+    if cp_context is not None:
+        return "cp_context (context parallelism) is not supported"
+    ok, why = _ext.status()
+    if not ok:
+        return why
+    if _needs_grad(q, k, v, g, beta, initial_state, kwargs.get("A_log"), kwargs.get("dt_bias")):
+        return "gradients requested and the kernel-fun KDA backward is not implemented yet"
+    try:
+        from kernel_fun.kda import _kernel
+    except ImportError as e:
+        return f"KDA kernels are not available in this build ({e})"
+    return _kernel.support_reason(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"),
+        chunk_size=kwargs.get("chunk_size", 64), return_intermediate_states=return_intermediate_states,
+        disable_recompute=disable_recompute,
+    )
+
+
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+               return_intermediate_states, state_v_first, cu_seqlens, kwargs):
+    """The CPU path: the chunked torch reference, differentiable by autograd."""
+    from kernel_fun.ref.kda import chunk_kda_reference
+
+    out = chunk_kda_reference(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, A_log=kwargs.get("A_log") if use_gate_in_kernel else None,
+        dt_bias=kwargs.get("dt_bias") if use_gate_in_kernel else None, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, chunk_size=kwargs.get("chunk_size", 64),
+        return_stages=return_intermediate_states,
+    )
+    if return_intermediate_states:
+        o, ht, stages = out
+        return o.to(q.dtype), ht, stages["h"].to(k.dtype)
+    o, ht = out
+    return o.to(q.dtype), (ht.float() if ht is not None and ht.dtype != torch.float64 else ht)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context=None,
+    **kwargs,
+):
+    """fla's ``chunk_kda`` (same arguments, same results): returns ``(o, final_state)``, or
+    ``(o, final_state, h)`` with ``return_intermediate_states`` (inference only)."""
+    orig_args = (q, k, v, g, beta)
+    orig_kwargs = dict(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, **kwargs,
+    )
+    host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                        kwargs)
+    if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state):
+        _fail(ValueError, "return_intermediate_states is for inference only (no gradients)")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+
+    if q.device.type == "cpu":
+        if cp_context is not None:
+            _fail(ValueError, "cp_context is not supported on CPU tensors")
+        return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                          use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                          return_intermediate_states, state_v_first, cu_seqlens, kwargs)
+
+    reason = _reason(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                     disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, host_cu,
+                     cp_context, kwargs)
+    if reason is not None:
+        return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
+
+    from kernel_fun.kda import _kernel
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _dispatch.log_engaged(FAMILY, f"B={B} T={T} H={H} HV={HV} K={K} V={V} dtype={q.dtype} "
+                                  f"varlen={cu_seqlens is not None}")
+    return _kernel.forward(
+        q, k, v, g, beta, scale=float(scale), initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=host_cu, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"),
+        chunk_size=kwargs.get("chunk_size", 64), return_intermediate_states=return_intermediate_states,
+        disable_recompute=disable_recompute,
+    )
+
+
+def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str | None]:
+    """Would ``chunk_kda(q, ..., v, ..., **kwargs)`` run our kernels? ``(True, None)`` or
+    ``(False, reason)``. Pass k, g, beta as keywords when you have them (otherwise stand-ins of
+    the contract's shapes are allocated for the check). Never raises for bad input: that is a
+    reason too."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    k = kwargs.pop("k", None)
+    g = kwargs.pop("g", None)
+    beta = kwargs.pop("beta", None)
+    k = q if k is None else k
+    g = q.new_empty((B, T, HV, K)) if g is None else g
+    beta = q.new_empty((B, T, HV)) if beta is None else beta
+    names = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "disable_recompute",
+             "return_intermediate_states", "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "cp_context")
+    defaults = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                    use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                    safe_gate=False, lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+                    state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None)
+    a = {n: kwargs.pop(n, defaults[n]) for n in names}
+    try:
+        host_cu = _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
+                            a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
+                            a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], kwargs)
+    except (ValueError, TypeError) as e:
+        return False, f"invalid input: {e}"
+    if q.device.type != "cuda":
+        return False, f"tensors on {q.device} run the torch reference, not our kernels"
+    scale = a["scale"] if a["scale"] is not None else K ** -0.5
+    reason = _reason(q, k, v, g, beta, scale, a["initial_state"], a["output_final_state"],
+                     a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
+                     a["allow_neg_eigval"], a["safe_gate"], a["lower_bound"], a["disable_recompute"],
+                     a["return_intermediate_states"], a["state_v_first"], a["cu_seqlens"], host_cu,
+                     a["cp_context"], kwargs)
+    return (reason is None), reason
+
+
+def warmup(K: int = 128, V: int = 256, HV: int = 16, H: int | None = None, dtype=torch.bfloat16,
+           device: str | torch.device = "cuda", **kwargs) -> float:
+    """Load and run our KDA kernels once at these head dims (a tiny problem) so the first
+    training step pays nothing; returns seconds. Raises with the reason if our kernels cannot
+    serve this configuration (nothing would have been prepared)."""
+    t0 = time.perf_counter()
+    H = HV if H is None else H
+    dev = torch.device(device)
+    B, T = 1, 128
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    g = -torch.rand(B, T, HV, K, device=dev, dtype=dtype)
+    beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
+    opts = dict(kwargs)
+    with torch.no_grad():
+        ok, why = is_supported(q, v, k=k, g=g, beta=beta, **opts)
+        if not ok:
+            raise RuntimeError(f"kernel_fun.kda.warmup: our kernels cannot serve this configuration - {why}")
+        chunk_kda(q, k, v, g, beta, **opts)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
