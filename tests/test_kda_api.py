@@ -1,0 +1,131 @@
+"""The chunk_kda front on CPU: argument errors name the argument, the CPU path runs the
+reference forward and backward, is_supported explains itself, env switches parse safely."""
+
+import logging
+
+import pytest
+import torch
+
+import kernel_fun
+from kernel_fun import _env
+from kernel_fun.kda import chunk_kda, is_supported
+
+from helpers import rel_rms
+
+
+def _inputs(B=1, T=37, H=2, HV=4, K=16, V=24, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g, dtype=dtype)
+    k = torch.randn(B, T, H, K, generator=g, dtype=dtype)
+    v = torch.randn(B, T, HV, V, generator=g, dtype=dtype)
+    gate = -torch.rand(B, T, HV, K, generator=g, dtype=dtype)
+    beta = torch.rand(B, T, HV, generator=g, dtype=dtype)
+    return q, k, v, gate, beta
+
+
+BAD_CASES = [
+    ("k", lambda q, k, v, g, b: dict(k=k[:, :-1]), ValueError),
+    ("v", lambda q, k, v, g, b: dict(v=v[:, :, :3]), ValueError),
+    ("g", lambda q, k, v, g, b: dict(g=g[..., :-1]), ValueError),
+    ("beta", lambda q, k, v, g, b: dict(beta=b[..., None]), ValueError),
+    ("chunk_size", lambda q, k, v, g, b: dict(chunk_size=48), ValueError),
+    ("allow_neg_eigval", lambda q, k, v, g, b: dict(allow_neg_eigval=True), ValueError),
+    ("lower_bound", lambda q, k, v, g, b: dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-6.0,
+                                                A_log=torch.zeros(4)), ValueError),
+    ("A_log", lambda q, k, v, g, b: dict(use_gate_in_kernel=True), ValueError),
+    ("A_log", lambda q, k, v, g, b: dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), ValueError),
+    ("dt_bias", lambda q, k, v, g, b: dict(use_gate_in_kernel=True, A_log=torch.zeros(4),
+                                           dt_bias=torch.zeros(5)), ValueError),
+    ("cu_seqlens", lambda q, k, v, g, b: dict(cu_seqlens=torch.tensor([0, 40, 37])), ValueError),
+    ("cu_seqlens", lambda q, k, v, g, b: dict(cu_seqlens=torch.tensor([0, 10, 30])), ValueError),
+    ("cu_seqlens", lambda q, k, v, g, b: dict(cu_seqlens=torch.tensor([1, 10, 37])), ValueError),
+    ("cu_seqlens", lambda q, k, v, g, b: dict(cu_seqlens=torch.tensor([0.0, 37.0])), TypeError),
+    ("initial_state", lambda q, k, v, g, b: dict(initial_state=torch.zeros(1, 4, 24, 16)), ValueError),
+    ("q", lambda q, k, v, g, b: dict(q=q.to(torch.int64), k=k.to(torch.int64)), TypeError),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc", BAD_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CASES)])
+def test_bad_input_names_the_argument(name, mutate, exc):
+    q, k, v, g, beta = _inputs()
+    args = dict(q=q, k=k, v=v, g=g, beta=beta)
+    args.update(mutate(q, k, v, g, beta))
+    with pytest.raises(exc, match=name):
+        chunk_kda(**args)
+
+
+def test_cu_seqlens_needs_batch_one():
+    q, k, v, g, beta = _inputs(B=2)
+    with pytest.raises(ValueError, match="B == 1"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 37]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_path_matches_naive_reference(dtype):
+    from kernel_fun.ref.kda import naive_recurrent_kda
+
+    q, k, v, g, beta = _inputs(dtype=dtype)
+    h0 = torch.randn(1, 4, 16, 24, dtype=dtype)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == q.dtype and o.shape == v.shape
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert rel_rms(o_ref, o) < tol and rel_rms(ht_ref, ht) < tol
+
+
+def test_cpu_path_backward_reaches_every_input():
+    q, k, v, g, beta = _inputs(T=20)
+    A_log = torch.log(torch.empty(4, dtype=torch.float64).uniform_(1, 16))
+    dt_bias = torch.randn(4 * 16, dtype=torch.float64) * 0.1
+    h0 = torch.randn(1, 4, 16, 24, dtype=torch.float64)
+    leaves = [q, k, v, g, beta, A_log, dt_bias, h0]
+    for t in leaves:
+        t.requires_grad_(True)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log, dt_bias=dt_bias,
+                      use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    (o.square().sum() + ht.square().sum()).backward()
+    for t in leaves:
+        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+def test_cpu_varlen_resets_state_at_boundaries():
+    q, k, v, g, beta = _inputs(T=40)
+    cu = torch.tensor([0, 1, 17, 40], dtype=torch.int32)
+    o, ht = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+    for n in range(3):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_n, ht_n = chunk_kda(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], output_final_state=True)
+        assert rel_rms(o_n, o[:, s:e]) < 1e-10 and rel_rms(ht_n[0], ht[n]) < 1e-10
+
+
+def test_return_intermediate_states_on_cpu():
+    q, k, v, g, beta = _inputs(T=70)
+    o, ht, h = chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
+    assert h.shape == (1, 2, 4, 16, 24) and ht is None
+
+
+def test_is_supported_on_cpu_says_why():
+    q, k, v, g, beta = _inputs()
+    ok, why = is_supported(q, v, k=k, g=g, beta=beta)
+    assert not ok and "reference" in why
+    ok, why = is_supported(q, v, k=k, g=g, beta=beta, chunk_size=48)
+    assert not ok and "chunk_size" in why
+
+
+def test_env_flags_parse_and_warn(monkeypatch, caplog):
+    monkeypatch.setenv("KERNEL_FUN_KDA_DISABLE", "1")
+    assert _env.family_disabled("kda") == "KERNEL_FUN_KDA_DISABLE=1"
+    monkeypatch.setenv("KERNEL_FUN_KDA_DISABLE", "perhaps")
+    with caplog.at_level(logging.WARNING, logger="kernel_fun"):
+        assert _env.family_disabled("kda") is None
+    assert "KERNEL_FUN_KDA_DISABLE" in caplog.text
+    monkeypatch.setenv("KERNEL_FUN_DISABLE", "yes")
+    assert _env.family_disabled("cconv") == "KERNEL_FUN_DISABLE=1"
+    monkeypatch.setenv("KERNEL_FUN_KDA_MIN_CTAS", "-3")
+    assert _env.integer("KERNEL_FUN_KDA_MIN_CTAS", 256, minimum=0) == 256
+
+
+def test_versions_has_the_keys():
+    v = kernel_fun.versions()
+    for key in ("kernel_fun", "torch", "triton", "fla", "cutlass", "cuda", "device", "extension"):
+        assert isinstance(v.get(key), str) and v[key]
