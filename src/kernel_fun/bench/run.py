@@ -1,0 +1,454 @@
+"""Running the cases on the GPU: inputs, engagement checks, CUDA-event timing, memory, roofline.
+
+Nothing here runs at import; torch, fla and the kernel_fun families are imported by ``run``.
+
+Per case: inputs are allocated once (outside every timed region) and shared by both
+implementations; per (case, pass, impl): warm-up calls (the first one also compiles/autotunes
+and, for kernel_fun, is the engagement probe), then ``iters`` calls each bracketed by its own
+pair of CUDA events, with L2 flushed before each (outside the events); the row's ``ms`` is the
+median. Between cases everything is freed (del + torch.cuda.empty_cache()).
+
+Engagement honesty (kernel_fun rows only): the family's ``is_supported`` is asked first; then
+the first warm-up call listens to the ``kernel_fun`` logger. A call that kernel_fun routes to fla
+(it logs "falling back to fla - <reason>") is NOT timed: the row is "not_run" with the reason,
+so fla is never timed twice under two names. A KDA fwd+bwd routed this way is reported as
+"backward not implemented: routes to fla".
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from kernel_fun.bench.cases import CconvCase, KdaCase
+from kernel_fun.bench.report import new_row, speedup
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class Config:
+    cases: list
+    passes: tuple[str, ...]
+    iters: int = 20
+    warmup: int = 3
+    with_fla: bool = True
+    flush_l2: bool = True
+    seed: int = 0
+    device: str = "cuda"
+    budget_s: float | None = None   # start no new case after this many seconds
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- implementations
+
+_FAMILY_API = {
+    # family: (kernel_fun module, function, [fla (module, function) candidates])
+    "kda": ("kernel_fun.kda", "chunk_kda", [("fla.ops.kda", "chunk_kda")]),
+    "cconv": ("kernel_fun.cconv", "causal_conv1d",
+              [("fla.modules.convolution", "causal_conv1d"), ("fla.modules.conv", "causal_conv1d")]),
+}
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    s = f"{type(e).__name__}: {e}".strip().splitlines()
+    s = s[0] if s else type(e).__name__
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def load_ours(family: str):
+    """(function, is_supported, None) or (None, None, why not)."""
+    mod_name, fn_name, _ = _FAMILY_API[family]
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001
+        return None, None, f"{mod_name} not importable: {_short(e)}"
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        return None, None, f"{mod_name}.{fn_name} missing (family not implemented yet)"
+    sup = getattr(mod, "is_supported", None)
+    if sup is None:
+        return None, None, f"{mod_name}.is_supported missing: cannot confirm engagement"
+    return fn, sup, None
+
+
+def load_fla(family: str):
+    """(function, None) or (None, why not)."""
+    errs = []
+    for mod_name, fn_name in _FAMILY_API[family][2]:
+        try:
+            return getattr(importlib.import_module(mod_name), fn_name), None
+        except Exception as e:  # noqa: BLE001
+            errs.append(f"{mod_name}.{fn_name}: {_short(e, 160)}")
+    return None, "fla not importable (" + "; ".join(errs) + ")"
+
+
+def ask_supported(is_supported, first, second, kwargs) -> tuple[bool, str | None]:
+    """Call the family's is_supported; any exception or odd answer means 'not run'."""
+    try:
+        ans = is_supported(first, second, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return False, f"is_supported raised {_short(e)}"
+    if isinstance(ans, bool):
+        return ans, None if ans else "is_supported returned False (no reason given)"
+    try:
+        ok, reason = ans
+    except Exception:  # noqa: BLE001
+        return False, f"is_supported returned {ans!r}, expected (bool, reason)"
+    return bool(ok), (None if ok else f"unsupported: {reason}")
+
+
+class EngagementProbe(logging.Handler):
+    """Listens to the ``kernel_fun`` logger during one call: did the family say 'engaged' or
+    'falling back to fla - <reason>'? kernel_fun logs each message once per process, so the
+    family's once-only memory is cleared first (best effort: if kernel_fun._dispatch changes
+    shape, the probe only sees first-time messages)."""
+
+    def __init__(self, family: str):
+        super().__init__(level=logging.DEBUG)
+        self.family = family
+        self.fallbacks: list[str] = []
+        self.engaged = False
+
+    def emit(self, record):  # noqa: D401 - logging API
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            return
+        if self.family not in msg:
+            return
+        if "falling back to fla" in msg:
+            self.fallbacks.append(msg.split("falling back to fla", 1)[1].lstrip(" -:"))
+        elif "engaged" in msg:
+            self.engaged = True
+
+    def __enter__(self):
+        self._logger = logging.getLogger("kernel_fun")
+        self._old_level = self._logger.level
+        if self._logger.getEffectiveLevel() > logging.INFO:
+            self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
+        try:
+            from kernel_fun import _dispatch
+
+            with _dispatch._lock:
+                for key in [k for k in _dispatch._seen if k[0] == self.family]:
+                    _dispatch._seen.discard(key)
+        except Exception:  # noqa: BLE001 - best effort, see the class docstring
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._old_level)
+        return False
+
+    def verdict(self) -> bool | None:
+        if self.fallbacks:
+            return False
+        return True if self.engaged else None
+
+
+# ---------------------------------------------------------------- inputs
+
+def make_inputs(case, torch, device, seed: int) -> dict:
+    """All tensors of one case, allocated once. Returns {args, kwargs, leaves, out_shape,
+    sup_args, sup_kwargs}: the call is fn(*args, **kwargs), the support question
+    is_supported(*sup_args, **sup_kwargs, **kwargs); leaves get requires_grad for fwd+bwd."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(shape, dtype=dtype, device=device, generator=gen)
+
+    if isinstance(case, KdaCase):
+        B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
+        q, k = randn(B, T, H, K), randn(B, T, H, K)
+        v = randn(B, T, HV, V)
+        g = randn(B, T, HV, K)                      # raw gate input
+        beta = randn(B, T, HV)                      # logits (sigmoid in kernel)
+        A_log = torch.empty(HV, dtype=torch.float32, device=device).uniform_(1, 16, generator=gen).log_()
+        dt_bias = 0.1 * randn(HV * K, dtype=torch.float32)
+        kwargs = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        if case.lower_bound is not None:
+            kwargs["lower_bound"] = case.lower_bound
+        if case.safe_gate:
+            kwargs["safe_gate"] = True
+        if case.doc_lens is not None:
+            offs = [0]
+            for n in case.doc_lens:
+                offs.append(offs[-1] + n)
+            kwargs["cu_seqlens"] = torch.tensor(offs, dtype=torch.int32, device=device)
+            kwargs["cu_seqlens_cpu"] = torch.tensor(offs, dtype=torch.int32)
+        # is_supported(q, v, **kw) takes k, g, beta as keywords (else it allocates stand-ins)
+        return dict(args=(q, k, v, g, beta), kwargs=kwargs,
+                    leaves=[q, k, v, g, beta, A_log, dt_bias],
+                    out_shape=(B, T, HV, V), sup_args=(q, v), sup_kwargs=dict(k=k, g=g, beta=beta))
+    if isinstance(case, CconvCase):
+        x = randn(case.B, case.T, case.D)
+        w = randn(case.D, case.W)
+        kwargs = dict(activation=case.activation)
+        return dict(args=(x, w), kwargs=kwargs, leaves=[x, w],
+                    out_shape=(case.B, case.T, case.D), sup_args=(x, w), sup_kwargs={})
+    raise TypeError(f"unknown case type {type(case).__name__}")
+
+
+# ---------------------------------------------------------------- timing
+
+def measure_copy_tbps(torch, nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting bytes read + bytes written, median of iters."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        ts.append((a, b))
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in ts)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def time_calls(torch, step, *, warmup: int, iters: int, before_each=None, flush=None,
+               probe=None) -> dict:
+    """Warm up, then time ``iters`` calls of step() with CUDA events. The first warm-up call runs
+    inside ``probe`` (a context manager) when given; if the probe reports a fallback, timing
+    stops there and {"fallback": reasons} is returned."""
+    for i in range(max(1, warmup)):
+        if before_each:
+            before_each()
+        if i == 0 and probe is not None:
+            with probe:
+                step()
+            torch.cuda.synchronize()
+            if probe.fallbacks:
+                return {"fallback": probe.fallbacks}
+        else:
+            step()
+    if before_each:
+        before_each()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    events = []
+    for _ in range(iters):
+        if before_each:
+            before_each()
+        if flush is not None:
+            flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ts = [a.elapsed_time(b) for a, b in events]
+    return {"ms": statistics.median(ts), "ms_min": min(ts), "ms_max": max(ts),
+            "peak_mem_gib": max(0, peak) / GIB}
+
+
+_BROKEN_MARKERS = ("CUDA error", "illegal memory access", "unspecified launch failure",
+                   "device-side assert", "misaligned address", "illegal instruction")
+
+
+# ---------------------------------------------------------------- the run
+
+def _free(torch):
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _routed_note(family: str, grad: bool, reason: str, prefix: str) -> str:
+    if family == "kda" and grad and any(w in reason.lower() for w in ("backward", "grad")):
+        return f"backward not implemented: routes to fla ({reason})"
+    return f"{prefix}{reason}"
+
+
+def _load_impls(cfg: Config, log) -> dict:
+    """{family: {impl: (function or None, is_supported or None, why not)}}."""
+    impls: dict[str, dict] = {}
+    for fam in sorted({c.family for c in cfg.cases}):
+        fn, sup, why = load_ours(fam)
+        impls[fam] = {"kernel_fun": (fn, sup, why)}
+        if fn is None:
+            log(f"{fam}: kernel_fun not run: {why}")
+        if cfg.with_fla:
+            ffn, fwhy = load_fla(fam)
+            impls[fam]["fla"] = (ffn, None, fwhy)
+            if ffn is None:
+                log(f"{fam}: {fwhy}: timing kernel_fun only")
+    return impls
+
+
+def run(cfg: Config, meta: dict, log=print, on_case_done=None) -> list[dict]:
+    """Time every (case, pass, impl) of cfg; returns the rows. ``meta`` (gpu, device_name,
+    copy_tbps, versions, date) is copied into each row. ``on_case_done(rows)`` is called after
+    each case (the CLI rewrites its files there, so a run cut short still leaves results)."""
+    import torch
+
+    t_start = time.monotonic()
+    common = {k: meta.get(k) for k in ("gpu", "device_name", "copy_tbps", "versions", "date")}
+    copy_tbps = meta.get("copy_tbps")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=cfg.device) if cfg.flush_l2 else None
+    impls = _load_impls(cfg, log)
+    impl_names = ("kernel_fun", "fla") if cfg.with_fla else ("kernel_fun",)
+
+    rows: list[dict] = []
+    skip: str | None = None  # once set, every later row is "not_run" with this note
+    for ci, case in enumerate(cfg.cases):
+        if skip is None and cfg.budget_s is not None and time.monotonic() - t_start > cfg.budget_s:
+            skip = f"skipped: --budget-s {cfg.budget_s:g} used up before this case"
+        inputs, alloc_err = None, None
+        if skip is None:
+            try:
+                inputs = make_inputs(case, torch, cfg.device, cfg.seed + ci)
+            except Exception as e:  # noqa: BLE001
+                alloc_err = _short(e)
+                log(f"[{case.name}] could not allocate inputs: {alloc_err}")
+        for pass_ in cfg.passes:
+            grad = pass_ == "fwd+bwd"
+            nbytes = case.bytes(pass_)
+            pass_rows, do = {}, None
+            for impl in impl_names:
+                row = new_row(family=case.family, case=case.name, impl=impl, bytes=nbytes,
+                              floor_ms=nbytes / (copy_tbps * 1e9) if copy_tbps else None,
+                              iters=cfg.iters, warmup=cfg.warmup,
+                              anchor_fla_ms=dict(case.anchor_fla_ms) or None,
+                              shape=case.shape(), params=case.params(), status="not_run",
+                              **{"pass": pass_}, **common)
+                pass_rows[impl] = row
+                rows.append(row)
+                fn, sup, why = impls[case.family][impl]
+                if skip is not None:
+                    row["note"] = skip
+                    continue
+                if inputs is None:
+                    row["status"], row["note"] = "error", f"input allocation failed: {alloc_err}"
+                    continue
+                if fn is None:
+                    row["note"] = why
+                    continue
+                for t in inputs["leaves"]:
+                    t.requires_grad_(grad)
+                    t.grad = None
+                if grad and do is None:
+                    try:
+                        do = torch.randn(inputs["out_shape"], dtype=torch.bfloat16, device=cfg.device)
+                    except Exception as e:  # noqa: BLE001
+                        row["status"], row["note"] = "error", f"allocating do: {_short(e)}"
+                        continue
+                _measure(torch, row, case, impl, fn, sup, inputs, grad, do, cfg, flush, log)
+                if row["status"] == "error" and any(m in row["note"] for m in _BROKEN_MARKERS):
+                    skip = f"skipped: CUDA context broken by an earlier error ({row['note']})"
+                if skip is None:
+                    try:
+                        _free(torch)
+                    except Exception as e:  # noqa: BLE001
+                        skip = f"skipped: CUDA context broken by an earlier error ({_short(e)})"
+            if "kernel_fun" in pass_rows:
+                pass_rows["kernel_fun"]["speedup_vs_fla"] = speedup(pass_rows["kernel_fun"],
+                                                                   pass_rows.get("fla"))
+            del do
+        del inputs
+        if skip is None:
+            try:
+                _free(torch)
+            except Exception as e:  # noqa: BLE001
+                skip = f"skipped: CUDA context broken by an earlier error ({_short(e)})"
+        if on_case_done is not None:
+            on_case_done(rows)
+    del flush
+    return rows
+
+
+def _measure(torch, row, case, impl, fn, sup, inputs, grad, do, cfg, flush, log) -> None:
+    """Fill one row: engagement checks (kernel_fun only), then the timing."""
+    tag = f"[{case.name} {row['pass']}] {impl}"
+    probe = None
+    if impl == "kernel_fun":
+        ok, reason = ask_supported(sup, *inputs["sup_args"],
+                                   {**inputs["sup_kwargs"], **inputs["kwargs"]})
+        if not ok:
+            row["note"], row["engaged"] = _routed_note(case.family, grad, reason, ""), False
+            log(f"{tag}: not run: {row['note']}")
+            return
+        probe = EngagementProbe(case.family)
+    res = _time_one(torch, fn, inputs, grad, do, cfg, flush, probe)
+    if "fallback" in res:
+        row["note"] = _routed_note(case.family, grad, "; ".join(res["fallback"]),
+                                   "kernel_fun routes this call to fla: ")
+        row["engaged"] = False
+    elif "error" in res:
+        row["status"], row["note"] = "error", res["error"]
+    else:
+        tbps = row["bytes"] / (res["ms"] * 1e-3) / 1e12
+        row.update(status="ok", ms=res["ms"], ms_min=res["ms_min"], ms_max=res["ms_max"],
+                   peak_mem_gib=round(res["peak_mem_gib"], 4), tbps=tbps,
+                   roofline_frac=tbps / row["copy_tbps"] if row.get("copy_tbps") else None)
+        if probe is not None:
+            row["engaged"] = probe.verdict()
+            if row["engaged"] is None:
+                row["note"] = "engagement not confirmed (no 'engaged' log seen)"
+    log(f"{tag}: " + (f"{row['ms']:.3f} ms" if row["status"] == "ok"
+                      else f"{row['status'].replace('_', ' ')}: {row['note']}"))
+
+
+def _time_one(torch, fn, inputs, grad, do, cfg, flush, probe) -> dict:
+    args, kwargs, leaves = inputs["args"], inputs["kwargs"], inputs["leaves"]
+    try:
+        if grad:
+            def step():
+                out = fn(*args, **kwargs)[0]
+                torch.autograd.backward(out, do)
+
+            def reset():
+                for t in leaves:
+                    t.grad = None
+
+            return time_calls(torch, step, warmup=cfg.warmup, iters=cfg.iters, before_each=reset,
+                              flush=flush, probe=probe)
+
+        def fstep():
+            fn(*args, **kwargs)
+
+        with torch.inference_mode():
+            return time_calls(torch, fstep, warmup=cfg.warmup, iters=cfg.iters, flush=flush,
+                              probe=probe)
+    except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
+        return {"error": _short(e)}
+    finally:
+        for t in leaves:
+            t.grad = None
+
+
+def gather_meta(torch, measure_roofline: bool = True, log=print) -> dict:
+    from kernel_fun.bench.report import gpu_slug
+
+    name = torch.cuda.get_device_name()
+    try:
+        import kernel_fun
+
+        versions = kernel_fun.versions()
+    except Exception as e:  # noqa: BLE001
+        versions = {"error": _short(e)}
+    meta = {"gpu": gpu_slug(name), "device_name": name, "versions": versions,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    meta["copy_tbps"] = measure_copy_tbps(torch) if measure_roofline else None
+    if meta["copy_tbps"]:
+        log(f"copy roofline: {meta['copy_tbps']:.2f} TB/s (device-to-device, read + write)")
+    return meta
