@@ -1,0 +1,406 @@
+"""CPU-only tests of the benchmark (CI has no GPU): the CLI's --list and no-GPU paths, the case
+list against the anchors, the byte model, the writers from synthetic rows, and the runner's
+bookkeeping with fake implementations and a fake CUDA clock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kernel_fun.bench import cases as bc
+from kernel_fun.bench import report, run as brun
+
+@pytest.fixture(autouse=True)
+def _restore_dispatch_memory():
+    """The runner's probe and the fakes below touch kernel_fun._dispatch's once-only memory;
+    leave it as we found it for the other test files."""
+    from kernel_fun import _dispatch
+
+    seen, logged = set(_dispatch._seen), _dispatch._versions_logged
+    yield
+    with _dispatch._lock:
+        _dispatch._seen.clear()
+        _dispatch._seen.update(seen)
+    _dispatch._versions_logged = logged
+
+
+ANCHOR_CASES = {"prod8192", "k3_h32", "small", "bounded_b16", "bounded_b1", "long_b1_t32k",
+                "varlen", "gva", "cconv_d2048", "cconv_d4096", "cconv_small"}
+
+
+def _cli(*args, env_extra=None):
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "kernel_fun.bench", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_list_prints_every_case():
+    r = _cli("--list")
+    assert r.returncode == 0, r.stderr
+    for name in ANCHOR_CASES:
+        assert name in r.stdout
+    assert "fwd+bwd GB" in r.stdout
+
+
+def test_list_filters_family_and_case():
+    r = _cli("--list", "--family", "cconv")
+    assert r.returncode == 0 and "cconv_d2048" in r.stdout and "prod8192" not in r.stdout
+    r = _cli("--list", "--case", "varlen", "--case", "gva", "--pass", "fwd")
+    assert r.returncode == 0
+    body = r.stdout.splitlines()[1:]
+    assert [ln.split()[0] for ln in body] == ["varlen", "gva"]
+    assert "fwd+bwd" not in r.stdout
+
+
+def test_unknown_case_is_an_error():
+    r = _cli("--case", "nope")
+    assert r.returncode == 2 and "unknown case" in r.stderr and "prod8192" in r.stderr
+
+
+def test_no_gpu_says_so_and_exits_0(tmp_path):
+    r = _cli("--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU: nothing to benchmark" in r.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_import_touches_neither_fla_nor_cuda():
+    code = ("import sys, kernel_fun.bench, kernel_fun.bench.report, kernel_fun.bench.run\n"
+            "assert not any(m == 'fla' or m.startswith('fla.') for m in sys.modules), 'fla imported'\n"
+            "t = sys.modules.get('torch')\n"
+            "assert t is None or not t.cuda.is_initialized(), 'CUDA initialised'\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- the case list
+
+def test_case_list_holds_every_anchor_case():
+    assert set(bc.CASE_NAMES) == ANCHOR_CASES
+    by = {c.name: c for c in bc.CASES}
+    p = by["prod8192"]
+    assert (p.B, p.T, p.H, p.HV, p.K, p.V, p.lower_bound) == (16, 8192, 16, 16, 128, 256, None)
+    for n in ("bounded_b16", "bounded_b1", "long_b1_t32k", "varlen"):
+        c = by[n]
+        assert (c.K, c.V, c.lower_bound, c.safe_gate) == (128, 128, -5.0, True), n
+    assert (by["long_b1_t32k"].B, by["long_b1_t32k"].T, by["long_b1_t32k"].H) == (1, 32768, 32)
+    v = by["varlen"]
+    assert v.doc_lens == (1300, 547, 2048, 963, 271, 3063) and v.B == 1 and v.T == 8192 and v.H == 32
+    g = by["gva"]
+    assert (g.H, g.HV, g.lower_bound) == (8, 16, None)
+    assert (by["cconv_d4096"].B, by["cconv_d4096"].T, by["cconv_d4096"].D, by["cconv_d4096"].W) == (16, 8192, 4096, 4)
+    assert all(c.activation == "silu" for c in bc.CASES if c.family == "cconv")
+
+
+def test_select_and_passes():
+    assert [c.name for c in bc.select("cconv")] == ["cconv_d2048", "cconv_d4096", "cconv_small"]
+    assert [c.name for c in bc.select("all", ["gva", "small"])] == ["small", "gva"]  # list order
+    assert bc.passes("all") == ("fwd", "fwd+bwd")
+    with pytest.raises(ValueError):
+        bc.select("kda", ["nope"])
+    with pytest.raises(ValueError):
+        bc.passes("bwd")
+
+
+# ---------------------------------------------------------------- byte model
+
+def test_bytes_prod8192_match_the_anchor_floor():
+    c = next(c for c in bc.CASES if c.name == "prod8192")
+    bt = 16 * 8192
+    qkg = 3 * bt * 16 * 128 * 2
+    v = o = bt * 16 * 256 * 2
+    beta = bt * 16 * 2
+    small = 16 * 4 + 16 * 128 * 4  # A_log, dt_bias
+    inputs = qkg + v + beta + small
+    assert c.io_bytes() == (inputs, o)
+    assert c.bytes("fwd") == inputs + o
+    assert abs(c.bytes("fwd") / 1e9 - 3.76) < 0.01          # anchors-h200.md: 3.76 GB
+    bwd = c.bytes("fwd+bwd") - c.bytes("fwd")
+    assert bwd == 2 * inputs + o                             # re-read inputs, read do, write grads
+    assert abs(bwd / 1e9 - 6.5) < 0.1                        # anchors-h200.md: ~6.5 GB
+
+
+def test_bytes_cconv_floor_near_the_anchor():
+    c = next(c for c in bc.CASES if c.name == "cconv_d2048")
+    ms = c.bytes("fwd") / 4.21e12 * 1e3
+    assert abs(ms - 0.25) < 0.01                             # anchors: HBM floor fwd 0.25 ms
+    assert 0.60 < c.bytes("fwd+bwd") / 4.21e12 * 1e3 < 0.66  # anchors: 0.62 ms
+
+
+def test_gva_and_varlen_bytes():
+    g = next(c for c in bc.CASES if c.name == "gva")
+    i, o = g.io_bytes()
+    bt = 8 * 8192
+    assert o == bt * 16 * 128 * 2
+    assert i == 2 * bt * 8 * 128 * 2 + 2 * bt * 16 * 128 * 2 + bt * 16 * 2 + 16 * 4 + 16 * 128 * 4
+    v = next(c for c in bc.CASES if c.name == "varlen")
+    assert v.io_bytes()[0] % 4 == 0 and v.io_bytes()[0] > v.io_bytes()[1]
+
+
+# ---------------------------------------------------------------- writers
+
+def _synthetic_rows():
+    meta = {"gpu": "h200", "device_name": "NVIDIA H200", "copy_tbps": 4.2, "date": "2026-11-29 12:00:00 UTC",
+            "versions": {"kernel_fun": "0.1.0", "torch": "2.11.0", "fla": "0.5.2", "triton": "3.6.0"}}
+    common = {k: meta[k] for k in ("gpu", "device_name", "copy_tbps", "versions", "date")}
+    c = next(c for c in bc.CASES if c.name == "cconv_d2048")
+    k = next(c for c in bc.CASES if c.name == "prod8192")
+    rows = []
+    for case, pass_, ours_ms, fla_ms, note in (
+            (c, "fwd", 0.30, 0.60, None),
+            (k, "fwd+bwd", None, 49.5, "backward not implemented: routes to fla"),
+    ):
+        for impl, ms in (("kernel_fun", ours_ms), ("fla", fla_ms)):
+            b = case.bytes(pass_)
+            rows.append(report.new_row(
+                family=case.family, case=case.name, impl=impl, ms=ms, bytes=b,
+                status="ok" if ms is not None else "not_run",
+                note=None if ms is not None else note,
+                tbps=None if ms is None else b / (ms * 1e-3) / 1e12,
+                roofline_frac=None if ms is None else b / (ms * 1e-3) / 1e12 / 4.2,
+                floor_ms=b / 4.2e12 * 1e3, peak_mem_gib=None if ms is None else 1.5,
+                anchor_fla_ms=dict(case.anchor_fla_ms), shape=case.shape(), params=case.params(),
+                iters=10, warmup=3, **{"pass": pass_}, **common))
+    rows[0]["speedup_vs_fla"] = report.speedup(rows[0], rows[1])
+    return rows, dict(meta, iters=10, warmup=3, flush_l2=True, wall_s=12.0)
+
+
+def test_writers_from_synthetic_rows(tmp_path):
+    rows, meta = _synthetic_rows()
+    msgs = report.write_all(rows, meta, str(tmp_path))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        import matplotlib  # noqa: F401
+        assert names == ["h200.json", "h200.md", "h200.png"]
+        assert (tmp_path / "h200.png").read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert names == ["h200.json", "h200.md"]
+        assert any("PNG skipped" in m for m in msgs)
+    data = json.loads((tmp_path / "h200.json").read_text())
+    assert isinstance(data, list) and len(data) == 4
+    for r in data:
+        for key in ("family", "case", "pass", "impl", "ms", "gpu", "bytes", "tbps", "status",
+                    "peak_mem_gib", "versions", "shape", "params"):
+            assert key in r
+        assert r["pass"] in ("fwd", "fwd+bwd", "bwd") and r["impl"] in report.IMPLS
+        assert r["status"] in report.STATUSES
+        if r["status"] != "ok":
+            assert r["ms"] is None and r["note"]
+    assert data[0]["speedup_vs_fla"] == pytest.approx(2.0)
+    md = (tmp_path / "h200.md").read_text()
+    assert "NVIDIA H200" in md and "2026-11-29" in md and "4.20 TB/s" in md and "0.5.2" in md
+    assert "2.00x" in md and "not run" in md and "backward not implemented" in md
+    assert md.count("| cconv_d2048 | fwd |") == 1 and "| prod8192 | fwd+bwd |" in md
+    table = report.format_table(rows)
+    assert "2.00x" in table and "not run" in table
+
+
+def test_writers_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    rows, meta = _synthetic_rows()
+    msgs = report.write_all(rows, meta, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h200.json", "h200.md"]
+    assert any("PNG skipped" in m for m in msgs)
+    assert "PNG skipped" in (tmp_path / "h200.md").read_text()
+
+
+def test_gpu_slug():
+    assert report.gpu_slug("NVIDIA H200") == "h200"
+    assert report.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert report.gpu_slug("") == "gpu"
+
+
+def test_new_row_rejects_unknown_keys():
+    with pytest.raises(KeyError):
+        report.new_row(bogus=1)
+
+
+# ---------------------------------------------------------------- the runner, on a fake clock
+
+class _FakeEvent:
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 1 << 28)
+
+
+def _kda_math(q, k, v, g, beta, **kw):
+    o = v * torch.sigmoid(beta.float()).to(v.dtype).unsqueeze(-1)
+    return o + 0 * (q.sum() + k.sum() + g.sum()).to(v.dtype), None
+
+
+def _cconv_math(x, w, activation=None, **kw):
+    return torch.nn.functional.silu(x * w[:, -1]), None
+
+
+def _kda_routes_grad_to_fla(q, k, v, g, beta, **kw):
+    from kernel_fun import _dispatch
+
+    if q.requires_grad and torch.is_grad_enabled():
+        _dispatch.log_fallback("kda", "backward not implemented yet")
+    else:
+        _dispatch.log_engaged("kda", "fake")
+    return _kda_math(q, k, v, g, beta, **kw)
+
+
+def _ok(*a, **k):
+    return True, None
+
+
+TINY = [bc.KdaCase("t_kda", B=1, T=64, H=2, HV=4, K=8, V=8, anchor_fla_ms={"fwd": 1.0}),
+        bc.KdaCase("t_varlen", B=1, T=40, H=2, HV=2, K=8, V=8, lower_bound=-5.0, safe_gate=True,
+                   doc_lens=(10, 30)),
+        bc.CconvCase("t_cc", B=2, T=32, D=16)]
+
+
+def _run(monkeypatch, ours: dict, fla: dict, cases=TINY, passes=bc.PASSES, with_fla=True):
+    monkeypatch.setattr(brun, "load_ours", lambda fam: ours[fam])
+    monkeypatch.setattr(brun, "load_fla", lambda fam: fla[fam])
+    cfg = brun.Config(cases=list(cases), passes=passes, iters=3, warmup=2, with_fla=with_fla,
+                      flush_l2=False, device="cpu")
+    meta = {"gpu": "fake", "device_name": "Fake GPU", "copy_tbps": 1.0, "versions": {}, "date": "d"}
+    return brun.run(cfg, meta, log=lambda s: None)
+
+
+def _by(rows):
+    return {(r["case"], r["pass"], r["impl"]): r for r in rows}
+
+
+def test_runner_times_both_and_fills_rows(fake_cuda, monkeypatch):
+    rows = _run(monkeypatch,
+                ours={"kda": (_kda_routes_grad_to_fla, _ok, None), "cconv": (_cconv_math, _ok, None)},
+                fla={"kda": (_kda_math, None), "cconv": (_cconv_math, None)})
+    by = _by(rows)
+    assert len(rows) == 3 * 2 * 2
+    r = by[("t_kda", "fwd", "kernel_fun")]
+    assert r["status"] == "ok" and r["ms"] > 0 and r["engaged"] is True
+    assert r["bytes"] == TINY[0].bytes("fwd") and r["tbps"] > 0 and r["roofline_frac"] == pytest.approx(r["tbps"])
+    assert r["peak_mem_gib"] == pytest.approx(0.25) and r["speedup_vs_fla"] > 0
+    assert r["anchor_fla_ms"] == {"fwd": 1.0} and r["shape"]["HV"] == 4
+    # gradient-needing KDA call routed to fla: not timed, not faked
+    r = by[("t_kda", "fwd+bwd", "kernel_fun")]
+    assert r["status"] == "not_run" and r["ms"] is None and r["engaged"] is False
+    assert r["note"].startswith("backward not implemented: routes to fla")
+    assert r["speedup_vs_fla"] is None
+    assert by[("t_kda", "fwd+bwd", "fla")]["status"] == "ok"
+    assert by[("t_cc", "fwd+bwd", "kernel_fun")]["status"] == "ok"
+    # a second case of the same family still sees the fallback (once-only logging is reset)
+    assert by[("t_varlen", "fwd+bwd", "kernel_fun")]["status"] == "not_run"
+    assert by[("t_varlen", "fwd", "kernel_fun")]["status"] == "ok"
+    # the leaves are left without grads
+    for r in rows:
+        assert set(r) == set(report.ROW_KEYS)
+
+
+def test_runner_honours_is_supported_and_missing_pieces(fake_cuda, monkeypatch):
+    def says_no(q, v, **kw):
+        return False, "K must be 128"
+
+    def raises(x, w, **kw):
+        raise TypeError("boom")
+
+    rows = _run(monkeypatch,
+                ours={"kda": (_kda_math, says_no, None), "cconv": (_cconv_math, raises, None)},
+                fla={"kda": (None, "fla not importable (No module named 'fla')"),
+                     "cconv": (_cconv_math, None)})
+    by = _by(rows)
+    r = by[("t_kda", "fwd", "kernel_fun")]
+    assert r["status"] == "not_run" and r["ms"] is None and "K must be 128" in r["note"]
+    r = by[("t_kda", "fwd", "fla")]
+    assert r["status"] == "not_run" and "fla not importable" in r["note"]
+    r = by[("t_cc", "fwd", "kernel_fun")]
+    assert r["status"] == "not_run" and "TypeError: boom" in r["note"]
+    assert by[("t_cc", "fwd", "fla")]["status"] == "ok"
+
+    rows = _run(monkeypatch,
+                ours={"kda": (None, None, "kernel_fun.kda.chunk_kda missing (family not implemented yet)"),
+                      "cconv": (_cconv_math, _ok, None)},
+                fla={"kda": (_kda_math, None), "cconv": (_cconv_math, None)}, with_fla=False)
+    assert {r["impl"] for r in rows} == {"kernel_fun"}
+    r = _by(rows)[("t_kda", "fwd", "kernel_fun")]
+    assert r["status"] == "not_run" and "not implemented yet" in r["note"]
+
+
+def test_runner_stops_after_a_broken_context(fake_cuda, monkeypatch):
+    def crashes(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rows = _run(monkeypatch,
+                ours={"kda": (crashes, _ok, None), "cconv": (_cconv_math, _ok, None)},
+                fla={"kda": (_kda_math, None), "cconv": (_cconv_math, None)})
+    assert rows[0]["status"] == "error" and "illegal memory access" in rows[0]["note"]
+    for r in rows[1:]:
+        assert r["status"] == "not_run" and r["ms"] is None and "context broken" in r["note"]
+
+
+def test_engagement_probe_reads_the_dispatch_log():
+    from kernel_fun import _dispatch
+
+    with brun.EngagementProbe("cconv") as p:
+        _dispatch.log_fallback("cconv", "W=5 unsupported")
+    assert p.fallbacks == ["W=5 unsupported"] and p.verdict() is False
+    with brun.EngagementProbe("cconv") as p:  # same message again: still seen
+        _dispatch.log_fallback("cconv", "W=5 unsupported")
+    assert p.fallbacks == ["W=5 unsupported"]
+    assert logging.getLogger("kernel_fun").handlers == []
+
+
+def _fake_main_env(monkeypatch):
+    import functools
+
+    import kernel_fun.bench.__main__ as bm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bm, "select", lambda family, names: list(TINY))
+    monkeypatch.setattr(brun, "Config", functools.partial(brun.Config, device="cpu"))
+    monkeypatch.setattr(brun, "gather_meta", lambda torch_: {
+        "gpu": "fake-gpu", "device_name": "Fake GPU", "copy_tbps": 1.0, "versions": {"fla": "0.5.2"},
+        "date": "2026-11-29"})
+    monkeypatch.setattr(brun, "load_ours", lambda fam: {"kda": (_kda_routes_grad_to_fla, _ok, None),
+                                                        "cconv": (_cconv_math, _ok, None)}[fam])
+    monkeypatch.setattr(brun, "load_fla", lambda fam: ({"kda": _kda_math, "cconv": _cconv_math}[fam], None))
+    return bm
+
+
+def test_main_end_to_end_writes_exactly_three_files(fake_cuda, monkeypatch, tmp_path, capsys):
+    bm = _fake_main_env(monkeypatch)
+    assert bm.main(["--out", str(tmp_path), "--no-flush", "--iters", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fla/ours" in out and "t_kda" in out and "backward not implemented" in out
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[:2] == ["fake-gpu.json", "fake-gpu.md"] and len(names) <= 3
+    assert "partial" not in (tmp_path / "fake-gpu.md").read_text()
+    rows = json.loads((tmp_path / "fake-gpu.json").read_text())
+    assert len(rows) == len(TINY) * 2 * 2 and all(r["iters"] == 3 for r in rows)
+
+
+def test_main_budget_reports_the_rest_as_not_run(fake_cuda, monkeypatch, tmp_path):
+    bm = _fake_main_env(monkeypatch)
+    assert bm.main(["--out", str(tmp_path), "--no-flush", "--budget-s", "0"]) == 0
+    rows = json.loads((tmp_path / "fake-gpu.json").read_text())
+    assert rows and all(r["status"] == "not_run" and r["ms"] is None and "budget" in r["note"] for r in rows)
