@@ -26,6 +26,14 @@ def _once(key: tuple[str, str]) -> bool:
         return True
 
 
+def forget_logged(family: str) -> None:
+    """Let the once-only engaged/fallback lines of a family log again (benchmarks and tests that
+    need to see, per call, whether our kernels engaged)."""
+    with _lock:
+        for key in [k for k in _seen if k[0] == family]:
+            _seen.discard(key)
+
+
 def log_engaged(family: str, detail: str) -> None:
     global _versions_logged
     if not _once((family, "engaged")):

@@ -135,9 +135,7 @@ class EngagementProbe(logging.Handler):
         try:
             from kernel_fun import _dispatch
 
-            with _dispatch._lock:
-                for key in [k for k in _dispatch._seen if k[0] == self.family]:
-                    _dispatch._seen.discard(key)
+            _dispatch.forget_logged(self.family)
         except Exception:  # noqa: BLE001 - best effort, see the class docstring
             pass
         return self
