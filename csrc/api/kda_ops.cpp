@@ -1,0 +1,242 @@
+// Torch binding of the KDA forward kernels (csrc/kda/sm90/). Validation and the support decision
+// live here; the kernels see plain pointers and sizes (KdaFwdParams).
+//
+//   kda_fwd_support(...) -> str   "" when our kernels serve the call, else the reason
+//   kda_fwd(...)        -> ()     writes o, final_state, h_states and the workspace tensors
+#include <string>
+
+#include "api/stable_utils.h"
+#include "kda/sm90/kda_fwd.h"
+
+namespace kernel_fun::api {
+
+namespace {
+
+using kda::GateMode;
+using kda::KdaFwdParams;
+using kda::kChunk;
+
+constexpr const char* kOp = "kernel_fun.kda_fwd: ";
+
+bool is_half_like(ScalarType t) { return t == ScalarType::BFloat16 || t == ScalarType::Half; }
+bool is_float_like(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16 || t == ScalarType::Double;
+}
+
+// Why the kernels cannot run this configuration ("" = they can). Shapes are the contract's.
+std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, const Tensor& beta,
+                           const std::optional<Tensor>& cu_seqlens, int64_t chunk_size) {
+  const ScalarType dt = q.scalar_type();
+  if (!is_half_like(dt)) return std::string("q dtype ") + scalar_type_name(dt) + " (kernels take bfloat16 or float16)";
+  if (v.scalar_type() != dt) return "v dtype differs from q's";
+  if (!is_float_like(g.scalar_type())) return "g dtype is not a float type";
+  if (!is_float_like(beta.scalar_type())) return "beta dtype is not a float type";
+  const int64_t K = q.size(3), V = v.size(3);
+  if (K != 64 && K != 128) return "K=" + std::to_string(K) + " (kernels support K in {64, 128})";
+  if (V % 64 != 0 || V > 512 || V == 0)
+    return "V=" + std::to_string(V) + " (kernels support V a multiple of 64 up to 512)";
+  if (chunk_size != kChunk)
+    return "chunk_size=" + std::to_string(chunk_size) + " (kernels use 64-token chunks; 32 is not implemented)";
+  if (v.size(2) > 65535) return "HV > 65535";
+  if (cu_seqlens) {
+    const int64_t N = cu_seqlens->numel() - 1;
+    if (N > 65535) return "more than 65535 varlen sequences";
+    const ScalarType ct = cu_seqlens->scalar_type();
+    if (ct != ScalarType::Int && ct != ScalarType::Long) return "cu_seqlens must be int32 or int64";
+  }
+  const int64_t tokens = q.size(0) * q.size(1);
+  if (tokens > (int64_t{1} << 30)) return "more than 2^30 tokens";
+  return "";
+}
+
+std::string kda_fwd_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
+                            std::optional<Tensor> cu_seqlens, int64_t chunk_size) {
+  (void)k;
+  return support_reason(q, v, g, beta, cu_seqlens, chunk_size);
+}
+
+void check_tensor(const Tensor& t, const Tensor& ref, const char* name, std::initializer_list<int64_t> shape) {
+  check_cuda(t, name);
+  check_same_device(t, ref, name, "q");
+  KF_ARG_CHECK(t.is_contiguous(), kOp << name << " must be contiguous");
+  bool ok = t.dim() == static_cast<int64_t>(shape.size());
+  if (ok) {
+    int i = 0;
+    for (int64_t s : shape) ok = ok && t.size(i++) == s;
+  }
+  if (!ok) {
+    std::ostringstream want;
+    want << "[";
+    int i = 0;
+    for (int64_t s : shape) want << (i++ ? ", " : "") << s;
+    want << "]";
+    KF_ARG_CHECK(false, kOp << name << " must have shape " << want.str() << ", got " << shape_str(t));
+  }
+}
+
+void check_dtype(const Tensor& t, ScalarType want, const char* name) {
+  KF_ARG_CHECK(t.scalar_type() == want, kOp << name << " must be " << scalar_type_name(want) << ", got "
+                                            << scalar_type_name(t.scalar_type()));
+}
+
+void kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, std::optional<Tensor> A_log,
+             std::optional<Tensor> dt_bias, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens,
+             double scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
+             bool allow_neg_eigval, std::optional<double> lower_bound, bool state_v_first, Tensor o,
+             std::optional<Tensor> final_state, std::optional<Tensor> h_states, Tensor w, Tensor qg, Tensor kg,
+             Tensor Aqk, Tensor Akk, Tensor gdecay, Tensor chunk_offsets) {
+  KF_ARG_CHECK(q.dim() == 4, kOp << "q must be [B, T, H, K], got " << shape_str(q));
+  KF_ARG_CHECK(v.dim() == 4, kOp << "v must be [B, T, HV, V], got " << shape_str(v));
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
+  const int64_t HV = v.size(2), V = v.size(3);
+  KF_ARG_CHECK(H > 0 && HV % H == 0, kOp << "v's head count HV=" << HV << " must be a multiple of q's H=" << H);
+  const std::string why = support_reason(q, v, g, beta, cu_seqlens, kChunk);
+  KF_ARG_CHECK(why.empty(), kOp << "unsupported configuration: " << why);
+  check_tensor(q, q, "q", {B, T, H, K});
+  check_tensor(k, q, "k", {B, T, H, K});
+  check_dtype(k, q.scalar_type(), "k");
+  check_tensor(v, q, "v", {B, T, HV, V});
+  check_tensor(g, q, "g", {B, T, HV, K});
+  check_tensor(beta, q, "beta", {B, T, HV});
+  KF_ARG_CHECK(!allow_neg_eigval || use_beta_sigmoid_in_kernel,
+               kOp << "allow_neg_eigval requires use_beta_sigmoid_in_kernel");
+
+  int64_t N = B;
+  if (cu_seqlens) {
+    KF_ARG_CHECK(B == 1, kOp << "cu_seqlens requires B == 1, got B=" << B);
+    KF_ARG_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->numel() >= 2,
+                 kOp << "cu_seqlens must be 1-D with N+1 >= 2 entries, got " << shape_str(*cu_seqlens));
+    check_tensor(*cu_seqlens, q, "cu_seqlens", {cu_seqlens->numel()});
+    N = cu_seqlens->numel() - 1;
+  }
+  const int64_t nts = (T + kChunk - 1) / kChunk;
+  const int64_t max_chunks = cu_seqlens ? T / kChunk + N : B * nts;
+
+  if (use_gate_in_kernel) {
+    KF_ARG_CHECK(A_log || lower_bound, kOp << "use_gate_in_kernel needs A_log (or lower_bound)");
+    if (A_log) {
+      check_tensor(*A_log, q, "A_log", {HV});
+      check_dtype(*A_log, ScalarType::Float, "A_log");
+    }
+    if (dt_bias) {
+      check_tensor(*dt_bias, q, "dt_bias", {HV * K});
+      check_dtype(*dt_bias, ScalarType::Float, "dt_bias");
+    }
+  }
+  if (initial_state) {
+    if (state_v_first) check_tensor(*initial_state, q, "initial_state", {N, HV, V, K});
+    else check_tensor(*initial_state, q, "initial_state", {N, HV, K, V});
+    check_dtype(*initial_state, ScalarType::Float, "initial_state");
+  }
+  check_tensor(o, q, "o", {B, T, HV, V});
+  check_dtype(o, q.scalar_type(), "o");
+  if (final_state) {
+    if (state_v_first) check_tensor(*final_state, q, "final_state", {N, HV, V, K});
+    else check_tensor(*final_state, q, "final_state", {N, HV, K, V});
+    check_dtype(*final_state, ScalarType::Float, "final_state");
+  }
+  if (h_states) {
+    KF_ARG_CHECK(h_states->dim() == 5 && h_states->size(2) == HV &&
+                     h_states->size(3) == (state_v_first ? V : K) && h_states->size(4) == (state_v_first ? K : V),
+                 kOp << "h_states must be [B, NT, HV, " << (state_v_first ? "V, K" : "K, V") << "], got "
+                     << shape_str(*h_states));
+    const int64_t have = h_states->size(0) * h_states->size(1);
+    KF_ARG_CHECK(cu_seqlens ? have >= 0 : have == B * nts,
+                 kOp << "h_states must hold one state per chunk, got " << shape_str(*h_states));
+    check_tensor(*h_states, q, "h_states", {h_states->size(0), h_states->size(1), HV, h_states->size(3),
+                                             h_states->size(4)});
+    check_dtype(*h_states, q.scalar_type(), "h_states");
+  }
+  for (auto [t, name, inner] : {std::tuple<Tensor*, const char*, int64_t>{&w, "w", K}, {&qg, "qg", K}, {&kg, "kg", K},
+                                {&Aqk, "Aqk", kChunk}, {&Akk, "Akk", kChunk}}) {
+    check_tensor(*t, q, name, {B * T, HV, inner});
+    check_dtype(*t, q.scalar_type(), name);
+  }
+  check_tensor(gdecay, q, "gdecay", {max_chunks, HV, K});
+  check_dtype(gdecay, ScalarType::Float, "gdecay");
+  check_tensor(chunk_offsets, q, "chunk_offsets", {N + 1});
+  check_dtype(chunk_offsets, ScalarType::Int, "chunk_offsets");
+
+  KdaFwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.g = g.data_ptr();
+  p.beta = beta.data_ptr();
+  p.A_log = use_gate_in_kernel && A_log ? static_cast<const float*>(A_log->data_ptr()) : nullptr;
+  p.dt_bias = use_gate_in_kernel && dt_bias ? static_cast<const float*>(dt_bias->data_ptr()) : nullptr;
+  p.h0 = initial_state ? static_cast<const float*>(initial_state->data_ptr()) : nullptr;
+  p.cu_seqlens = cptr(cu_seqlens);
+  p.cu_int64 = cu_seqlens && cu_seqlens->scalar_type() == ScalarType::Long;
+  p.o = o.data_ptr();
+  p.ht = final_state ? static_cast<float*>(final_state->data_ptr()) : nullptr;
+  p.h_states = mptr(h_states);
+  p.w = w.data_ptr();
+  p.qg = qg.data_ptr();
+  p.kg = kg.data_ptr();
+  p.Aqk = Aqk.data_ptr();
+  p.Akk = Akk.data_ptr();
+  p.gdecay = static_cast<float*>(gdecay.data_ptr());
+  p.chunk_offsets = static_cast<int*>(chunk_offsets.data_ptr());
+  p.B = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.K = static_cast<int>(K);
+  p.V = static_cast<int>(V);
+  p.N = static_cast<int>(N);
+  p.max_chunks = static_cast<int>(max_chunks);
+  p.scale = static_cast<float>(scale);
+  if (!use_gate_in_kernel) p.gate_mode = GateMode::kPrecomputed;
+  else if (!lower_bound) p.gate_mode = GateMode::kUnbounded;
+  else p.gate_mode = A_log ? GateMode::kBounded : GateMode::kBoundedNoALog;
+  p.lower_bound = lower_bound ? static_cast<float>(*lower_bound) : 0.f;
+  p.l2norm = use_qk_l2norm_in_kernel;
+  p.beta_sigmoid_scale = use_beta_sigmoid_in_kernel ? (allow_neg_eigval ? 2.f : 1.f) : 0.f;
+  p.state_v_first = state_v_first;
+  p.dtype = *to_dtype(q.scalar_type());
+  p.g_dtype = *to_dtype(g.scalar_type());
+  p.beta_dtype = *to_dtype(beta.scalar_type());
+
+  const cudaStream_t stream = current_stream(q);
+  kda::kda_fwd_chunk_map(p, stream);
+  kda::kda_fwd_intra(p, stream);
+  kda::kda_fwd_scan(p, stream);
+}
+
+// Only the forward: the V-slice the scan would pick (exposed for the benchmark's notes).
+int64_t kda_fwd_scan_bv(Tensor q, Tensor v, int64_t N, bool varlen) {
+  KdaFwdParams p;
+  p.HV = static_cast<int>(v.size(2));
+  p.V = static_cast<int>(v.size(3));
+  p.N = static_cast<int>(N);
+  p.cu_seqlens = varlen ? q.data_ptr() : nullptr;
+  return kda::kda_fwd_scan_bv(p);
+}
+
+}  // namespace
+
+}  // namespace kernel_fun::api
+
+STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
+  m.def(
+      "kda_fwd_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? cu_seqlens, "
+      "int chunk_size) -> str");
+  m.def(
+      "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool use_qk_l2norm_in_kernel, "
+      "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound, "
+      "bool state_v_first, Tensor(a!) o, Tensor(b!)? final_state, Tensor(c!)? h_states, Tensor(d!) w, "
+      "Tensor(e!) qg, Tensor(f!) kg, Tensor(g!) Aqk, Tensor(h!) Akk, Tensor(i!) gdecay, "
+      "Tensor(j!) chunk_offsets) -> ()");
+  m.def("kda_fwd_scan_bv(Tensor q, Tensor v, int N, bool varlen) -> int");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CUDA, m) {
+  m.impl("kda_fwd", TORCH_BOX(&kernel_fun::api::kda_fwd));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CompositeExplicitAutograd, m) {
+  m.impl("kda_fwd_support", TORCH_BOX(&kernel_fun::api::kda_fwd_support));
+  m.impl("kda_fwd_scan_bv", TORCH_BOX(&kernel_fun::api::kda_fwd_scan_bv));
+}

@@ -1,0 +1,5 @@
+// kda_fwd_intra for bf16, K=128.
+#include "kda/sm90/kda_fwd_intra.cuh"
+#include "kda/sm90/kda_fwd_launch.h"
+
+KF_KDA_DEFINE_INTRA(__nv_bfloat16, 128)

@@ -1,0 +1,5 @@
+// kda_fwd_scan for bf16, K=128, V-slice 64.
+#include "kda/sm90/kda_fwd_scan.cuh"
+#include "kda/sm90/kda_fwd_launch.h"
+
+KF_KDA_DEFINE_SCAN(__nv_bfloat16, 128, 64)

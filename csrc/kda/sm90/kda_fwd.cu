@@ -1,0 +1,105 @@
+// KDA forward: dispatch over (dtype, K, V-slice) and the varlen chunk map.
+#include <cub/block/block_scan.cuh>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "kda/sm90/kda_device.cuh"
+#include "kda/sm90/kda_fwd_launch.h"
+
+namespace kernel_fun::kda {
+
+namespace {
+
+constexpr int kMapThreads = 1024;
+
+// chunk_offsets[n] = sum_{m < n} ceil(len_m / 64): the first global chunk of sequence n. One CTA,
+// so no host round trip is ever needed (cu_seqlens stays on the device, int32 or int64).
+__global__ void __launch_bounds__(kMapThreads) kda_fwd_chunk_map_kernel(const KdaFwdParams p) {
+  using Scan = cub::BlockScan<int, kMapThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < p.N; base += kMapThreads) {
+    const int n = base + threadIdx.x;
+    int nc = 0;
+    if (n < p.N) {
+      const int64_t len = dev::load_cu(p, n + 1) - dev::load_cu(p, n);
+      nc = static_cast<int>((len + kChunk - 1) / kChunk);
+    }
+    int excl, total;
+    Scan(tmp).ExclusiveSum(nc, excl, total);
+    const int c0 = carry;
+    if (n < p.N) p.chunk_offsets[n] = c0 + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry = c0 + total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.chunk_offsets[p.N] = carry;
+}
+
+}  // namespace
+
+void kda_fwd_chunk_map(const KdaFwdParams& p, cudaStream_t stream) {
+  if (!p.cu_seqlens) return;
+  kda_fwd_chunk_map_kernel<<<1, kMapThreads, 0, stream>>>(p);
+  KF_CHECK_LAUNCH();
+}
+
+template <typename WT>
+static void intra_k(const KdaFwdParams& p, cudaStream_t s) {
+  switch (p.K) {
+    case 64: return launch_intra<WT, 64>(p, s);
+    case 128: return launch_intra<WT, 128>(p, s);
+    default: throw std::invalid_argument("kda_fwd_intra: K must be 64 or 128, got " + std::to_string(p.K));
+  }
+}
+
+void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kBFloat16: return intra_k<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return intra_k<__half>(p, stream);
+    default: throw std::invalid_argument("kda_fwd_intra: dtype must be bfloat16 or float16");
+  }
+}
+
+int kda_fwd_scan_bv(const KdaFwdParams& p) {
+  if (const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV")) {  // benchmarking override
+    const int bv = std::atoi(env);
+    if ((bv == 64 || bv == 128) && p.V % bv == 0) return bv;
+  }
+  if (p.V % 128 != 0) return 64;
+  // Wide slices halve the re-reads of w/qg/kg/Aqk/Akk but halve the CTA count: keep them only
+  // when there are at least two full waves of them, and never for varlen (the longest sequence
+  // is the critical path; narrower slices split it over more SMs).
+  const long ctas128 = static_cast<long>(p.V / 128) * p.HV * p.N;
+  return (!p.cu_seqlens && ctas128 >= 2 * 132) ? 128 : 64;
+}
+
+template <typename WT, int K>
+static void scan_bv(const KdaFwdParams& p, cudaStream_t s) {
+  if (kda_fwd_scan_bv(p) == 128) return launch_scan<WT, K, 128>(p, s);
+  return launch_scan<WT, K, 64>(p, s);
+}
+
+template <typename WT>
+static void scan_k(const KdaFwdParams& p, cudaStream_t s) {
+  switch (p.K) {
+    case 64: return scan_bv<WT, 64>(p, s);
+    case 128: return scan_bv<WT, 128>(p, s);
+    default: throw std::invalid_argument("kda_fwd_scan: K must be 64 or 128, got " + std::to_string(p.K));
+  }
+}
+
+void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
+  if (p.V % 64 != 0) throw std::invalid_argument("kda_fwd_scan: V must be a multiple of 64");
+  switch (p.dtype) {
+    case DType::kBFloat16: return scan_k<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return scan_k<__half>(p, stream);
+    default: throw std::invalid_argument("kda_fwd_scan: dtype must be bfloat16 or float16");
+  }
+}
+
+}  // namespace kernel_fun::kda
