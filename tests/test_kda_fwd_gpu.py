@@ -1,0 +1,336 @@
+"""The KDA forward on our sm_90a kernels against the fp64 chunked reference (kernel_fun.ref.kda):
+o and the final state over the contract's cases, per-stage intermediates (w, qg, kg, Aqk, Akk,
+exp2(G), per-chunk states), NaN-poisoned outputs, bitwise determinism, a non-default stream,
+extreme gates, bad inputs, opcheck, the chunk_kda front, and parity with fla."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import KDA_TOL, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+STAGE_TOL = 0.01  # workspace tensors are stored in bf16/fp16: their rounding alone is ~3e-3
+
+
+def _kernel():
+    from kernel_fun.kda import _kernel
+    return _kernel
+
+
+def make_case(B=1, T=100, H=2, HV=None, K=128, V=128, dtype=torch.bfloat16, gate="unbounded",
+              g_dtype=None, l2norm=True, beta_sigmoid=True, neg_eig=False, h0=False, final=True,
+              state_v_first=False, cu=None, cu_dtype=torch.int32, scale=None, seed=0, extreme=0.0):
+    """Inputs + chunk_kda keyword arguments for one case (all on CUDA)."""
+    HV = HV or H
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    q = torch.randn(B, T, H, K, device=dev, generator=gen)
+    k = torch.randn(B, T, H, K, device=dev, generator=gen)
+    if not l2norm:  # the delta rule needs unit keys; fla's tests normalise outside the kernel
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    v = torch.randn(B, T, HV, V, device=dev, generator=gen)
+    beta_raw = torch.randn(B, T, HV, device=dev, generator=gen)
+    kw = dict(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
+              state_v_first=state_v_first, output_final_state=final, scale=scale)
+    beta = beta_raw if beta_sigmoid else torch.sigmoid(beta_raw)
+    A_log = dt_bias = None
+    if gate == "unbounded":
+        g = torch.randn(B, T, HV, K, device=dev, generator=gen)
+        A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16, generator=gen))
+        dt_bias = 0.5 * torch.randn(HV * K, device=dev, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    elif gate == "unbounded16":  # exp(A_log) = 16 and large inputs: per-step decays of ~ -100
+        g = 3 * torch.randn(B, T, HV, K, device=dev, generator=gen) + 4
+        A_log = torch.full((HV,), math.log(16.0), device=dev)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=None)
+    elif gate == "bounded":
+        g = torch.randn(B, T, HV, K, device=dev, generator=gen)
+        A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16, generator=gen))
+        dt_bias = 0.5 * torch.randn(HV * K, device=dev, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, safe_gate=True)
+    elif gate == "bounded_noalog":
+        g = torch.randn(B, T, HV, K, device=dev, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=None, lower_bound=-3.0)
+    elif gate == "precomputed":
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=dev, generator=gen) + 2)
+        kw.update(use_gate_in_kernel=False)
+    else:
+        raise ValueError(gate)
+    if extreme:  # fla's varlen tests: a fraction of the per-step gates at -1000
+        mask = torch.rand(g.shape, device=dev, generator=gen) < extreme
+        g = torch.where(mask, torch.full_like(g, -1000.0), g)
+        assert not kw["use_gate_in_kernel"], "extreme entries apply to precomputed gates"
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=cu_dtype, device=dev)
+        N = len(cu) - 1
+    else:
+        N = B
+    if h0:
+        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        kw["initial_state"] = 0.1 * torch.randn(shape, device=dev, generator=gen)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    g = g.to(g_dtype or torch.float32)
+    beta = beta.to(dtype)
+    return (q, k, v, g, beta), kw
+
+
+def reference(inputs, kw, return_stages=False):
+    """fp64 chunked reference on the GPU."""
+    from kernel_fun.ref.kda import chunk_kda_reference
+    q, k, v, g, beta = (x.double() for x in inputs)
+    rk = {n: kw.get(n) for n in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+                                 "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "cu_seqlens")}
+    rk = {n: x for n, x in rk.items() if x is not None}
+    if rk.get("initial_state") is not None:
+        rk["initial_state"] = rk["initial_state"].double()
+    use_gate = kw.get("use_gate_in_kernel", False)
+    A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
+    return chunk_kda_reference(
+        q, k, v, g, beta, **rk, use_gate_in_kernel=use_gate, lower_bound=kw.get("lower_bound"),
+        A_log=A_log.double() if (use_gate and A_log is not None) else None,
+        dt_bias=dt_bias.double() if (use_gate and dt_bias is not None) else None,
+        return_stages=return_stages)
+
+
+def run_ours(inputs, kw, **extra):
+    q, k, v, g, beta = inputs
+    args = dict(scale=kw.get("scale"), initial_state=kw.get("initial_state"),
+                output_final_state=kw.get("output_final_state", False),
+                use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
+                use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+                use_beta_sigmoid_in_kernel=kw.get("use_beta_sigmoid_in_kernel", False),
+                allow_neg_eigval=kw.get("allow_neg_eigval", False), lower_bound=kw.get("lower_bound"),
+                state_v_first=kw.get("state_v_first", False), cu_seqlens=kw.get("cu_seqlens"),
+                cu_seqlens_cpu=None, A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"))
+    args.update(extra)
+    return _kernel().forward_stages(q, k, v, g, beta, **args)
+
+
+# ------------------------------------------------------------------------------------------------
+# o and final state against the fp64 reference over the contract's cases
+CASES = {
+    "T1": dict(B=2, T=1),
+    "T63": dict(B=2, T=63),
+    "T64": dict(B=2, T=64),
+    "T65": dict(B=2, T=65, h0=True),
+    "T1000": dict(B=2, T=1000, h0=True),
+    "T1500-fp16": dict(B=1, T=1500, dtype=torch.float16, h0=True),
+    "T8192": dict(B=1, T=8192, H=1),
+    "K64-V64": dict(T=300, K=64, V=64, h0=True),
+    "K64-V192": dict(T=200, K=64, V=192),
+    "K128-V256": dict(T=300, V=256, h0=True),
+    "K128-V320": dict(T=130, V=320),
+    "K128-V512": dict(T=129, H=1, V=512, h0=True),
+    "GVA-2-4": dict(T=333, H=2, HV=4, h0=True),
+    "GVA-2-8-fp16": dict(T=200, H=2, HV=8, dtype=torch.float16),
+    "bounded": dict(T=500, gate="bounded", h0=True),
+    "bounded-noalog": dict(T=500, gate="bounded_noalog"),
+    "precomputed-nol2": dict(T=400, gate="precomputed", l2norm=False, beta_sigmoid=False),
+    "neg-eigval": dict(T=400, neg_eig=True, h0=True),
+    "scale": dict(T=200, scale=0.3),
+    "state-v-first": dict(T=300, h0=True, state_v_first=True),
+    "g-bf16": dict(T=300, g_dtype=torch.bfloat16),
+    "extreme-unbounded16": dict(T=700, gate="unbounded16", h0=True),
+    "extreme-1000": dict(T=700, gate="precomputed", extreme=0.5, h0=True),
+    "extreme-1000-90": dict(T=300, gate="precomputed", extreme=0.9, dtype=torch.float16),
+    "varlen-15": dict(T=15, cu=[0, 15]),
+    "varlen-onetoken": dict(T=200, cu=[0, 1, 64, 65, 200], h0=True),
+    "varlen-empty-int64": dict(T=300, cu=[0, 0, 100, 100, 300], cu_dtype=torch.int64, h0=True),
+    "varlen-fla": dict(T=2000, H=2, HV=4, cu=[0, 15, 100, 300, 1200, 2000], h0=True),
+    "varlen-extreme-bounded": dict(T=1000, cu=[0, 256, 500, 1000], gate="bounded"),
+    "varlen-extreme-1000": dict(T=1000, cu=[0, 256, 500, 1000], gate="precomputed", extreme=0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_matches_fp64_reference(name):
+    inputs, kw = make_case(**CASES[name])
+    o, ht, _, _ = run_ours(inputs, kw, poison=True)
+    o_ref, ht_ref = reference(inputs, kw)
+    assert torch.isfinite(o).all(), "o has NaN/Inf (unwritten rows or overflow)"
+    assert rel_rms(o_ref, o) <= KDA_TOL["o"], f"o rel-RMS {rel_rms(o_ref, o):.3e}"
+    if kw.get("output_final_state"):
+        assert torch.isfinite(ht).all()
+        assert rel_rms(ht_ref, ht) <= KDA_TOL["ht"], f"ht rel-RMS {rel_rms(ht_ref, ht):.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# per-stage intermediates against the chunked reference
+def _last_rows(cu, B, T):
+    """Row (flattened over B*T) of the last valid token of every chunk, in global chunk order."""
+    rows = []
+    segs = [(b * T, b * T + T) for b in range(B)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    for s, e in segs:
+        for c0 in range(s, e, 64):
+            rows.append(min(c0 + 64, e) - 1)
+    return rows
+
+
+@pytest.mark.parametrize("name", ["T1000", "GVA-2-4", "varlen-onetoken", "extreme-1000", "state-v-first",
+                                  "K64-V192"])
+def test_stages_match_chunked_reference(name):
+    case = CASES[name]
+    inputs, kw = make_case(**case)
+    o, ht, hs, ws = run_ours(inputs, kw, return_intermediate_states=True, poison=True)
+    _, _, st = reference(inputs, kw, return_stages=True)
+    B, T = inputs[0].shape[:2]
+    HV, K = inputs[3].shape[2:]
+    scale = kw.get("scale") or K ** -0.5
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    checks = {
+        "qg": (flat(st["qg"]) * scale, ws["qg"]),
+        "kg": (flat(st["kg"]), ws["kg"]),
+        "w": (flat(st["w"]), ws["w"]),
+        "Aqk": (flat(st["Aqk"]), ws["Aqk"]),
+        "Akk": (flat(st["Akk"]), ws["Akk"]),
+    }
+    rows = _last_rows(case.get("cu"), B, T)
+    G = flat(st["g2"])[rows]
+    checks["exp2(G)"] = (torch.exp2(G), ws["gdecay"][: len(rows)])
+    h_ref = st["h"]
+    if kw.get("state_v_first"):
+        hs = hs.transpose(-1, -2)
+    checks["h"] = (h_ref, hs)
+    bad = {}
+    for key, (ref, got) in checks.items():
+        err = rel_rms(ref, got)
+        if not err <= STAGE_TOL:
+            bad[key] = err
+    assert not bad, f"stages off the reference: {bad}"
+
+
+# ------------------------------------------------------------------------------------------------
+def test_bitwise_deterministic():
+    inputs, kw = make_case(**CASES["varlen-fla"])
+    a = run_ours(inputs, kw)
+    b = run_ours(inputs, kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for key in ("w", "qg", "kg", "Aqk", "Akk"):
+        assert torch.equal(a[3][key], b[3][key]), key
+
+
+def test_non_default_stream():
+    inputs, kw = make_case(B=2, T=700, h0=True)
+    base = run_ours(inputs, kw)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        # work queued ahead on the side stream: our launches must follow it, not the legacy stream
+        torch.cuda._sleep(2_000_000)
+        got = run_ours(inputs, kw)
+    s.synchronize()
+    assert torch.equal(base[0], got[0]) and torch.equal(base[1], got[1])
+
+
+def test_large_B_scan_slices():
+    # enough (b, hv) pairs for the 128-wide V-slices of the scan
+    inputs, kw = make_case(B=8, T=130, H=36, V=256, h0=True)
+    from kernel_fun import _ext
+    assert _ext.ops().kda_fwd_scan_bv(36, 256, 8, False) == 128
+    o, ht, _, _ = run_ours(inputs, kw, poison=True)
+    o_ref, ht_ref = reference(inputs, kw)
+    assert rel_rms(o_ref, o) <= KDA_TOL["o"] and rel_rms(ht_ref, ht) <= KDA_TOL["ht"]
+
+
+def test_empty_sequence_passes_initial_state_through():
+    inputs, kw = make_case(T=64, cu=[0, 0, 64], h0=True)
+    _, ht, _, _ = run_ours(inputs, kw)
+    assert torch.equal(ht[0], kw["initial_state"][0])
+
+
+# ------------------------------------------------------------------------------------------------
+def test_support_reasons():
+    kern = _kernel()
+    base = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                A_log=None, dt_bias=None, chunk_size=64, return_intermediate_states=False, disable_recompute=False)
+
+    def reason(K=128, V=128, dtype=torch.bfloat16, **kw):
+        q = torch.empty(1, 8, 2, K, dtype=dtype, device="cuda")
+        v = torch.empty(1, 8, 2, V, dtype=dtype, device="cuda")
+        g = torch.empty(1, 8, 2, K, device="cuda")
+        b = torch.empty(1, 8, 2, dtype=dtype, device="cuda")
+        return kern.support_reason(q, q, v, g, b, **{**base, **kw})
+
+    assert reason() is None
+    assert reason(K=64, V=512) is None
+    assert "K=96" in reason(K=96)
+    assert "V=100" in reason(V=100)
+    assert "V=576" in reason(V=576)
+    assert "float32" in reason(dtype=torch.float32)
+    assert "chunk_size=32" in reason(chunk_size=32)
+
+
+def test_bad_inputs_name_the_argument():
+    inputs, kw = make_case(T=70, H=1, K=64, V=64)
+    o, ht, _, ws = run_ours(inputs, kw)
+    q, k, v, g, beta = inputs
+    ops = __import__("kernel_fun")._ext.ops()
+
+    def call(**over):
+        a = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=kw["A_log"], dt_bias=kw["dt_bias"], h0=None, cu=None,
+                 o=o, ht=ht, w=ws["w"], qg=ws["qg"], kg=ws["kg"], Aqk=ws["Aqk"], Akk=ws["Akk"],
+                 gdecay=ws["gdecay"], co=ws["chunk_offsets"])
+        a.update(over)
+        ops.kda_fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["h0"], a["cu"], 0.125,
+                    True, True, True, False, None, False, a["o"], a["ht"], None, a["w"], a["qg"], a["kg"],
+                    a["Aqk"], a["Akk"], a["gdecay"], a["co"])
+
+    call()  # the unmodified call works
+    for arg, bad in [("k", k[:, :-1]), ("v", v.float()), ("beta", beta[:, :-1]), ("o", o.float()),
+                     ("final_state", ht[..., :-1]), ("w", ws["w"][:-1]), ("gdecay", ws["gdecay"].half()),
+                     ("A_log", torch.zeros(2, device="cuda")), ("q", q.cpu())]:
+        key = {"final_state": "ht"}.get(arg, arg)
+        with pytest.raises((ValueError, RuntimeError), match=arg):
+            call(**{key: bad})
+
+
+def test_opcheck():
+    inputs, kw = make_case(T=70, H=1, K=64, V=64, h0=True)
+    q, k, v, g, beta = inputs
+    _, _, _, ws = run_ours(inputs, kw)
+    o = torch.empty(1, 70, 1, 64, dtype=q.dtype, device="cuda")
+    ht = torch.empty(1, 1, 64, 64, device="cuda")
+    args = (q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["initial_state"], None, 0.125, True, True, True,
+            False, None, False, o, ht, None, ws["w"], ws["qg"], ws["kg"], ws["Aqk"], ws["Akk"], ws["gdecay"],
+            ws["chunk_offsets"])
+    torch.library.opcheck(torch.ops.kernel_fun.kda_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_front_engages_our_kernels():
+    from kernel_fun.kda import chunk_kda, is_supported
+    inputs, kw = make_case(B=2, T=300, h0=True)
+    q, k, v, g, beta = inputs
+    call_kw = {n: x for n, x in kw.items() if x is not None}
+    ok, why = is_supported(q, v, k=k, g=g, beta=beta, **call_kw)
+    assert ok, why
+    with torch.no_grad():
+        o, ht = chunk_kda(q, k, v, g, beta, **call_kw)
+    o_ref, ht_ref = reference(inputs, kw)
+    assert rel_rms(o_ref, o) <= KDA_TOL["o"] and rel_rms(ht_ref, ht) <= KDA_TOL["ht"]
+
+
+@pytest.mark.fla
+@pytest.mark.parametrize("name", ["T1000", "varlen-fla", "bounded"])
+def test_parity_with_fla(name):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    inputs, kw = make_case(**CASES[name])
+    q, k, v, g, beta = inputs
+    call_kw = {n: x for n, x in kw.items() if x is not None}
+    with torch.no_grad():
+        o_fla, ht_fla = fla_chunk_kda(q, k, v, g, beta, **call_kw)
+    o, ht, _, _ = run_ours(inputs, kw)
+    o_ref, ht_ref = reference(inputs, kw)
+    e_ours, e_fla = rel_rms(o_ref, o), rel_rms(o_ref, o_fla)
+    assert e_ours <= KDA_TOL["o"], (e_ours, e_fla)
+    assert rel_rms(ht_ref, ht) <= KDA_TOL["ht"]
+    assert rel_rms(o_fla.double(), o) <= 2 * KDA_TOL["o"]
