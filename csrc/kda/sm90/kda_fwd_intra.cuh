@@ -6,9 +6,9 @@
 //   P2  Aqk[i,j] = scale sum_d q_id k_jd exp2(g2_id - g2_jd)   (j <= i)
 //       L[i,j]   = beta_i sum_d k_id k_jd exp2(g2_id - g2_jd)  (j <  i)
 //       diagonal 16x16 blocks in SIMT with exactly one one-sided exp2 per (i, j, d), shared
-//       between Aqk and L (warps 0-4); blocks below the diagonal on tf32 tensor cores through the
+//       between Aqk and L (warps 0-9); blocks below the diagonal on tf32 tensor cores through the
 //       boundary row f = first row of the row block: exp2(g_i - g_f) * exp2(g_f - g_j), both
-//       exponents <= 0 because i >= f > j (warps 5-7). This is THE NUMERICS LAW of
+//       exponents <= 0 because i >= f > j (warps 10-15). This is THE NUMERICS LAW of
 //       kernel-fun-ALGORITHM.md: no factor here can overflow at any gate magnitude.
 //   P4a qg = scale q exp2(g2), kg = k exp2(G - g2) -> workspace; kexp = k exp2(g2) -> smem;
 //       exp2(G) -> gdecay; Aqk -> workspace
@@ -22,7 +22,7 @@
 //   sK [64][KP]  k (normalised)           P1 .. P4a, then X = (I+L)^-1 / Akk (P3 .. P4b)
 //   sA [64][68]  Aqk                      P2 .. P4a
 //   sL [64][68]  L                        P2 .. P3
-//   sBeta[64], sTot[4][K] (cumsum part totals)
+//   sBeta[64], sTot[512 / K][K] (cumsum part totals)
 // Rows past the end of the sequence are zero (gate 0, q = k = 0, beta = 0): they contribute
 // nothing, keep g2 of the last valid row, and are never written to the workspace.
 #pragma once
@@ -31,7 +31,7 @@
 
 namespace kernel_fun::kda {
 
-constexpr int kIntraThreads = 256;
+constexpr int kIntraThreads = 512;
 
 template <int K>
 struct IntraSmem {
@@ -44,7 +44,7 @@ struct IntraSmem {
   static constexpr int kL = kA + kChunk * AP;
   static constexpr int kBeta = kL + kChunk * AP;
   static constexpr int kTot = kBeta + kChunk;
-  static constexpr int kFloats = kTot + 4 * K;
+  static constexpr int kFloats = kTot + kIntraThreads;  // sTot [threads / K][K]
   static constexpr size_t kBytes = sizeof(float) * kFloats;
   static_assert(kChunk * AP <= kChunk * KP, "X = (I+L)^-1 [64][AP] must fit in sK");
 };
@@ -108,13 +108,20 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
       if (p.A_log) a_exp = expf(p.A_log[hv]);
       if (p.dt_bias) bias = p.dt_bias[hv * K + d];
     }
+    // all loads first (RP independent requests in flight), then the serial cumsum
+    float xr[RP];
+#pragma unroll
+    for (int i = 0; i < RP; ++i) {
+      const int r = part * RP + i;
+      xr[i] = r < len ? dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype) : 0.f;
+    }
     float run = 0.f;
-#pragma unroll 4
+#pragma unroll
     for (int i = 0; i < RP; ++i) {
       const int r = part * RP + i;
       float gate = 0.f;
       if (r < len) {
-        const float x_ = dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype);
+        const float x_ = xr[i];
         switch (p.gate_mode) {
           case GateMode::kPrecomputed: gate = x_; break;
           case GateMode::kUnbounded: gate = -a_exp * softplus_f(x_ + bias); break;
@@ -131,7 +138,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
     __syncthreads();
     float off = 0.f;
     for (int pp = 0; pp < part; ++pp) off += sTot[pp * K + d];
-#pragma unroll 4
+#pragma unroll
     for (int i = 0; i < RP; ++i) {
       const int r = part * RP + i;
       sG[r * KP + d] = (sG[r * KP + d] + off) * kRcpLn2;
@@ -142,14 +149,26 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
     constexpr int PER = K / 32;
     const WT* q = reinterpret_cast<const WT*>(p.q);
     const WT* k = reinterpret_cast<const WT*>(p.k);
-    for (int r = warp; r < kChunk; r += kIntraThreads / 32) {
-      float qv[PER], kv[PER];
-      float sq = 0.f, sk = 0.f;
+    constexpr int RPW = kChunk / (kIntraThreads / 32);  // rows per warp
+    float qvs[RPW][PER], kvs[RPW][PER];
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+      const int r = warp * RPW + rr;
       const int64_t base = ((tok0 + r) * p.H + h) * K;
 #pragma unroll
       for (int j = 0; j < PER; ++j) {
-        qv[j] = r < len ? E::to_float(q[base + lane + 32 * j]) : 0.f;
-        kv[j] = r < len ? E::to_float(k[base + lane + 32 * j]) : 0.f;
+        qvs[rr][j] = r < len ? E::to_float(q[base + lane + 32 * j]) : 0.f;
+        kvs[rr][j] = r < len ? E::to_float(k[base + lane + 32 * j]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+      const int r = warp * RPW + rr;
+      float* qv = qvs[rr];
+      float* kv = kvs[rr];
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
         sq += qv[j] * qv[j];
         sk += kv[j] * kv[j];
       }
@@ -181,13 +200,13 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
   __syncthreads();
 
   // ---------------------------------------------------------------- P2: Aqk and L
-  if (warp < 5) {
+  if (warp < 10) {
     // Diagonal 16x16 blocks: thread = (block, 4x4 tile at or below the diagonal, d-slice).
-    // Lanes 4i..4i+3 share a tile and split d (d = ds + 4j), then reduce with two shuffles.
-    const int item = tid;  // 0..159
-    const int ds = item & 3;
-    const int tile = (item >> 2) % 10;
-    const int blk = (item >> 2) / 10;
+    // Lanes 8i..8i+7 share a tile and split d (d = ds + 8j), then reduce with three shuffles.
+    const int item = tid;  // 0..319
+    const int ds = item & 7;
+    const int tile = (item >> 3) % 10;
+    const int blk = (item >> 3) / 10;
     // tile -> (rt, st), st <= rt: (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3)
     const int rt = tile >= 6 ? 3 : tile >= 3 ? 2 : tile >= 1 ? 1 : 0;
     const int st = tile - (rt * (rt + 1)) / 2;
@@ -199,8 +218,8 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
 #pragma unroll
       for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
 #pragma unroll 2
-    for (int j = 0; j < K / 4; ++j) {
-      const int d = ds + 4 * j;
+    for (int j = 0; j < K / 8; ++j) {
+      const int d = ds + 8 * j;
       float qr[4], kr[4], gr[4], ks[4], gs[4];
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
@@ -226,10 +245,11 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
     for (int a = 0; a < 4; ++a)
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], 1);
-        aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], 2);
-        ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], 1);
-        ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], 2);
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+          aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
+          ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
+        }
       }
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
@@ -245,10 +265,9 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
   } else {
     // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores. Reference row
     // f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
-    const int wo = warp - 5;  // 0..2, two tasks each
+    const int task = warp - 10;  // 0..5, one (bi, bj) block each
     const int g = lane >> 2, t = lane & 3;
-#pragma unroll 1
-    for (int task = wo; task < 6; task += 3) {
+    {
       const int bi = task == 0 ? 1 : task <= 2 ? 2 : 3;
       const int bj = task == 0 ? 0 : task <= 2 ? task - 1 : task - 3;
       const int f = 16 * bi;
@@ -413,7 +432,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
     WT* w = reinterpret_cast<WT*>(p.w);
     const int g = lane >> 2, t = lane & 3;
     const int mt = warp & 3, nh = warp >> 2;
-    constexpr int NT8 = K / 16;  // n-tiles of 8 per warp (half of K)
+    constexpr int NT8 = K / 32;  // n-tiles of 8 per warp (a quarter of K)
     float acc[NT8][4] = {};
     const int ra = 16 * mt + g, rb = ra + 8;
     // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1).
@@ -423,13 +442,13 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
                              dev::to_tf32(sX[ra * AP + cb]), dev::to_tf32(sX[rb * AP + cb])};
 #pragma unroll
       for (int nt = 0; nt < NT8; ++nt) {
-        const int col = nh * (K / 2) + 8 * nt + g;
+        const int col = nh * (K / 4) + 8 * nt + g;
         dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sQ[ca * KP + col]), dev::to_tf32(sQ[cb * KP + col]));
       }
     }
 #pragma unroll
     for (int nt = 0; nt < NT8; ++nt) {
-      const int col = nh * (K / 2) + 8 * nt + 2 * t;
+      const int col = nh * (K / 4) + 8 * nt + 2 * t;
       if (ra < len)
         *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
       if (rb < len)
