@@ -1,0 +1,71 @@
+// How the conv kernels split work (host side, shared by the forward and backward launchers).
+//
+// A CTA of `threads` threads covers TX channel groups (C channels each) x TY token chunks. Each
+// thread walks ONE contiguous chunk of L tokens of the flat token space, cut at sequence
+// boundaries, keeping the W-1 token halo in registers. The grid is sized to what fits on the GPU
+// at once (CTAs per SM from the occupancy calculator), so every thread walks a long run: the halo
+// re-read is ~W/L of the traffic and the backward keeps only one dw/db partial per CTA row.
+// The plan depends only on shapes and the device, so repeated runs are bitwise identical.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cconv/cconv.h"
+
+namespace kernel_fun::cconv {
+
+struct Plan {
+  int tx = 32;               // channel groups per CTA (power of two); TY = threads / tx
+  int64_t dtiles = 1;        // gridDim.x: CTAs across channels
+  int64_t rows = 1;          // CTAs along tokens (gridDim.y used by the token walk)
+  int64_t chunk = 0;         // L: tokens per thread
+};
+
+inline int num_sms() {
+  int dev = 0;
+  KF_CUDA_CHECK(cudaGetDevice(&dev));
+  static int cached[64] = {0};
+  if (dev < 0 || dev >= 64) {
+    int n = 0;
+    KF_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }
+  if (cached[dev] == 0) {
+    int n = 0;
+    KF_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+// blocks_per_sm: from cudaOccupancyMaxActiveBlocksPerMultiprocessor for the kernel that will run.
+// min_chunk keeps tiny problems from being cut into chunks shorter than the halo is worth.
+// A CTA spans at most 256 channels (tx <= 256 / C): two 512-byte row pieces at most per token.
+inline Plan make_plan(int64_t total, int64_t D, int C, int threads, int blocks_per_sm, int64_t min_chunk = 16) {
+  Plan p;
+  const int64_t groups = (D + C - 1) / C;
+  int tx = 1;
+  while (tx < 256 / C && tx < threads && tx < groups) tx *= 2;
+  p.tx = tx;
+  const int64_t ty = threads / tx;
+  p.dtiles = (groups + tx - 1) / tx;
+  const int64_t capacity = static_cast<int64_t>(num_sms()) * std::max(blocks_per_sm, 1);
+  int64_t rows = std::max<int64_t>(1, (capacity + p.dtiles - 1) / p.dtiles);
+  rows = std::min<int64_t>(rows, std::max<int64_t>(1, (total + ty * min_chunk - 1) / (ty * min_chunk)));
+  rows = std::min<int64_t>(rows, 65535 / 2);
+  p.chunk = total > 0 ? (total + rows * ty - 1) / (rows * ty) : 0;
+  p.rows = rows;
+  return p;
+}
+
+// Rows of v (channels contiguous) all start on `align`-byte boundaries, so they can be moved as
+// vectors. Batch stride only matters with more than one batch row.
+inline bool rows_aligned(const View3& v, int64_t B, int64_t elem, int align) {
+  return v.s2 == 1 && reinterpret_cast<uintptr_t>(v.ptr) % align == 0 && (v.s1 * elem) % align == 0 &&
+         (B <= 1 || (v.s0 * elem) % align == 0);
+}
+
+}  // namespace kernel_fun::cconv
