@@ -2,6 +2,7 @@
 // live here; the kernels see plain pointers and sizes (KdaFwdParams).
 //
 //   kda_fwd_support(...) -> str   "" when our kernels serve the call, else the reason
+//   kda_fwd_check(...)  -> str    "" when kda_fwd's arguments are valid, else the message
 //   kda_fwd(...)        -> ()     writes o, final_state, h_states and the workspace tensors
 #include <string>
 
@@ -79,12 +80,20 @@ void check_dtype(const Tensor& t, ScalarType want, const char* name) {
                                             << scalar_type_name(t.scalar_type()));
 }
 
-void kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, std::optional<Tensor> A_log,
-             std::optional<Tensor> dt_bias, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens,
-             double scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel,
-             bool allow_neg_eigval, std::optional<double> lower_bound, bool state_v_first, Tensor o,
-             std::optional<Tensor> final_state, std::optional<Tensor> h_states, Tensor w, Tensor qg, Tensor kg,
-             Tensor Aqk, Tensor Akk, Tensor gdecay, Tensor chunk_offsets) {
+#define KF_KDA_FWD_ARGS                                                                                    \
+  Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, std::optional<Tensor> A_log,                       \
+      std::optional<Tensor> dt_bias, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens, \
+      double scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, \
+      bool allow_neg_eigval, std::optional<double> lower_bound, bool state_v_first, Tensor o,              \
+      std::optional<Tensor> final_state, std::optional<Tensor> h_states, Tensor w, Tensor qg, Tensor kg,    \
+      Tensor Aqk, Tensor Akk, Tensor gdecay, Tensor chunk_offsets
+#define KF_KDA_FWD_NAMES                                                                                  \
+  q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,          \
+      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, o,   \
+      final_state, h_states, w, qg, kg, Aqk, Akk, gdecay, chunk_offsets
+
+// Validates every argument (throwing std::invalid_argument that names it) and fills the params.
+KdaFwdParams prepare(bool with_pointers, KF_KDA_FWD_ARGS) {
   KF_ARG_CHECK(q.dim() == 4, kOp << "q must be [B, T, H, K], got " << shape_str(q));
   KF_ARG_CHECK(v.dim() == 4, kOp << "v must be [B, T, HV, V], got " << shape_str(v));
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
@@ -158,26 +167,29 @@ void kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, std::optional<
   check_dtype(chunk_offsets, ScalarType::Int, "chunk_offsets");
 
   KdaFwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.g = g.data_ptr();
-  p.beta = beta.data_ptr();
-  p.A_log = use_gate_in_kernel && A_log ? static_cast<const float*>(A_log->data_ptr()) : nullptr;
-  p.dt_bias = use_gate_in_kernel && dt_bias ? static_cast<const float*>(dt_bias->data_ptr()) : nullptr;
-  p.h0 = initial_state ? static_cast<const float*>(initial_state->data_ptr()) : nullptr;
-  p.cu_seqlens = cptr(cu_seqlens);
-  p.cu_int64 = cu_seqlens && cu_seqlens->scalar_type() == ScalarType::Long;
-  p.o = o.data_ptr();
-  p.ht = final_state ? static_cast<float*>(final_state->data_ptr()) : nullptr;
-  p.h_states = mptr(h_states);
-  p.w = w.data_ptr();
-  p.qg = qg.data_ptr();
-  p.kg = kg.data_ptr();
-  p.Aqk = Aqk.data_ptr();
-  p.Akk = Akk.data_ptr();
-  p.gdecay = static_cast<float*>(gdecay.data_ptr());
-  p.chunk_offsets = static_cast<int*>(chunk_offsets.data_ptr());
+  // (no data pointers during validation alone: it also runs on fake tensors under torch.compile)
+  if (with_pointers) {
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.g = g.data_ptr();
+    p.beta = beta.data_ptr();
+    p.A_log = use_gate_in_kernel && A_log ? static_cast<const float*>(A_log->data_ptr()) : nullptr;
+    p.dt_bias = use_gate_in_kernel && dt_bias ? static_cast<const float*>(dt_bias->data_ptr()) : nullptr;
+    p.h0 = initial_state ? static_cast<const float*>(initial_state->data_ptr()) : nullptr;
+    p.cu_seqlens = cptr(cu_seqlens);
+    p.cu_int64 = cu_seqlens && cu_seqlens->scalar_type() == ScalarType::Long;
+    p.o = o.data_ptr();
+    p.ht = final_state ? static_cast<float*>(final_state->data_ptr()) : nullptr;
+    p.h_states = mptr(h_states);
+    p.w = w.data_ptr();
+    p.qg = qg.data_ptr();
+    p.kg = kg.data_ptr();
+    p.Aqk = Aqk.data_ptr();
+    p.Akk = Akk.data_ptr();
+    p.gdecay = static_cast<float*>(gdecay.data_ptr());
+    p.chunk_offsets = static_cast<int*>(chunk_offsets.data_ptr());
+  }
   p.B = static_cast<int>(B);
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
@@ -197,22 +209,27 @@ void kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, std::optional<
   p.dtype = *to_dtype(q.scalar_type());
   p.g_dtype = *to_dtype(g.scalar_type());
   p.beta_dtype = *to_dtype(beta.scalar_type());
+  return p;
+}
 
+// The validation alone, as a message ("" = valid). The Python entry calls this first and raises
+// ValueError itself: an exception thrown out of a stable-ABI kernel crashed the interpreter on the
+// H200 box (torch 2.11, 2026-11-29), so well-formed calls never rely on that path.
+std::string kda_fwd_check(KF_KDA_FWD_ARGS) {
+  try {
+    (void)prepare(false, KF_KDA_FWD_NAMES);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void kda_fwd(KF_KDA_FWD_ARGS) {
+  const KdaFwdParams p = prepare(true, KF_KDA_FWD_NAMES);
   const cudaStream_t stream = current_stream(q);
   kda::kda_fwd_chunk_map(p, stream);
   kda::kda_fwd_intra(p, stream);
   kda::kda_fwd_scan(p, stream);
-}
-
-// The V-slice width the scan picks for a problem (reported by the benchmark).
-int64_t kda_fwd_scan_bv(int64_t HV, int64_t V, int64_t N, bool varlen) {
-  KdaFwdParams p;
-  p.HV = static_cast<int>(HV);
-  p.V = static_cast<int>(V);
-  p.N = static_cast<int>(N);
-  static const int kDummy = 0;
-  p.cu_seqlens = varlen ? &kDummy : nullptr;  // only its presence matters here
-  return kda::kda_fwd_scan_bv(p);
 }
 
 }  // namespace
@@ -230,7 +247,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
       "bool state_v_first, Tensor(a!) o, Tensor(b!)? final_state, Tensor(c!)? h_states, Tensor(d!) w, "
       "Tensor(e!) qg, Tensor(f!) kg, Tensor(g!) Aqk, Tensor(h!) Akk, Tensor(i!) gdecay, "
       "Tensor(j!) chunk_offsets) -> ()");
-  m.def("kda_fwd_scan_bv(int HV, int V, int N, bool varlen) -> int");
+  m.def(
+      "kda_fwd_check(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool use_qk_l2norm_in_kernel, "
+      "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound, "
+      "bool state_v_first, Tensor o, Tensor? final_state, Tensor? h_states, Tensor w, "
+      "Tensor qg, Tensor kg, Tensor Aqk, Tensor Akk, Tensor gdecay, Tensor chunk_offsets) -> str");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CUDA, m) {
@@ -239,5 +261,5 @@ STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CUDA, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CompositeExplicitAutograd, m) {
   m.impl("kda_fwd_support", TORCH_BOX(&kernel_fun::api::kda_fwd_support));
-  m.impl("kda_fwd_scan_bv", TORCH_BOX(&kernel_fun::api::kda_fwd_scan_bv));
+  m.impl("kda_fwd_check", TORCH_BOX(&kernel_fun::api::kda_fwd_check));
 }

@@ -80,13 +80,16 @@ def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l
             if t is not None and t.is_floating_point():
                 t.fill_(float("nan"))
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _ext.ops().kda_fwd(
-        q, k, v, g, beta, _f32_flat(A_log) if use_gate_in_kernel else None,
-        _f32_flat(dt_bias) if use_gate_in_kernel else None, h0, cu_seqlens, float(scale),
-        bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
-        bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
-        o, ht, h_states, ws["w"], ws["qg"], ws["kg"], ws["Aqk"], ws["Akk"], ws["gdecay"], ws["chunk_offsets"],
-    )
+    args = (q, k, v, g, beta, _f32_flat(A_log) if use_gate_in_kernel else None,
+            _f32_flat(dt_bias) if use_gate_in_kernel else None, h0, cu_seqlens, float(scale),
+            bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
+            bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
+            o, ht, h_states, ws["w"], ws["qg"], ws["kg"], ws["Aqk"], ws["Akk"], ws["gdecay"], ws["chunk_offsets"])
+    ops = _ext.ops()
+    err = ops.kda_fwd_check(*args)  # validation in C++, raised here (see kda_ops.cpp)
+    if err:
+        raise ValueError(err)
+    ops.kda_fwd(*args)
     return o, ht, h_states, ws
 
 
