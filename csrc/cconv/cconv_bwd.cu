@@ -22,12 +22,23 @@ namespace {
 
 using namespace dev;
 
+// Tuning constants (compile-time; -D overrides exist only for the standalone tuning harness).
+#ifndef KF_CCONV_BWD_CHANNELS
+#define KF_CCONV_BWD_CHANNELS 4
+#endif
+#ifndef KF_CCONV_BWD_STAGES
+#define KF_CCONV_BWD_STAGES 8
+#endif
+#ifndef KF_CCONV_BWD_UNROLL
+#define KF_CCONV_BWD_UNROLL 4
+#endif
 // Channels per thread: 4 keeps the ~30 live fp32 values per channel (taps, x~ and g halos, dw
-// and db partials) within ~110 registers, so 4 CTAs fit per SM.
-constexpr int kC = 4;
+// and db partials) within ~120 registers, so 4 CTAs fit per SM.
+constexpr int kC = KF_CCONV_BWD_CHANNELS;
+constexpr int kUnroll = KF_CCONV_BWD_UNROLL;  // steps per unrolled group (halos stay in registers)
 
 template <typename T>
-constexpr int stages() { return 8; }
+constexpr int stages() { return KF_CCONV_BWD_STAGES; }  // (stages - 1) rows in flight per thread
 
 struct BwdGrid {
   int tx;
@@ -192,7 +203,6 @@ __device__ __forceinline__ void bwd_segment(const BwdParams& p, const Lane& ln, 
   };
 
   // Unrolling by kUnroll lets the halo rotation live in renamed registers within a group.
-  constexpr int kUnroll = 4;
   int r = 0;
 #pragma unroll 1
   for (; r < nhalo; ++r) step(r, Kind<kHalo>{});

@@ -14,10 +14,22 @@ namespace {
 
 using namespace dev;
 
-constexpr int kC = 8;  // channels per thread: one 16-byte access per bf16/fp16 row
+// Tuning constants (compile-time; -D overrides exist only for the standalone tuning harness).
+#ifndef KF_CCONV_FWD_CHANNELS
+#define KF_CCONV_FWD_CHANNELS 8
+#endif
+#ifndef KF_CCONV_FWD_STAGES
+#define KF_CCONV_FWD_STAGES 8
+#endif
+#ifndef KF_CCONV_FWD_UNROLL
+#define KF_CCONV_FWD_UNROLL 4
+#endif
+constexpr int kC = KF_CCONV_FWD_CHANNELS;  // channels per thread: 8 = one 16-byte bf16/fp16 access
+constexpr int kUnroll = KF_CCONV_FWD_UNROLL;  // steps per unrolled group (halo stays in registers)
 
+// Ring stages: (stages - 1) rows in flight per thread; fp32 rows are twice as wide, so half as many.
 template <typename T>
-constexpr int stages() { return sizeof(T) == 2 ? 8 : 4; }  // 128 bytes of ring per thread and stream
+constexpr int stages() { return sizeof(T) == 2 ? KF_CCONV_FWD_STAGES : KF_CCONV_FWD_STAGES / 2; }
 
 struct FwdGrid {
   int tx;
@@ -122,7 +134,6 @@ __device__ __forceinline__ void fwd_segment(const FwdParams& p, const Lane& ln, 
   };
 
   // Unrolling by kUnroll lets the halo rotation live in renamed registers within a group.
-  constexpr int kUnroll = 4;
   int r = 0;
 #pragma unroll 1
   for (; r < nhalo; ++r) step(r, false);

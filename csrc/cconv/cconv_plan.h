@@ -15,6 +15,10 @@
 
 #include "cconv/cconv.h"
 
+#ifndef KF_CCONV_WAVES
+#define KF_CCONV_WAVES 1  // grid = this many GPU-fulls of CTAs (-D override: tuning harness only)
+#endif
+
 namespace kernel_fun::cconv {
 
 struct Plan {
@@ -52,7 +56,7 @@ inline Plan make_plan(int64_t total, int64_t D, int C, int threads, int blocks_p
   p.tx = tx;
   const int64_t ty = threads / tx;
   p.dtiles = (groups + tx - 1) / tx;
-  const int64_t capacity = static_cast<int64_t>(num_sms()) * std::max(blocks_per_sm, 1);
+  const int64_t capacity = static_cast<int64_t>(num_sms()) * std::max(blocks_per_sm, 1) * KF_CCONV_WAVES;
   int64_t rows = std::max<int64_t>(1, (capacity + p.dtiles - 1) / p.dtiles);
   rows = std::min<int64_t>(rows, std::max<int64_t>(1, (total + ty * min_chunk - 1) / (ty * min_chunk)));
   rows = std::min<int64_t>(rows, 65535 / 2);

@@ -1,0 +1,193 @@
+"""CPU tests of the kernel_fun.cconv front: routing (CPU -> torch reference), is_supported reasons,
+environment switches, errors that name the argument (checked in C++ by cconv_support), and the CPU
+path's forward and backward against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_fun.cconv as cc
+from kernel_fun import _ext
+from kernel_fun.ref.cconv import causal_conv1d_ref, causal_conv1d_update_ref
+
+needs_ext = pytest.mark.skipif(not _ext.available(), reason="extension not built: C++ validation unavailable")
+
+
+def _inputs(B=2, T=12, D=16, W=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=g, dtype=dtype)
+    w = torch.randn(D, W, generator=g, dtype=dtype)
+    return x, w
+
+
+# ------------------------------------------------------------------ routing
+
+def test_cpu_runs_the_reference_forward_and_backward():
+    x, w = _inputs(dtype=torch.float64)
+    b = torch.randn(16, dtype=torch.float64)
+    h0 = torch.randn(2, 16, 4, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b, h0)]
+    y, ht = cc.causal_conv1d(leaves[0], leaves[1], leaves[2], initial_state=leaves[3], output_final_state=True,
+                             activation="silu")
+    yr, hr = causal_conv1d_ref(x, w, b, None, h0, True, "silu")
+    assert torch.equal(y, yr) and torch.equal(ht, hr)
+    (y.sum() + ht.sum()).backward()
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, w, b, h0)]
+    yr, hr = causal_conv1d_ref(ref_leaves[0], ref_leaves[1], ref_leaves[2], None, ref_leaves[3], True, "silu")
+    (yr.sum() + hr.sum()).backward()
+    for a, r in zip(leaves, ref_leaves):
+        assert torch.equal(a.grad, r.grad)
+
+
+def test_cpu_varlen_and_multidim_x():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 20, 2, 8, generator=g)
+    w = torch.randn(16, 3, generator=g)
+    cu = torch.tensor([0, 1, 9, 9, 20])
+    y, ht = cc.causal_conv1d(x, w, cu_seqlens=cu, cu_seqlens_cpu=cu, output_final_state=True)
+    yr, hr = causal_conv1d_ref(x.flatten(2), w, cu_seqlens=cu, output_final_state=True)
+    assert y.shape == x.shape and torch.equal(y.flatten(2), yr) and torch.equal(ht, hr)
+
+
+def test_cpu_update_is_in_place():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 1, 16, generator=g)
+    cache = torch.randn(3, 16, 4, generator=g)
+    w = torch.randn(16, 4, generator=g)
+    yr, cr = causal_conv1d_update_ref(x, cache.clone(), None, w, None, "silu")
+    ptr = cache.data_ptr()
+    y, c = cc.causal_conv1d_update(x, cache, weight=w, activation="silu")
+    assert c is cache and cache.data_ptr() == ptr
+    assert torch.equal(y, yr) and torch.equal(cache, cr)
+
+
+def test_cpu_cannot_take_fla_only_arguments():
+    x, w = _inputs()
+    with pytest.raises(RuntimeError, match="cp_context"):
+        cc.causal_conv1d(x, w, cp_context=object())
+    with pytest.raises(RuntimeError, match="brand_new"):
+        cc.causal_conv1d(x, w, brand_new=True)
+
+
+# ------------------------------------------------------------------ is_supported reasons
+
+def test_is_supported_reasons(monkeypatch):
+    x, w = _inputs()
+    ok, why = cc.is_supported(x, w, activation="silu")
+    assert not ok and "cpu" in why
+    ok, why = cc.is_supported(x, w, fancy_flag=1)
+    assert not ok and "unrecognized argument fancy_flag" in why and "fla may have grown a flag" in why
+    ok, why = cc.is_supported(x, w, cp_context=object())
+    assert not ok and "cp_context" in why
+    ok, why = cc.is_supported(x, w, backend="cuda")
+    assert not ok and "backend" in why
+    ok, why = cc.is_supported(x, w, backend="nope")
+    assert not ok and why.startswith("invalid:") and "backend" in why
+    ok, why = cc.is_supported(x, 3)
+    assert not ok and why.startswith("invalid:") and "weight" in why
+
+
+@pytest.mark.parametrize("var", ["KERNEL_FUN_DISABLE", "KERNEL_FUN_CCONV_DISABLE"])
+def test_env_switches_are_read_on_every_call(monkeypatch, var):
+    x, w = _inputs()
+    monkeypatch.setenv(var, "1")
+    ok, why = cc.is_supported(x, w)
+    assert not ok and f"disabled by {var}=1" == why
+    monkeypatch.setenv(var, "0")
+    ok, why = cc.is_supported(x, w)
+    assert "disabled" not in why  # now only "x is on cpu"
+
+
+@needs_ext
+def test_unsupported_reasons_from_the_cpp_check():
+    ops = _ext.ops()
+    x, w = _inputs()
+    assert "weight=None" in ops.cconv_support(x, None, None, None, None, False, None, None, None)
+    assert "float64" in ops.cconv_support(x.double(), w, None, None, None, False, None, None, None)
+
+
+# ------------------------------------------------------------------ errors naming the argument
+
+BAD = [
+    ("W5", dict(weight=torch.randn(16, 5)), ValueError, r"W=5.*1\.\.4"),
+    ("W0", dict(weight=torch.randn(16, 0)), ValueError, "weight"),
+    ("weight_rows", dict(weight=torch.randn(15, 4)), ValueError, r"weight must be \[D, W\]"),
+    ("weight_int", dict(weight=torch.ones(16, 4, dtype=torch.int64)), ValueError, "weight must be a floating"),
+    ("bias_shape", dict(bias=torch.randn(15)), ValueError, r"bias must be \[D\]"),
+    ("residual_shape", dict(residual=torch.randn(2, 11, 16)), ValueError, "residual must have x's shape"),
+    ("state_shape", dict(initial_state=torch.randn(2, 16, 3)), ValueError, r"initial_state must be \[N, D, W\]"),
+    ("x_2d", dict(x=torch.randn(12, 16)), ValueError, r"x must be \[B, T, D\]"),
+    ("x_int", dict(x=torch.ones(2, 12, 16, dtype=torch.int32)), ValueError, "x must be a floating"),
+    ("activation", dict(activation="gelu"), ValueError, "activation must be None, 'silu' or 'swish'"),
+    ("cu_batch", dict(cu_seqlens=torch.tensor([0, 12])), ValueError, "cu_seqlens requires B == 1"),
+    ("cu_dtype", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([0., 12.])), ValueError,
+     "cu_seqlens must be int32 or int64"),
+    ("cu_short", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([0])), ValueError, r"cu_seqlens must be 1-D"),
+    ("cu_cpu_alone", dict(x=torch.randn(1, 12, 16), cu_seqlens_cpu=torch.tensor([0, 12])), ValueError,
+     "cu_seqlens_cpu was given without cu_seqlens"),
+    ("cu_decreasing", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([0, 8, 5, 12]),
+                           cu_seqlens_cpu=torch.tensor([0, 8, 5, 12])), ValueError, "non-decreasing"),
+    ("cu_last", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([0, 8, 11]),
+                     cu_seqlens_cpu=torch.tensor([0, 8, 11])), ValueError, "must end at T=12"),
+    ("cu_start", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([1, 8, 12]),
+                      cu_seqlens_cpu=torch.tensor([1, 8, 12])), ValueError, "must start at 0"),
+    ("cu_cpu_len", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([0, 8, 12]),
+                        cu_seqlens_cpu=torch.tensor([0, 12])), ValueError, r"cu_seqlens_cpu must be \[N\+1\]"),
+    ("state_varlen", dict(x=torch.randn(1, 12, 16), cu_seqlens=torch.tensor([0, 8, 12]),
+                          initial_state=torch.randn(1, 16, 4)), ValueError, r"initial_state must be \[N, D, W\] = \[2"),
+    ("backend", dict(backend="tpu"), ValueError, "backend must be one of"),
+    ("x_type", dict(x=[[1.0]]), TypeError, "x must be a tensor"),
+    ("weight_type", dict(weight="w"), TypeError, "weight must be a tensor or None"),
+    ("activation_type", dict(activation=1), TypeError, "activation must be None or a string"),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("name,kw,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_raise_naming_the_argument(name, kw, exc, msg):
+    x, w = _inputs()
+    args = dict(x=x, weight=w)
+    args.update(kw)
+    with pytest.raises(exc, match=msg):
+        cc.causal_conv1d(**args)
+    ok, why = cc.is_supported(**args)
+    assert not ok and why.startswith("invalid:")
+
+
+@needs_ext
+@pytest.mark.parametrize("kw,msg", [
+    (dict(x=torch.randn(3, 2, 16)), r"x must be \[N, D\], \[N, 1, D\] or \[1, N, D\]"),
+    (dict(cache=torch.randn(3, 16, 3)), r"cache must be \[N, D, W\]"),
+    (dict(weight=torch.randn(16, 6)), "W=6"),
+    (dict(residual=torch.randn(3, 15)), "residual must have x's shape"),
+    (dict(activation="tanh"), "activation"),
+    (dict(cache=torch.randn(3, 16, 1).expand(3, 16, 4)), "overlapping"),
+])
+def test_update_bad_inputs(kw, msg):
+    g = torch.Generator().manual_seed(3)
+    args = dict(x=torch.randn(3, 16, generator=g), cache=torch.randn(3, 16, 4, generator=g),
+                weight=torch.randn(16, 4, generator=g))
+    args.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        cc.causal_conv1d_update(**args)
+
+
+@needs_ext
+def test_support_op_schema_and_answers():
+    ops = _ext.ops()
+    x, w = _inputs()
+    assert ops.cconv_support(x, w, None, None, None, False, "swish", None, None) == ""
+    assert ops.cconv_support(x, w, None, None, None, True, None, None, None) == ""
+    assert ops.cconv_support(x, None, None, None, None, False, None, None, None).startswith("unsupported: ")
+    assert ops.cconv_support(x, torch.randn(16, 7), None, None, None, False, None, None, None).startswith(
+        "invalid: ")
+    assert ops.cconv_update_support(x[:, 0], torch.randn(2, 16, 4), None, w, None, "silu") == ""
+    assert ops.cconv_update_support(x[:, 0], None, None, w, None, None).startswith("unsupported: ")
+
+
+def test_warmup_raises_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(RuntimeError):
+        cc.warmup(1, 16)
