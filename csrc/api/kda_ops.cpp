@@ -4,7 +4,9 @@
 //   kda_fwd_support(...) -> str   "" when our kernels serve the call, else the reason
 //   kda_fwd_check(...)  -> str    "" when kda_fwd's arguments are valid, else the message
 //   kda_fwd(...)        -> ()     writes o, final_state, h_states and the workspace tensors
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "api/stable_utils.h"
 #include "kda/sm90/kda_fwd.h"
@@ -56,28 +58,59 @@ std::string kda_fwd_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
   return support_reason(q, v, g, beta, cu_seqlens, chunk_size);
 }
 
-void check_tensor(const Tensor& t, const Tensor& ref, const char* name, std::initializer_list<int64_t> shape) {
-  check_cuda(t, name);
-  check_same_device(t, ref, name, "q");
-  KF_ARG_CHECK(t.is_contiguous(), kOp << name << " must be contiguous");
+// Messages are built by plain std::string concatenation and RETURNED, never thrown from the
+// validation: on the H200 box (torch 2.11 + the extension's toolchain) both a std::ostringstream
+// in this library and an exception thrown through a stable-ABI kernel crashed the interpreter
+// (2026-11-29), so the check path uses neither.
+inline void app(std::string& s, const std::string& x) { s += x; }
+inline void app(std::string& s, const char* x) { s += x; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void app(std::string& s, T x) { s += std::to_string(static_cast<long long>(x)); }
+template <typename... A>
+std::string cat(const A&... a) {
+  std::string s = kOp;
+  (app(s, a), ...);
+  return s;
+}
+std::string dims(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(static_cast<long long>(t.size(i)));
+  return s + "]";
+}
+std::string dims(std::initializer_list<int64_t> shape) {
+  std::string s = "[";
+  int i = 0;
+  for (int64_t d : shape) s += (i++ ? ", " : "") + std::to_string(static_cast<long long>(d));
+  return s + "]";
+}
+// Returns the message from the enclosing function when cond fails.
+#define KDA_REQUIRE(cond, ...) \
+  do {                         \
+    if (!(cond)) return cat(__VA_ARGS__); \
+  } while (0)
+#define KDA_TRY(expr)                      \
+  do {                                     \
+    std::string kda_err_ = (expr);         \
+    if (!kda_err_.empty()) return kda_err_; \
+  } while (0)
+
+std::string check_tensor(const Tensor& t, const Tensor& ref, const char* name, std::initializer_list<int64_t> shape) {
+  KDA_REQUIRE(t.is_cuda(), name, " must be a CUDA tensor");
+  KDA_REQUIRE(t.get_device_index() == ref.get_device_index(), name, " must be on q's CUDA device");
+  KDA_REQUIRE(t.is_contiguous(), name, " must be contiguous");
   bool ok = t.dim() == static_cast<int64_t>(shape.size());
   if (ok) {
     int i = 0;
     for (int64_t s : shape) ok = ok && t.size(i++) == s;
   }
-  if (!ok) {
-    std::ostringstream want;
-    want << "[";
-    int i = 0;
-    for (int64_t s : shape) want << (i++ ? ", " : "") << s;
-    want << "]";
-    KF_ARG_CHECK(false, kOp << name << " must have shape " << want.str() << ", got " << shape_str(t));
-  }
+  KDA_REQUIRE(ok, name, " must have shape ", dims(shape), ", got ", dims(t));
+  return "";
 }
 
-void check_dtype(const Tensor& t, ScalarType want, const char* name) {
-  KF_ARG_CHECK(t.scalar_type() == want, kOp << name << " must be " << scalar_type_name(want) << ", got "
-                                            << scalar_type_name(t.scalar_type()));
+std::string check_dtype(const Tensor& t, ScalarType want, const char* name) {
+  KDA_REQUIRE(t.scalar_type() == want, name, " must be ", scalar_type_name(want), ", got ",
+              scalar_type_name(t.scalar_type()));
+  return "";
 }
 
 #define KF_KDA_FWD_ARGS                                                                                    \
@@ -92,81 +125,80 @@ void check_dtype(const Tensor& t, ScalarType want, const char* name) {
       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, o,   \
       final_state, h_states, w, qg, kg, Aqk, Akk, gdecay, chunk_offsets
 
-// Validates every argument (throwing std::invalid_argument that names it) and fills the params.
-KdaFwdParams prepare(bool with_pointers, KF_KDA_FWD_ARGS) {
-  KF_ARG_CHECK(q.dim() == 4, kOp << "q must be [B, T, H, K], got " << shape_str(q));
-  KF_ARG_CHECK(v.dim() == 4, kOp << "v must be [B, T, HV, V], got " << shape_str(v));
+// Validates every argument and fills the params; returns "" or a message naming the argument.
+std::string prepare(KdaFwdParams& p, bool with_pointers, KF_KDA_FWD_ARGS) {
+  KDA_REQUIRE(q.dim() == 4, "q must be [B, T, H, K], got ", dims(q));
+  KDA_REQUIRE(v.dim() == 4, "v must be [B, T, HV, V], got ", dims(v));
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
   const int64_t HV = v.size(2), V = v.size(3);
-  KF_ARG_CHECK(H > 0 && HV % H == 0, kOp << "v's head count HV=" << HV << " must be a multiple of q's H=" << H);
+  KDA_REQUIRE(H > 0 && HV % H == 0, "v's head count HV=", HV, " must be a multiple of q's H=", H);
   const std::string why = support_reason(q, v, g, beta, cu_seqlens, kChunk);
-  KF_ARG_CHECK(why.empty(), kOp << "unsupported configuration: " << why);
-  check_tensor(q, q, "q", {B, T, H, K});
-  check_tensor(k, q, "k", {B, T, H, K});
-  check_dtype(k, q.scalar_type(), "k");
-  check_tensor(v, q, "v", {B, T, HV, V});
-  check_tensor(g, q, "g", {B, T, HV, K});
-  check_tensor(beta, q, "beta", {B, T, HV});
-  KF_ARG_CHECK(!allow_neg_eigval || use_beta_sigmoid_in_kernel,
-               kOp << "allow_neg_eigval requires use_beta_sigmoid_in_kernel");
+  KDA_REQUIRE(why.empty(), "unsupported configuration: ", why);
+  KDA_TRY(check_tensor(q, q, "q", {B, T, H, K}));
+  KDA_TRY(check_tensor(k, q, "k", {B, T, H, K}));
+  KDA_TRY(check_dtype(k, q.scalar_type(), "k"));
+  KDA_TRY(check_tensor(v, q, "v", {B, T, HV, V}));
+  KDA_TRY(check_tensor(g, q, "g", {B, T, HV, K}));
+  KDA_TRY(check_tensor(beta, q, "beta", {B, T, HV}));
+  KDA_REQUIRE(!allow_neg_eigval || use_beta_sigmoid_in_kernel,
+               "allow_neg_eigval requires use_beta_sigmoid_in_kernel");
 
   int64_t N = B;
   if (cu_seqlens) {
-    KF_ARG_CHECK(B == 1, kOp << "cu_seqlens requires B == 1, got B=" << B);
-    KF_ARG_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->numel() >= 2,
-                 kOp << "cu_seqlens must be 1-D with N+1 >= 2 entries, got " << shape_str(*cu_seqlens));
-    check_tensor(*cu_seqlens, q, "cu_seqlens", {cu_seqlens->numel()});
+    KDA_REQUIRE(B == 1, "cu_seqlens requires B == 1, got B=", B);
+    KDA_REQUIRE(cu_seqlens->dim() == 1 && cu_seqlens->numel() >= 2,
+                 "cu_seqlens must be 1-D with N+1 >= 2 entries, got ", dims(*cu_seqlens));
+    KDA_TRY(check_tensor(*cu_seqlens, q, "cu_seqlens", {cu_seqlens->numel()}));
     N = cu_seqlens->numel() - 1;
   }
   const int64_t nts = (T + kChunk - 1) / kChunk;
   const int64_t max_chunks = cu_seqlens ? T / kChunk + N : B * nts;
 
   if (use_gate_in_kernel) {
-    KF_ARG_CHECK(A_log || lower_bound, kOp << "use_gate_in_kernel needs A_log (or lower_bound)");
+    KDA_REQUIRE(A_log || lower_bound, "use_gate_in_kernel needs A_log (or lower_bound)");
     if (A_log) {
-      check_tensor(*A_log, q, "A_log", {HV});
-      check_dtype(*A_log, ScalarType::Float, "A_log");
+      KDA_TRY(check_tensor(*A_log, q, "A_log", {HV}));
+      KDA_TRY(check_dtype(*A_log, ScalarType::Float, "A_log"));
     }
     if (dt_bias) {
-      check_tensor(*dt_bias, q, "dt_bias", {HV * K});
-      check_dtype(*dt_bias, ScalarType::Float, "dt_bias");
+      KDA_TRY(check_tensor(*dt_bias, q, "dt_bias", {HV * K}));
+      KDA_TRY(check_dtype(*dt_bias, ScalarType::Float, "dt_bias"));
     }
   }
   if (initial_state) {
-    if (state_v_first) check_tensor(*initial_state, q, "initial_state", {N, HV, V, K});
-    else check_tensor(*initial_state, q, "initial_state", {N, HV, K, V});
-    check_dtype(*initial_state, ScalarType::Float, "initial_state");
+    if (state_v_first) KDA_TRY(check_tensor(*initial_state, q, "initial_state", {N, HV, V, K}));
+    else KDA_TRY(check_tensor(*initial_state, q, "initial_state", {N, HV, K, V}));
+    KDA_TRY(check_dtype(*initial_state, ScalarType::Float, "initial_state"));
   }
-  check_tensor(o, q, "o", {B, T, HV, V});
-  check_dtype(o, q.scalar_type(), "o");
+  KDA_TRY(check_tensor(o, q, "o", {B, T, HV, V}));
+  KDA_TRY(check_dtype(o, q.scalar_type(), "o"));
   if (final_state) {
-    if (state_v_first) check_tensor(*final_state, q, "final_state", {N, HV, V, K});
-    else check_tensor(*final_state, q, "final_state", {N, HV, K, V});
-    check_dtype(*final_state, ScalarType::Float, "final_state");
+    if (state_v_first) KDA_TRY(check_tensor(*final_state, q, "final_state", {N, HV, V, K}));
+    else KDA_TRY(check_tensor(*final_state, q, "final_state", {N, HV, K, V}));
+    KDA_TRY(check_dtype(*final_state, ScalarType::Float, "final_state"));
   }
   if (h_states) {
-    KF_ARG_CHECK(h_states->dim() == 5 && h_states->size(2) == HV &&
+    KDA_REQUIRE(h_states->dim() == 5 && h_states->size(2) == HV &&
                      h_states->size(3) == (state_v_first ? V : K) && h_states->size(4) == (state_v_first ? K : V),
-                 kOp << "h_states must be [B, NT, HV, " << (state_v_first ? "V, K" : "K, V") << "], got "
-                     << shape_str(*h_states));
+                 "h_states must be [B, NT, HV, ", (state_v_first ? "V, K" : "K, V"), "], got "
+                    , dims(*h_states));
     const int64_t have = h_states->size(0) * h_states->size(1);
-    KF_ARG_CHECK(cu_seqlens ? have >= 0 : have == B * nts,
-                 kOp << "h_states must hold one state per chunk, got " << shape_str(*h_states));
-    check_tensor(*h_states, q, "h_states", {h_states->size(0), h_states->size(1), HV, h_states->size(3),
-                                             h_states->size(4)});
-    check_dtype(*h_states, q.scalar_type(), "h_states");
+    KDA_REQUIRE(cu_seqlens ? have >= 0 : have == B * nts,
+                 "h_states must hold one state per chunk, got ", dims(*h_states));
+    KDA_TRY(check_tensor(*h_states, q, "h_states", {h_states->size(0), h_states->size(1), HV, h_states->size(3),
+                                             h_states->size(4)}));
+    KDA_TRY(check_dtype(*h_states, q.scalar_type(), "h_states"));
   }
   for (auto [t, name, inner] : {std::tuple<Tensor*, const char*, int64_t>{&w, "w", K}, {&qg, "qg", K}, {&kg, "kg", K},
                                 {&Aqk, "Aqk", kChunk}, {&Akk, "Akk", kChunk}}) {
-    check_tensor(*t, q, name, {B * T, HV, inner});
-    check_dtype(*t, q.scalar_type(), name);
+    KDA_TRY(check_tensor(*t, q, name, {B * T, HV, inner}));
+    KDA_TRY(check_dtype(*t, q.scalar_type(), name));
   }
-  check_tensor(gdecay, q, "gdecay", {max_chunks, HV, K});
-  check_dtype(gdecay, ScalarType::Float, "gdecay");
-  check_tensor(chunk_offsets, q, "chunk_offsets", {N + 1});
-  check_dtype(chunk_offsets, ScalarType::Int, "chunk_offsets");
+  KDA_TRY(check_tensor(gdecay, q, "gdecay", {max_chunks, HV, K}));
+  KDA_TRY(check_dtype(gdecay, ScalarType::Float, "gdecay"));
+  KDA_TRY(check_tensor(chunk_offsets, q, "chunk_offsets", {N + 1}));
+  KDA_TRY(check_dtype(chunk_offsets, ScalarType::Int, "chunk_offsets"));
 
-  KdaFwdParams p;
   // (no data pointers during validation alone: it also runs on fake tensors under torch.compile)
   if (with_pointers) {
     p.q = q.data_ptr();
@@ -209,23 +241,21 @@ KdaFwdParams prepare(bool with_pointers, KF_KDA_FWD_ARGS) {
   p.dtype = *to_dtype(q.scalar_type());
   p.g_dtype = *to_dtype(g.scalar_type());
   p.beta_dtype = *to_dtype(beta.scalar_type());
-  return p;
-}
-
-// The validation alone, as a message ("" = valid). The Python entry calls this first and raises
-// ValueError itself: an exception thrown out of a stable-ABI kernel crashed the interpreter on the
-// H200 box (torch 2.11, 2026-11-29), so well-formed calls never rely on that path.
-std::string kda_fwd_check(KF_KDA_FWD_ARGS) {
-  try {
-    (void)prepare(false, KF_KDA_FWD_NAMES);
-  } catch (const std::exception& e) {
-    return e.what();
-  }
   return "";
 }
 
+// The validation alone, as a message ("" = valid). The Python entry calls this first and raises
+// ValueError itself (see the note on the helpers above).
+std::string kda_fwd_check(KF_KDA_FWD_ARGS) {
+  KdaFwdParams p;
+  return prepare(p, false, KF_KDA_FWD_NAMES);
+}
+
 void kda_fwd(KF_KDA_FWD_ARGS) {
-  const KdaFwdParams p = prepare(true, KF_KDA_FWD_NAMES);
+  KdaFwdParams p;
+  const std::string err = prepare(p, true, KF_KDA_FWD_NAMES);
+  // Only reached with bad arguments when kda_fwd_check was skipped (the Python entry never does).
+  if (!err.empty()) throw std::invalid_argument(err);
   const cudaStream_t stream = current_stream(q);
   kda::kda_fwd_chunk_map(p, stream);
   kda::kda_fwd_intra(p, stream);
