@@ -8,7 +8,7 @@
 namespace kernel_fun::api {
 
 std::string build_info() {
-  std::ostringstream o;
+  Msg o;
   o << "cuda=" << (CUDART_VERSION / 1000) << "." << (CUDART_VERSION % 1000) / 10;
   o << ";cutlass=" << CUTLASS_MAJOR << "." << CUTLASS_MINOR << "." << CUTLASS_PATCH;
 #ifdef KF_CUDA_ARCHS

@@ -36,15 +36,13 @@ bool is_kernel_float(ScalarType t) {  // element types the streaming kernels are
 }
 
 std::string shape_of(std::initializer_list<int64_t> dims) {
-  std::ostringstream o;
-  o << "[";
+  std::string o = "[";
   bool first = true;
   for (int64_t d : dims) {
-    o << (first ? "" : ", ") << d;
+    o += (first ? "" : ", ") + std::to_string(d);
     first = false;
   }
-  o << "]";
-  return o.str();
+  return o + "]";
 }
 
 bool has_shape(const Tensor& t, std::initializer_list<int64_t> dims) {

@@ -12,7 +12,9 @@
 #include <cuda_runtime.h>
 
 #include <optional>
-#include <sstream>
+#include <cstdio>
+#include <stdexcept>
+#include <type_traits>
 #include <string>
 
 #include "common/cuda_check.h"
@@ -22,14 +24,40 @@ namespace kernel_fun::api {
 using torch::headeronly::ScalarType;
 using Tensor = torch::stable::Tensor;
 
-// Every argument error names the argument: "kernel_fun.cconv: weight must be ..., got ...".
-#define KF_ARG_CHECK(cond, ...)                                             \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::ostringstream kf_oss_;                                           \
-      kf_oss_ << __VA_ARGS__;                                               \
-      throw std::invalid_argument(kf_oss_.str());                           \
-    }                                                                       \
+// Message building without iostreams. On the H200 image the extension is compiled by a newer g++
+// (/opt/gcc) than the libstdc++ the process loads, and std::ostringstream segfaulted there
+// (build_info and the first argument checks crashed): plain std::string appends are header-only
+// and safe. `Msg() << "x must be " << 3` reads like a stream.
+class Msg {
+ public:
+  Msg& operator<<(const char* s) { s_ += s ? s : "(null)"; return *this; }
+  Msg& operator<<(const std::string& s) { s_ += s; return *this; }
+  Msg& operator<<(char c) { s_ += c; return *this; }
+  Msg& operator<<(bool b) { s_ += b ? "true" : "false"; return *this; }
+  template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+  Msg& operator<<(T v) {
+    if constexpr (std::is_floating_point_v<T>) {
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+      s_ += buf;
+    } else {
+      s_ += std::to_string(v);
+    }
+    return *this;
+  }
+  const std::string& str() const { return s_; }
+
+ private:
+  std::string s_;
+};
+
+// Every argument error names the argument: "weight must be [D, W] ..., got ...". Thrown as
+// std::invalid_argument, which torch surfaces in Python as ValueError.
+#define KF_ARG_CHECK(cond, ...)                                                      \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      throw std::invalid_argument((::kernel_fun::api::Msg() << __VA_ARGS__).str());  \
+    }                                                                                \
   } while (0)
 
 inline const char* scalar_type_name(ScalarType t) {
@@ -56,11 +84,9 @@ inline std::optional<DType> to_dtype(ScalarType t) {
 }
 
 inline std::string shape_str(const Tensor& t) {
-  std::ostringstream o;
-  o << "[";
-  for (int64_t i = 0; i < t.dim(); ++i) o << (i ? ", " : "") << t.size(i);
-  o << "]";
-  return o.str();
+  std::string o = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) o += (i ? ", " : "") + std::to_string(t.size(i));
+  return o + "]";
 }
 
 inline void check_cuda(const Tensor& t, const char* name) {
