@@ -35,17 +35,20 @@ def make(B=2, T=64, D=128, W=4, dtype=BF16, wdtype=None, bias=False, residual=Fa
     g = torch.Generator(device=DEV).manual_seed(seed)
     if cu is not None:
         B, T = 1, cu[-1]
+
+    def rnd(*shape):  # converted before any slicing: .to() of a view would copy it contiguous
+        return torch.randn(*shape, device=DEV, generator=g).to(dtype)
+
     if layout == "contig":
-        x = torch.randn(B, T, D, device=DEV, generator=g)
+        x = rnd(B, T, D)
     elif layout == "slice":
-        x = torch.randn(B, T, 3 * D, device=DEV, generator=g)[:, :, D:2 * D]
+        x = rnd(B, T, 3 * D)[:, :, D:2 * D]
     elif layout == "offset":
-        x = torch.randn(B, T, D + 1, device=DEV, generator=g)[:, :, 1:]
+        x = rnd(B, T, D + 1)[:, :, 1:]
     elif layout == "transposed":
-        x = torch.randn(B, D, T, device=DEV, generator=g).transpose(1, 2)
+        x = rnd(B, D, T).transpose(1, 2)
     else:
         raise ValueError(layout)
-    x = x.to(dtype)
     if layout != "contig" and T * D > 1:
         assert not x.is_contiguous()
     wdtype = wdtype or dtype

@@ -18,6 +18,9 @@
 #ifndef KF_CCONV_WAVES
 #define KF_CCONV_WAVES 1  // grid = this many GPU-fulls of CTAs (-D override: tuning harness only)
 #endif
+#ifndef KF_CCONV_CTA_CHANNELS
+#define KF_CCONV_CTA_CHANNELS 256  // channels one CTA spans at most (-D override: tuning harness only)
+#endif
 
 namespace kernel_fun::cconv {
 
@@ -47,12 +50,12 @@ inline int num_sms() {
 
 // blocks_per_sm: from cudaOccupancyMaxActiveBlocksPerMultiprocessor for the kernel that will run.
 // min_chunk keeps tiny problems from being cut into chunks shorter than the halo is worth.
-// A CTA spans at most 256 channels (tx <= 256 / C): two 512-byte row pieces at most per token.
+// A CTA spans at most KF_CCONV_CTA_CHANNELS channels (tx <= that / C).
 inline Plan make_plan(int64_t total, int64_t D, int C, int threads, int blocks_per_sm, int64_t min_chunk = 16) {
   Plan p;
   const int64_t groups = (D + C - 1) / C;
   int tx = 1;
-  while (tx < 256 / C && tx < threads && tx < groups) tx *= 2;
+  while (tx < KF_CCONV_CTA_CHANNELS / C && tx < threads && tx < groups) tx *= 2;
   p.tx = tx;
   const int64_t ty = threads / tx;
   p.dtiles = (groups + tx - 1) / tx;
