@@ -386,6 +386,11 @@ def test_engaged_for_the_kda_layer_call():
     assert ok, why
 
 
+def test_warmup_prepares_and_times():
+    secs = _cc().warmup(1, 64, D=(64, 100), W=4)
+    assert secs > 0
+
+
 def test_float64_x_is_unsupported_not_invalid():
     inp = make(1, 16, 64, 4, dtype=F64)
     ok, why = _cc().is_supported(inp["x"], inp["weight"])
