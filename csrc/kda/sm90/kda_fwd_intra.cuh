@@ -27,6 +27,9 @@
 // nothing, keep g2 of the last valid row, and are never written to the workspace.
 #pragma once
 
+#include <cstdint>
+#include <cstdlib>
+
 #include "kda/sm90/kda_device.cuh"
 
 namespace kernel_fun::kda {
@@ -457,4 +460,580 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
   }
 }
 
+
+// ==================================================================================================
+// kda_fwd_intra v2 (the default; KERNEL_FUN_KDA_INTRA=v1 selects the kernel above).
+//
+// Same outputs and the same math as v1, restructured for occupancy and fewer special-function ops:
+//   * 256 threads and ~104 KB of smem at K=128, so TWO CTAs share an SM (v1: one 512-thread CTA,
+//     138 KB): one CTA's loads and barriers overlap the other's compute.
+//   * q/k are copied raw (input dtype, exact) into smem with 16-byte cp.async issued first thing,
+//     in flight while the gate/cumsum runs; the l2norm rstd is a per-row fp32 factor applied to the
+//     products (Aqk[i,j] = scale rq_i rk_j sum_d ..., L[i,j] = beta_i rk_i rk_j sum_d ...), so no
+//     precision is lost by keeping the raw copy.
+//   * Diagonal 16x16 blocks in SIMT with telescoping decay products instead of one exp2 per
+//     (i, j, d): inside a 4x4 tile on the block's diagonal, exp2(g_i - g_j) = prod_{t=j+1..i} a_t
+//     with a_t = exp2(g_t - g_{t-1}) <= 1 (3 exp2 per tile and d instead of 10); for a 4x4 tile
+//     below it (rows i, columns j, e = last row of the column tile, j <= e < i):
+//     exp2(g_i - g_e) * exp2(g_e - g_j), both exponents <= 0 (7 exp2 instead of 16). Every factor
+//     is a decay between j and i, never exp2 of a positive number: THE NUMERICS LAW holds at any
+//     gate magnitude (underflow to 0 is the correct limit).
+//   * Warp-uniform work: warps 0-3 first do the 16 diagonal 4x4 tiles, then warps 0-4 the 24
+//     tiles below them; warps 5-7 the six cross-block 16x16 blocks on tf32 tensor cores (as v1).
+//
+// Shared memory plan (KP = K + 4 floats, KQ = K + 8 elements, AP = 68):
+//   sG  fp32 [64][KP]  g2 (P1 .. P4a), then kexp = k rk exp2(g2), the B operand of w (P4a .. P4b)
+//   sQ  WT   [64][KQ]  raw q                                  (P0 .. P4a)
+//   sK  WT   [64][KQ]  raw k (P0 .. P4a), then X = (I+L)^-1 / Akk fp32 [64][AP] (P3 .. P4b)
+//   sA  fp32 [64][AP]  Aqk (P2 .. P4a), then the merge scratch Y [48][AP] (P3)
+//   sL  fp32 [64][AP]  L (P2 .. P3)
+//   sBeta, sRq, sRk [64]; sGt [K] = g2 of the last row (G); sTot [256] cumsum part totals
+// ==================================================================================================
+
+constexpr int kIntraThreadsV2 = 256;
+
+template <int K>
+struct IntraSmemV2 {
+  static constexpr int KP = K + 4;
+  static constexpr int KQ = K + 8;
+  static constexpr int AP = 68;
+  static constexpr int kGBytes = kChunk * KP * 4;
+  static constexpr int kQBytes = kChunk * KQ * 2;
+  static constexpr int kKBytes = kQBytes > kChunk * AP * 4 ? kQBytes : kChunk * AP * 4;
+  static constexpr int kABytes = kChunk * AP * 4;
+  static constexpr int oG = 0;
+  static constexpr int oQ = oG + kGBytes;
+  static constexpr int oK = oQ + kQBytes;
+  static constexpr int oA = oK + kKBytes;
+  static constexpr int oL = oA + kABytes;
+  static constexpr int oBeta = oL + kABytes;
+  static constexpr int oRq = oBeta + kChunk * 4;
+  static constexpr int oRk = oRq + kChunk * 4;
+  static constexpr int oGt = oRk + kChunk * 4;
+  static constexpr int oTot = oGt + K * 4;
+  static constexpr size_t kBytes = oTot + kIntraThreadsV2 * 4;
+  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0, "16-byte aligned buffers");
+  static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
+};
+
+template <typename WT, int K>
+__global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(const KdaFwdParams p) {
+  using S = IntraSmemV2<K>;
+  using E = dev::Elem<WT>;
+  constexpr int KP = S::KP;
+  constexpr int KQ = S::KQ;
+  constexpr int AP = S::AP;
+  constexpr int NTH = kIntraThreadsV2;
+  constexpr float kRcpLn2 = 1.4426950408889634f;
+  extern __shared__ float4 smem_f4[];
+  char* sm = reinterpret_cast<char*>(smem_f4);
+  float* sG = reinterpret_cast<float*>(sm + S::oG);
+  WT* sQ = reinterpret_cast<WT*>(sm + S::oQ);
+  WT* sK = reinterpret_cast<WT*>(sm + S::oK);
+  float* sA = reinterpret_cast<float*>(sm + S::oA);
+  float* sL = reinterpret_cast<float*>(sm + S::oL);
+  float* sBeta = reinterpret_cast<float*>(sm + S::oBeta);
+  float* sRq = reinterpret_cast<float*>(sm + S::oRq);
+  float* sRk = reinterpret_cast<float*>(sm + S::oRk);
+  float* sGt = reinterpret_cast<float*>(sm + S::oGt);
+  float* sTot = reinterpret_cast<float*>(sm + S::oTot);
+  float* sX = reinterpret_cast<float*>(sm + S::oK);  // after P4a
+  float* sY = sA;                                    // after P4a
+  float* sKexp = sG;                                 // from P4a
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hv = blockIdx.y;
+  const int x = blockIdx.x;
+
+  // ---- which sequence / chunk this CTA owns
+  int n, c;
+  if (p.cu_seqlens) {
+    if (x >= p.chunk_offsets[p.N]) return;
+    int lo = 0, hi = p.N - 1;  // largest n with chunk_offsets[n] <= x
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (p.chunk_offsets[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+    c = x - p.chunk_offsets[n];
+  } else {
+    const int nts = (p.T + kChunk - 1) / kChunk;
+    n = x / nts;
+    c = x % nts;
+  }
+  const dev::SeqInfo seq = dev::seq_info(p, n);
+  const int64_t tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
+  const int len = min(kChunk, seq.len - c * kChunk);
+  const int gchunk = seq.chunk0 + c;
+  const int HV = p.HV;
+  const int h = hv / (HV / p.H);
+
+  // ---------------------------------------------------------------- P0: raw q / k -> smem (async)
+  {
+    const WT* q = reinterpret_cast<const WT*>(p.q);
+    const WT* k = reinterpret_cast<const WT*>(p.k);
+    const bool al16 = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k)) & 15) == 0;
+    constexpr int VPR = K / 8;  // 16-byte vectors per row
+    if (al16) {
+      for (int i = tid; i < 2 * kChunk * VPR; i += NTH) {
+        const int which = i / (kChunk * VPR);
+        const int rem = i % (kChunk * VPR);
+        const int r = rem / VPR, v = rem % VPR;
+        const WT* src = which ? k : q;
+        const int rr = r < len ? r : 0;  // rows past the end: zero-filled, source never read
+        const WT* gp = src + ((tok0 + rr) * p.H + h) * K + 8 * v;
+        WT* dst = (which ? sK : sQ) + r * KQ + 8 * v;
+        dev::cp_async16(dst, gp, r < len ? 16 : 0);
+      }
+      dev::cp_async_commit();
+    } else {
+      for (int i = tid; i < kChunk * K; i += NTH) {
+        const int r = i / K, d = i % K;
+        const int64_t off = ((tok0 + r) * p.H + h) * K + d;
+        sQ[r * KQ + d] = r < len ? q[off] : E::from_float(0.f);
+        sK[r * KQ + d] = r < len ? k[off] : E::from_float(0.f);
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- P1: gate + cumsum, beta
+  {
+    constexpr int NP = NTH / K;  // parts of the chunk scanned in parallel per column
+    constexpr int RP = kChunk / NP;
+    const int d = tid % K, part = tid / K;
+    float a_exp = 1.f, bias = 0.f;
+    if (p.gate_mode != GateMode::kPrecomputed) {
+      if (p.A_log) a_exp = expf(p.A_log[hv]);
+      if (p.dt_bias) bias = p.dt_bias[hv * K + d];
+    }
+    float xr[RP];
+#pragma unroll
+    for (int i = 0; i < RP; ++i) {
+      const int r = part * RP + i;
+      xr[i] = r < len ? dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype) : 0.f;
+    }
+    if (tid < kChunk) {
+      float b = 0.f;
+      if (tid < len) {
+        b = dev::load_any(p.beta, (tok0 + tid) * HV + hv, p.beta_dtype);
+        if (p.beta_sigmoid_scale != 0.f) b = p.beta_sigmoid_scale * sigmoid_f(b);
+      }
+      sBeta[tid] = b;
+    }
+    float run = 0.f;
+#pragma unroll
+    for (int i = 0; i < RP; ++i) {
+      const int r = part * RP + i;
+      float gate = 0.f;
+      if (r < len) {
+        const float x_ = xr[i];
+        switch (p.gate_mode) {
+          case GateMode::kPrecomputed: gate = x_; break;
+          case GateMode::kUnbounded: gate = -a_exp * softplus_f(x_ + bias); break;
+          case GateMode::kBounded: gate = p.lower_bound * sigmoid_f(a_exp * (x_ + bias)); break;
+          case GateMode::kBoundedNoALog: gate = p.lower_bound * sigmoid_f(x_ + bias); break;
+        }
+      }
+      run += gate;
+      sG[r * KP + d] = run;
+    }
+    sTot[part * K + d] = run;
+    for (int i = tid; i < 2 * kChunk * AP; i += NTH) sA[i] = 0.f;  // sA and sL are adjacent
+    __syncthreads();
+    float off = 0.f;
+    for (int pp = 0; pp < part; ++pp) off += sTot[pp * K + d];
+#pragma unroll
+    for (int i = 0; i < RP; ++i) {
+      const int r = part * RP + i;
+      sG[r * KP + d] = (sG[r * KP + d] + off) * kRcpLn2;
+    }
+    if (part == NP - 1) sGt[d] = sG[(kChunk - 1) * KP + d];
+  }
+  dev::cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- l2norm rstd per row (1 when off), one warp per row
+  {
+    constexpr int PER = K / 32;
+    for (int r = warp; r < kChunk; r += NTH / 32) {
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const float qv = E::to_float(sQ[r * KQ + lane + 32 * j]);
+        const float kv = E::to_float(sK[r * KQ + lane + 32 * j]);
+        sq = fmaf(qv, qv, sq);
+        sk = fmaf(kv, kv, sk);
+      }
+      float rq = 1.f, rk = 1.f;
+      if (p.l2norm) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, o);
+          sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        }
+        rq = 1.f / sqrtf(sq + 1e-6f);
+        rk = 1.f / sqrtf(sk + 1e-6f);
+      }
+      if (lane == 0) {
+        sRq[r] = rq;
+        sRk[r] = rk;
+      }
+    }
+  }
+  __syncthreads();
+
+  auto Qf = [&](int r, int d) { return E::to_float(sQ[r * KQ + d]); };
+  auto Kf = [&](int r, int d) { return E::to_float(sK[r * KQ + d]); };
+
+  // ---------------------------------------------------------------- P2: Aqk and L
+  if (warp < 5) {
+    // 4x4 tiles of the diagonal 16x16 blocks: 40 tile slots (16 on the block diagonals first,
+    // then the 24 below them) x 8 d-slices (d = ds + 8j) = 320 items over 160 threads. Lanes
+    // 8m..8m+7 share a tile; a warp's four tiles are always of the same kind (no divergence).
+    for (int it = tid; it < 40 * 8; it += 160) {
+      const int ds = it & 7, slot = it >> 3;
+      int blk, rt, st;
+      if (slot < 16) {
+        blk = slot >> 2;
+        rt = st = slot & 3;
+      } else {
+        const int o = slot - 16;
+        blk = o / 6;
+        const int pr = o % 6;  // (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
+        rt = pr == 0 ? 1 : pr <= 2 ? 2 : 3;
+        st = pr - (rt * (rt - 1)) / 2;
+      }
+      const int r0 = 16 * blk + 4 * rt, s0 = 16 * blk + 4 * st;
+      float aq[4][4], ak[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
+      if (slot < 16) {
+        // on the diagonal: exp2(g_i - g_j) = a_{j+1} ... a_i, a_t = exp2(g_t - g_{t-1}) <= 1
+#pragma unroll 2
+        for (int j = 0; j < K / 8; ++j) {
+          const int d = ds + 8 * j;
+          float qr[4], kr[4], gr[4];
+#pragma unroll
+          for (int a = 0; a < 4; ++a) {
+            qr[a] = Qf(r0 + a, d);
+            kr[a] = Kf(r0 + a, d);
+            gr[a] = sG[(r0 + a) * KP + d];
+          }
+          const float a1 = dev::fast_exp2(gr[1] - gr[0]);
+          const float a2 = dev::fast_exp2(gr[2] - gr[1]);
+          const float a3 = dev::fast_exp2(gr[3] - gr[2]);
+          const float z20 = a1 * a2, z31 = a2 * a3, z30 = z20 * a3;
+          float e;
+          // column 0
+          aq[0][0] = fmaf(qr[0], kr[0], aq[0][0]);
+          e = a1 * kr[0];
+          aq[1][0] = fmaf(qr[1], e, aq[1][0]);
+          ak[1][0] = fmaf(kr[1], e, ak[1][0]);
+          e = z20 * kr[0];
+          aq[2][0] = fmaf(qr[2], e, aq[2][0]);
+          ak[2][0] = fmaf(kr[2], e, ak[2][0]);
+          e = z30 * kr[0];
+          aq[3][0] = fmaf(qr[3], e, aq[3][0]);
+          ak[3][0] = fmaf(kr[3], e, ak[3][0]);
+          // column 1
+          aq[1][1] = fmaf(qr[1], kr[1], aq[1][1]);
+          e = a2 * kr[1];
+          aq[2][1] = fmaf(qr[2], e, aq[2][1]);
+          ak[2][1] = fmaf(kr[2], e, ak[2][1]);
+          e = z31 * kr[1];
+          aq[3][1] = fmaf(qr[3], e, aq[3][1]);
+          ak[3][1] = fmaf(kr[3], e, ak[3][1]);
+          // column 2
+          aq[2][2] = fmaf(qr[2], kr[2], aq[2][2]);
+          e = a3 * kr[2];
+          aq[3][2] = fmaf(qr[3], e, aq[3][2]);
+          ak[3][2] = fmaf(kr[3], e, ak[3][2]);
+          // column 3
+          aq[3][3] = fmaf(qr[3], kr[3], aq[3][3]);
+        }
+      } else {
+        // below the diagonal: through e = s0 + 3 (the last row of the column tile), j <= e < i
+#pragma unroll 2
+        for (int j = 0; j < K / 8; ++j) {
+          const int d = ds + 8 * j;
+          float qr[4], kr[4], gr[4], ks[4], gs[4];
+#pragma unroll
+          for (int a = 0; a < 4; ++a) {
+            qr[a] = Qf(r0 + a, d);
+            kr[a] = Kf(r0 + a, d);
+            gr[a] = sG[(r0 + a) * KP + d];
+            ks[a] = Kf(s0 + a, d);
+            gs[a] = sG[(s0 + a) * KP + d];
+          }
+          const float gb = gs[3];
+#pragma unroll
+          for (int a = 0; a < 4; ++a) {
+            const float pf = dev::fast_exp2(gr[a] - gb);  // i > e
+            qr[a] *= pf;
+            kr[a] *= pf;
+          }
+#pragma unroll
+          for (int b = 0; b < 3; ++b) ks[b] *= dev::fast_exp2(gb - gs[b]);  // e >= j
+#pragma unroll
+          for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              aq[a][b] = fmaf(qr[a], ks[b], aq[a][b]);
+              ak[a][b] = fmaf(kr[a], ks[b], ak[a][b]);
+            }
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+#pragma unroll
+          for (int o = 1; o < 8; o <<= 1) {
+            aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
+            ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
+          }
+        }
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        if (a != ds) continue;
+        const int r = r0 + a;
+        const float fq = p.scale * sRq[r], fk = sBeta[r] * sRk[r];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int s = s0 + b;
+          if (r >= s) sA[r * AP + s] = fq * sRk[s] * aq[a][b];
+          if (r > s) sL[r * AP + s] = fk * sRk[s] * ak[a][b];
+        }
+      }
+    }
+  } else {
+    // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores (two per warp).
+    // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
+    const int g = lane >> 2, t = lane & 3;
+    for (int tt = 0; tt < 2; ++tt) {
+      const int task = (warp - 5) * 2 + tt;  // 0..5
+      const int bi = task == 0 ? 1 : task <= 2 ? 2 : 3;
+      const int bj = task == 0 ? 0 : task <= 2 ? task - 1 : task - 3;
+      const int f = 16 * bi;
+      float cq[2][4] = {}, ck[2][4] = {};
+      const int ra = f + g, rb = f + g + 8;
+#pragma unroll 2
+      for (int kk = 0; kk < K / 8; ++kk) {
+        const int ca = 8 * kk + t, cb = ca + 4;
+        const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
+        const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
+        const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
+        const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
+        const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
+        const uint32_t aq_[4] = {dev::to_tf32(Qf(ra, ca) * e00), dev::to_tf32(Qf(rb, ca) * e10),
+                                 dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
+        const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
+                                 dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int s = 16 * bj + 8 * nt + g;
+          const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2(gfa - sG[s * KP + ca]));
+          const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2(gfb - sG[s * KP + cb]));
+          dev::mma_1688_tf32(cq[nt], aq_, b0, b1);
+          dev::mma_1688_tf32(ck[nt], ak_, b0, b1);
+        }
+      }
+      const float fqa = p.scale * sRq[ra], fqb = p.scale * sRq[rb];
+      const float fka = sBeta[ra] * sRk[ra], fkb = sBeta[rb] * sRk[rb];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int s = 16 * bj + 8 * nt + 2 * t;
+        const float k0 = sRk[s], k1 = sRk[s + 1];
+        sA[ra * AP + s] = fqa * k0 * cq[nt][0];
+        sA[ra * AP + s + 1] = fqa * k1 * cq[nt][1];
+        sA[rb * AP + s] = fqb * k0 * cq[nt][2];
+        sA[rb * AP + s + 1] = fqb * k1 * cq[nt][3];
+        sL[ra * AP + s] = fka * k0 * ck[nt][0];
+        sL[ra * AP + s + 1] = fka * k1 * ck[nt][1];
+        sL[rb * AP + s] = fkb * k0 * ck[nt][2];
+        sL[rb * AP + s + 1] = fkb * k1 * ck[nt][3];
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---------------------------------------------------------------- P4a: elementwise outputs
+  {
+    WT* qg = reinterpret_cast<WT*>(p.qg);
+    WT* kg = reinterpret_cast<WT*>(p.kg);
+    WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
+    constexpr int VPR = K / 8;  // 8-element vectors per row
+    for (int i = tid; i < kChunk * VPR; i += NTH) {
+      const int r = i / VPR, d0 = (i % VPR) * 8;
+      const float fq = p.scale * sRq[r], fk = sRk[r];
+      uint32_t pq[4], pk[4];
+#pragma unroll
+      for (int e = 0; e < 8; e += 2) {
+        float vq[2], vk[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int d = d0 + e + u;
+          const float g2 = sG[r * KP + d];
+          const float G = sGt[d];
+          const float kk = fk * Kf(r, d);
+          const float eg = dev::fast_exp2(g2);  // g2 <= 0
+          vq[u] = fq * Qf(r, d) * eg;
+          vk[u] = kk * dev::fast_exp2(G - g2);  // G <= g2: one-sided
+          sKexp[r * KP + d] = kk * eg;          // in place: this thread read sG[r][d] above
+        }
+        pq[e / 2] = E::pack2(vq[0], vq[1]);
+        pk[e / 2] = E::pack2(vk[0], vk[1]);
+      }
+      if (r < len) {
+        const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
+        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      }
+    }
+    for (int i = tid; i < kChunk * 8; i += NTH) {
+      const int r = i / 8, s0 = (i % 8) * 8;
+      if (r < len) {
+        uint32_t pa[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sA[r * AP + s0 + 2 * e], sA[r * AP + s0 + 2 * e + 1]);
+        *reinterpret_cast<uint4*>(Aqk + ((tok0 + r) * HV + hv) * kChunk + s0) =
+            make_uint4(pa[0], pa[1], pa[2], pa[3]);
+      }
+    }
+    if (tid < K) p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + tid] = dev::fast_exp2(sGt[tid]);
+  }
+  __syncthreads();
+
+  // ---------------------------------------------------------------- P3: X = (I + L)^-1
+  if (tid < 64) {
+    // Column j of the inverse of the unit lower-triangular diagonal block: forward substitution
+    // in fp32 (never a low-precision Neumann series: near-collinear keys make it diverge).
+    const int blk = tid >> 4, j = tid & 15, o = 16 * blk;
+    float xv[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) acc = fmaf(sL[(o + i) * AP + o + m], xv[m], acc);
+      xv[i] = i < j ? 0.f : (i == j ? 1.f : -acc);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
+  } else {
+    // zero the blocks above the diagonal (Akk is stored as full 64-wide rows)
+    for (int i = tid - 64; i < 6 * 256; i += NTH - 64) {
+      const int b = i >> 8, e = i & 255;
+      const int bi = b < 3 ? 0 : b < 5 ? 1 : 2;
+      const int bj = b < 3 ? b + 1 : b < 5 ? b - 1 : 3;
+      sX[(16 * bi + (e >> 4)) * AP + 16 * bj + (e & 15)] = 0.f;
+    }
+  }
+  __syncthreads();
+  for (int bi = 1; bi < 4; ++bi) {
+    // Y_j = sum_{m=j}^{bi-1} L_{bi,m} X_{m,j}
+    for (int i = tid; i < bi * 256; i += NTH) {
+      const int bj = i >> 8, r = (i >> 4) & 15, cc = i & 15;
+      float acc = 0.f;
+      for (int m = bj; m < bi; ++m)
+#pragma unroll
+        for (int e = 0; e < 16; ++e)
+          acc = fmaf(sL[(16 * bi + r) * AP + 16 * m + e], sX[(16 * m + e) * AP + 16 * bj + cc], acc);
+      sY[(16 * bj + r) * AP + cc] = acc;
+    }
+    __syncthreads();
+    // X_{bi,j} = -X_{bi,bi} Y_j
+    for (int i = tid; i < bi * 256; i += NTH) {
+      const int bj = i >> 8, r = (i >> 4) & 15, cc = i & 15;
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < 16; ++e)
+        acc = fmaf(sX[(16 * bi + r) * AP + 16 * bi + e], sY[(16 * bj + e) * AP + cc], acc);
+      sX[(16 * bi + r) * AP + 16 * bj + cc] = -acc;
+    }
+    __syncthreads();
+  }
+  // Akk = X diag(beta) (column scaling), then store full rows
+  for (int i = tid; i < kChunk * kChunk; i += NTH) {
+    const int r = i >> 6, s = i & 63;
+    sX[r * AP + s] *= sBeta[s];
+  }
+  __syncthreads();
+  {
+    WT* Akk = reinterpret_cast<WT*>(p.Akk);
+    for (int i = tid; i < kChunk * 8; i += NTH) {
+      const int r = i / 8, s0 = (i % 8) * 8;
+      if (r < len) {
+        uint32_t pa[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sX[r * AP + s0 + 2 * e], sX[r * AP + s0 + 2 * e + 1]);
+        *reinterpret_cast<uint4*>(Akk + ((tok0 + r) * HV + hv) * kChunk + s0) =
+            make_uint4(pa[0], pa[1], pa[2], pa[3]);
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- P4b: w = Akk @ kexp
+  {
+    WT* w = reinterpret_cast<WT*>(p.w);
+    const int g = lane >> 2, t = lane & 3;
+    const int mt = warp & 3, nh = warp >> 2;  // m-tile of 16 rows, half of K
+    constexpr int NT8 = K / 16;               // n-tiles of 8 per warp
+    float acc[NT8][4] = {};
+    const int ra = 16 * mt + g, rb = ra + 8;
+    // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1).
+    for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
+      const int ca = 8 * kk + t, cb = ca + 4;
+      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca]), dev::to_tf32(sX[rb * AP + ca]),
+                             dev::to_tf32(sX[ra * AP + cb]), dev::to_tf32(sX[rb * AP + cb])};
+#pragma unroll
+      for (int nt = 0; nt < NT8; ++nt) {
+        const int col = nh * (K / 2) + 8 * nt + g;
+        dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sKexp[ca * KP + col]), dev::to_tf32(sKexp[cb * KP + col]));
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt) {
+      const int col = nh * (K / 2) + 8 * nt + 2 * t;
+      if (ra < len)
+        *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
+      if (rb < len)
+        *reinterpret_cast<uint32_t*>(w + ((tok0 + rb) * HV + hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
+    }
+  }
+}
+
+// Which intra kernel runs: v2 unless KERNEL_FUN_KDA_INTRA=v1 (read on every launch, so a benchmark
+// can compare both in one process).
+inline bool intra_use_v1() {
+  const char* e = std::getenv("KERNEL_FUN_KDA_INTRA");
+  return e != nullptr && e[0] == 'v' && e[1] == '1' && e[2] == '\0';
+}
+
 }  // namespace kernel_fun::kda
+
+// Defines launch_intra<WT, K> with the run-time v1 / v2 choice (used by instantiations/).
+#define KF_KDA_DEFINE_INTRA_SELECT(WT, K)                                                          \
+  namespace kernel_fun::kda {                                                                      \
+  template <>                                                                                      \
+  void launch_intra<WT, K>(const KdaFwdParams& p, cudaStream_t stream) {                           \
+    if (intra_use_v1()) {                                                                          \
+      constexpr size_t smem = IntraSmem<K>::kBytes;                                                \
+      auto kern = kda_fwd_intra_kernel<WT, K>;                                                     \
+      KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+      if (p.max_chunks == 0 || p.HV == 0) return;                                                  \
+      kern<<<dim3(p.max_chunks, p.HV), kIntraThreads, smem, stream>>>(p);                          \
+      KF_CHECK_LAUNCH();                                                                           \
+      return;                                                                                      \
+    }                                                                                              \
+    constexpr size_t smem = IntraSmemV2<K>::kBytes;                                                \
+    auto kern = kda_fwd_intra_v2_kernel<WT, K>;                                                    \
+    KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));  \
+    KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,       \
+                                       cudaSharedmemCarveoutMaxShared));                           \
+    if (p.max_chunks == 0 || p.HV == 0) return;                                                    \
+    kern<<<dim3(p.max_chunks, p.HV), kIntraThreadsV2, smem, stream>>>(p);                          \
+    KF_CHECK_LAUNCH();                                                                             \
+  }                                                                                                \
+  }

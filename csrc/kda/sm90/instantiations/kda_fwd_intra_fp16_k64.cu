@@ -2,4 +2,4 @@
 #include "kda/sm90/kda_fwd_intra.cuh"
 #include "kda/sm90/kda_fwd_launch.h"
 
-KF_KDA_DEFINE_INTRA(__half, 64)
+KF_KDA_DEFINE_INTRA_SELECT(__half, 64)
