@@ -1,12 +1,14 @@
 // KDA forward: dispatch over (dtype, K, V-slice) and the varlen chunk map.
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "kda/sm90/kda_device.cuh"
 #include "kda/sm90/kda_fwd_launch.h"
+#include "kda/sm90/kda_fwd_scan_launch.h"
 
 namespace kernel_fun::kda {
 
@@ -65,11 +67,15 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
   }
 }
 
-int kda_fwd_scan_bv(const KdaFwdParams& p) {
-  if (const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV")) {  // benchmarking override
-    const int bv = std::atoi(env);
-    if ((bv == 64 || bv == 128) && p.V % bv == 0) return bv;
-  }
+// KERNEL_FUN_KDA_SCAN=v1 selects the first scan kernel (h as mma.sync B operand in smem, 8 warps
+// per CTA, barriers between phases); anything else, or unset, the default v2 (transposed state,
+// one warp per 16 value columns, one barrier per chunk). Read per call, so a process can compare.
+static bool scan_v1() {
+  const char* env = std::getenv("KERNEL_FUN_KDA_SCAN");
+  return env && std::string(env) == "v1";
+}
+
+static int scan_bv_v1(const KdaFwdParams& p) {
   if (p.V % 128 != 0) return 64;
   // Wide slices halve the re-reads of w/qg/kg/Aqk/Akk but halve the CTA count: keep them when
   // they still fill the 132 SMs (measured on the H200: B16 H16 V128 scan 1.25 ms at 128 vs
@@ -79,10 +85,51 @@ int kda_fwd_scan_bv(const KdaFwdParams& p) {
   return (!p.cu_seqlens && ctas128 >= 132) ? 128 : 64;
 }
 
+// v2: every warp does the whole chunk for its 16 value columns, so a CTA's per-chunk time is set
+// by what its warps share: shared-memory bandwidth (128 B/clk/SM) for the chunk's fill plus every
+// warp's ldmatrix reads of the K-wide tiles (~60 KB per warp per chunk at K=128), with a floor of
+// one warp's own serial chain. Modelled cost = waves x per-chunk time; the smallest wins.
+static int scan_bv_v2(const KdaFwdParams& p) {
+  constexpr int kSMs = 132;
+  const long rows = static_cast<long>(p.HV) * p.N;
+  const double kw = p.K / 128.0;
+  int best = 64;
+  double best_cost = 0;
+  for (int bv : {128, 64, 32}) {
+    if (p.V % bv != 0) continue;
+    const int warps = bv / 16;
+    const double fill_kb = 52.0 * kw + 18.0 + bv / 8.0;  // w, qg, kg + Aqk, Akk + v, padded
+    const double warp_kb = 48.0 * kw + 12.0;             // ldmatrix bytes one warp reads
+    const double smem_kb = 2 * fill_kb;                  // double-buffered stage
+    const int per_sm = smem_kb <= 110 ? 2 : 1;
+    const double chunk = std::max(per_sm * (fill_kb + warps * warp_kb), 190.0 * kw + 60.0);
+    const long ctas = rows * (p.V / bv);
+    const long waves = (ctas + static_cast<long>(kSMs) * per_sm - 1) / (static_cast<long>(kSMs) * per_sm);
+    const double cost = waves * chunk;
+    if (best_cost == 0 || cost < best_cost) best = bv, best_cost = cost;
+  }
+  return best;
+}
+
+int kda_fwd_scan_bv(const KdaFwdParams& p) {
+  const bool v1 = scan_v1();
+  if (const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV")) {  // benchmarking override
+    const int bv = std::atoi(env);
+    if ((bv == 64 || bv == 128 || (bv == 32 && !v1)) && p.V % bv == 0) return bv;
+  }
+  return v1 ? scan_bv_v1(p) : scan_bv_v2(p);
+}
+
 template <typename WT, int K>
 static void scan_bv(const KdaFwdParams& p, cudaStream_t s) {
-  if (kda_fwd_scan_bv(p) == 128) return launch_scan<WT, K, 128>(p, s);
-  return launch_scan<WT, K, 64>(p, s);
+  const int bv = kda_fwd_scan_bv(p);
+  if (scan_v1()) {
+    if (bv == 128) return launch_scan<WT, K, 128>(p, s);
+    return launch_scan<WT, K, 64>(p, s);
+  }
+  if (bv == 128) return launch_scan2<WT, K, 128>(p, s);
+  if (bv == 32) return launch_scan2<WT, K, 32>(p, s);
+  return launch_scan2<WT, K, 64>(p, s);
 }
 
 template <typename WT>

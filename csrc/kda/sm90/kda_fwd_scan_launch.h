@@ -1,0 +1,26 @@
+// Launchers of the KDA forward scan kernels (kda_fwd_scan.cuh): v1 (kda_fwd_scan_kernel, launch_scan
+// in kda_fwd_launch.h) and v2 (kda_fwd_scan2_kernel, launch_scan2 here). Only kda_fwd.cu calls them;
+// each instantiation file under instantiations/ defines its variants with the macro below.
+#pragma once
+
+#include "kda/sm90/kda_fwd.h"
+
+namespace kernel_fun::kda {
+
+template <typename WT, int K, int BV>
+void launch_scan2(const KdaFwdParams& p, cudaStream_t stream);
+
+}  // namespace kernel_fun::kda
+
+#define KF_KDA_DEFINE_SCAN2(WT, K, BV)                                                          \
+  namespace kernel_fun::kda {                                                                   \
+  template <>                                                                                   \
+  void launch_scan2<WT, K, BV>(const KdaFwdParams& p, cudaStream_t stream) {                    \
+    constexpr size_t smem = Scan2Smem<WT, K, BV>::kBytes;                                       \
+    auto kern = kda_fwd_scan2_kernel<WT, K, BV>;                                                \
+    KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    if (p.N == 0 || p.HV == 0) return;                                                          \
+    kern<<<dim3(p.V / BV, p.HV, p.N), scan2_threads<BV>(), smem, stream>>>(p);                  \
+    KF_CHECK_LAUNCH();                                                                          \
+  }                                                                                             \
+  }
