@@ -24,10 +24,10 @@ namespace kernel_fun::api {
 using torch::headeronly::ScalarType;
 using Tensor = torch::stable::Tensor;
 
-// Message building without iostreams. On the H200 image the extension is compiled by a newer g++
-// (/opt/gcc) than the libstdc++ the process loads, and std::ostringstream segfaulted there
-// (build_info and the first argument checks crashed): plain std::string appends are header-only
-// and safe. `Msg() << "x must be " << 3` reads like a stream.
+// Message building without iostreams: a crash on the H200 image was first blamed on
+// std::ostringstream (the extension there is compiled by /opt/gcc's g++); plain std::string
+// appends need nothing from the runtime's locale machinery either way.
+// `Msg() << "x must be " << 3` reads like a stream.
 class Msg {
  public:
   Msg& operator<<(const char* s) { s_ += s ? s : "(null)"; return *this; }

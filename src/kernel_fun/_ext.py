@@ -58,7 +58,7 @@ def build_info() -> str | None:
         return None
     import torch
 
-    return torch.ops.kernel_fun.build_info()
+    return torch.ops.kernel_fun.build_info(torch.empty(0))
 
 
 def ops():
