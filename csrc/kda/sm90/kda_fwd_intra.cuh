@@ -516,6 +516,22 @@ struct IntraSmemV2 {
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
 
+// 3xTF32 m16n8k8: D += A B with A, B split into tf32 hi + lo parts (hi*lo + lo*hi + hi*hi), about
+// fp32 accuracy on tensor cores. a: {(g, t), (g+8, t), (g, t+4), (g+8, t+4)}; b0 = B(t, g), b1 = B(t+4, g).
+__device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)[4], float b0, float b1) {
+  uint32_t ah[4], al[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    ah[i] = dev::to_tf32(a[i]);
+    al[i] = dev::to_tf32(a[i] - __uint_as_float(ah[i]));
+  }
+  const uint32_t bh0 = dev::to_tf32(b0), bh1 = dev::to_tf32(b1);
+  const uint32_t bl0 = dev::to_tf32(b0 - __uint_as_float(bh0)), bl1 = dev::to_tf32(b1 - __uint_as_float(bh1));
+  dev::mma_1688_tf32(c, ah, bl0, bl1);
+  dev::mma_1688_tf32(c, al, bh0, bh1);
+  dev::mma_1688_tf32(c, ah, bh0, bh1);
+}
+
 template <typename WT, int K>
 __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(const KdaFwdParams p) {
   using S = IntraSmemV2<K>;
@@ -907,9 +923,9 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
   __syncthreads();
 
   // ---------------------------------------------------------------- P3: X = (I + L)^-1
+  // Diagonal 16x16 blocks: column j of the inverse of the unit lower-triangular block by forward
+  // substitution in fp32 (never a low-precision Neumann series: near-collinear keys make it diverge).
   if (tid < 64) {
-    // Column j of the inverse of the unit lower-triangular diagonal block: forward substitution
-    // in fp32 (never a low-precision Neumann series: near-collinear keys make it diverge).
     const int blk = tid >> 4, j = tid & 15, o = 16 * blk;
     float xv[16];
 #pragma unroll
@@ -921,53 +937,80 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
-  } else {
-    // zero the blocks above the diagonal (Akk is stored as full 64-wide rows)
-    for (int i = tid - 64; i < 6 * 256; i += NTH - 64) {
-      const int b = i >> 8, e = i & 255;
-      const int bi = b < 3 ? 0 : b < 5 ? 1 : 2;
-      const int bj = b < 3 ? b + 1 : b < 5 ? b - 1 : 3;
-      sX[(16 * bi + (e >> 4)) * AP + 16 * bj + (e & 15)] = 0.f;
-    }
   }
   __syncthreads();
-  for (int bi = 1; bi < 4; ++bi) {
-    // Y_j = sum_{m=j}^{bi-1} L_{bi,m} X_{m,j}
-    for (int i = tid; i < bi * 256; i += NTH) {
-      const int bj = i >> 8, r = (i >> 4) & 15, cc = i & 15;
-      float acc = 0.f;
-      for (int m = bj; m < bi; ++m)
+  // Block merge X_{bi,j} = -X_{bi,bi} sum_{m=j}^{bi-1} L_{bi,m} X_{m,j}, one warp per (bi, j), on
+  // tensor cores in 3xTF32 (hi*hi + hi*lo + lo*hi: ~fp32 accuracy). Y goes through the warp's own
+  // rows of the scratch sY. The blocks above the diagonal are never formed (the Akk store writes
+  // zeros there, w never reads them).
+  {
+    const int g = lane >> 2, t = lane & 3;
+    for (int bi = 1; bi < 4; ++bi) {
+      if (warp < bi) {
+        const int j = warp;
+        float cy[2][4] = {};
+        for (int m = j; m < bi; ++m) {
 #pragma unroll
-        for (int e = 0; e < 16; ++e)
-          acc = fmaf(sL[(16 * bi + r) * AP + 16 * m + e], sX[(16 * m + e) * AP + 16 * bj + cc], acc);
-      sY[(16 * bj + r) * AP + cc] = acc;
-    }
-    __syncthreads();
-    // X_{bi,j} = -X_{bi,bi} Y_j
-    for (int i = tid; i < bi * 256; i += NTH) {
-      const int bj = i >> 8, r = (i >> 4) & 15, cc = i & 15;
-      float acc = 0.f;
+          for (int ks = 0; ks < 2; ++ks) {
+            const int ra = 16 * bi + g, ca = 16 * m + 8 * ks + t;
+            const float a[4] = {sL[ra * AP + ca], sL[(ra + 8) * AP + ca], sL[ra * AP + ca + 4],
+                                sL[(ra + 8) * AP + ca + 4]};
 #pragma unroll
-      for (int e = 0; e < 16; ++e)
-        acc = fmaf(sX[(16 * bi + r) * AP + 16 * bi + e], sY[(16 * bj + e) * AP + cc], acc);
-      sX[(16 * bi + r) * AP + 16 * bj + cc] = -acc;
+            for (int nt = 0; nt < 2; ++nt) {
+              const int kb = 16 * m + 8 * ks + t, col = 16 * j + 8 * nt + g;
+              intra_mma_3xtf32(cy[nt], a, sX[kb * AP + col], sX[(kb + 4) * AP + col]);
+            }
+          }
+        }
+        float* y = sY + 16 * j * AP;  // rows 16j .. 16j+15 of the scratch: this warp's own
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          y[g * AP + 8 * nt + 2 * t] = cy[nt][0];
+          y[g * AP + 8 * nt + 2 * t + 1] = cy[nt][1];
+          y[(g + 8) * AP + 8 * nt + 2 * t] = cy[nt][2];
+          y[(g + 8) * AP + 8 * nt + 2 * t + 1] = cy[nt][3];
+        }
+        __syncwarp();
+        float cx[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          const int ra = 16 * bi + g, ca = 16 * bi + 8 * ks + t;
+          const float a[4] = {sX[ra * AP + ca], sX[(ra + 8) * AP + ca], sX[ra * AP + ca + 4],
+                              sX[(ra + 8) * AP + ca + 4]};
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const int kb = 8 * ks + t, col = 8 * nt + g;
+            intra_mma_3xtf32(cx[nt], a, y[kb * AP + col], y[(kb + 4) * AP + col]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int ra = 16 * bi + g, col = 16 * j + 8 * nt + 2 * t;
+          sX[ra * AP + col] = -cx[nt][0];
+          sX[ra * AP + col + 1] = -cx[nt][1];
+          sX[(ra + 8) * AP + col] = -cx[nt][2];
+          sX[(ra + 8) * AP + col + 1] = -cx[nt][3];
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
-  // Akk = X diag(beta) (column scaling), then store full rows
-  for (int i = tid; i < kChunk * kChunk; i += NTH) {
-    const int r = i >> 6, s = i & 63;
-    sX[r * AP + s] *= sBeta[s];
-  }
-  __syncthreads();
+  // Akk = X diag(beta), stored as full 64-wide rows (zeros above the diagonal blocks)
   {
     WT* Akk = reinterpret_cast<WT*>(p.Akk);
     for (int i = tid; i < kChunk * 8; i += NTH) {
       const int r = i / 8, s0 = (i % 8) * 8;
       if (r < len) {
         uint32_t pa[4];
+        if ((s0 >> 4) > (r >> 4)) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sX[r * AP + s0 + 2 * e], sX[r * AP + s0 + 2 * e + 1]);
+          for (int e = 0; e < 4; ++e) pa[e] = E::pack2(0.f, 0.f);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            pa[e] = E::pack2(sX[r * AP + s0 + 2 * e] * sBeta[s0 + 2 * e],
+                             sX[r * AP + s0 + 2 * e + 1] * sBeta[s0 + 2 * e + 1]);
+        }
         *reinterpret_cast<uint4*>(Akk + ((tok0 + r) * HV + hv) * kChunk + s0) =
             make_uint4(pa[0], pa[1], pa[2], pa[3]);
       }
@@ -985,8 +1028,9 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
     // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1).
     for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
       const int ca = 8 * kk + t, cb = ca + 4;
-      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca]), dev::to_tf32(sX[rb * AP + ca]),
-                             dev::to_tf32(sX[ra * AP + cb]), dev::to_tf32(sX[rb * AP + cb])};
+      const float bca = sBeta[ca], bcb = sBeta[cb];  // Akk = X diag(beta)
+      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca] * bca), dev::to_tf32(sX[rb * AP + ca] * bca),
+                             dev::to_tf32(sX[ra * AP + cb] * bcb), dev::to_tf32(sX[rb * AP + cb] * bcb)};
 #pragma unroll
       for (int nt = 0; nt < NT8; ++nt) {
         const int col = nh * (K / 2) + 8 * nt + g;
