@@ -532,6 +532,16 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
   dev::mma_1688_tf32(c, ah, bh0, bh1);
 }
 
+// 8 consecutive floats (16-byte aligned) between smem and registers.
+__device__ __forceinline__ void intra_ld8(float (&v)[8], const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void intra_st8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
 template <typename WT, int K>
 __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(const KdaFwdParams p) {
   using S = IntraSmemV2<K>;
@@ -884,24 +894,40 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
     for (int i = tid; i < kChunk * VPR; i += NTH) {
       const int r = i / VPR, d0 = (i % VPR) * 8;
       const float fq = p.scale * sRq[r], fk = sRk[r];
+      // 16-byte smem accesses: 8 consecutive d of row r
+      float g2v[8], Gv[8], qv[8], kv[8];
+      intra_ld8(g2v, sG + r * KP + d0);
+      intra_ld8(Gv, sGt + d0);
+      {
+        const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
+        const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+        const WT* eq = reinterpret_cast<const WT*>(&uq);
+        const WT* ek = reinterpret_cast<const WT*>(&uk);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          qv[e] = E::to_float(eq[e]);
+          kv[e] = E::to_float(ek[e]);
+        }
+      }
       uint32_t pq[4], pk[4];
+      float kx[8];
 #pragma unroll
       for (int e = 0; e < 8; e += 2) {
         float vq[2], vk[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const int d = d0 + e + u;
-          const float g2 = sG[r * KP + d];
-          const float G = sGt[d];
-          const float kk = fk * Kf(r, d);
+          const float g2 = g2v[e + u];
+          const float kk = fk * kv[e + u];
           const float eg = dev::fast_exp2(g2);  // g2 <= 0
-          vq[u] = fq * Qf(r, d) * eg;
-          vk[u] = kk * dev::fast_exp2(G - g2);  // G <= g2: one-sided
-          sKexp[r * KP + d] = kk * eg;          // in place: this thread read sG[r][d] above
+          vq[u] = fq * qv[e + u] * eg;
+          vk[u] = kk * dev::fast_exp2(Gv[e + u] - g2);  // G <= g2: one-sided
+          kx[e + u] = kk * eg;
         }
         pq[e / 2] = E::pack2(vq[0], vq[1]);
         pk[e / 2] = E::pack2(vk[0], vk[1]);
       }
+      // kexp in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
+      intra_st8(sKexp + r * KP + d0, kx);
       if (r < len) {
         const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
         *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
