@@ -860,51 +860,58 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
       }
     }
   } else {
-    // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores (two per warp).
+    // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp per block
+    // row bi (warp 5: bi = 3, 6: 2, 7: 1), so the A operands are gated once for all bj < bi.
     // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
     const int g = lane >> 2, t = lane & 3;
-    for (int tt = 0; tt < 2; ++tt) {
-      const int task = (warp - 5) * 2 + tt;  // 0..5
-      const int bi = task == 0 ? 1 : task <= 2 ? 2 : 3;
-      const int bj = task == 0 ? 0 : task <= 2 ? task - 1 : task - 3;
-      const int f = 16 * bi;
-      float cq[2][4] = {}, ck[2][4] = {};
-      const int ra = f + g, rb = f + g + 8;
+    const int bi = 8 - warp;
+    const int f = 16 * bi;
+    float cq[3][2][4] = {}, ck[3][2][4] = {};
+    const int ra = f + g, rb = f + g + 8;
 #pragma unroll 2
-      for (int kk = 0; kk < K / 8; ++kk) {
-        const int ca = 8 * kk + t, cb = ca + 4;
-        const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
-        const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
-        const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
-        const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
-        const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
-        const uint32_t aq_[4] = {dev::to_tf32(Qf(ra, ca) * e00), dev::to_tf32(Qf(rb, ca) * e10),
-                                 dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
-        const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
-                                 dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
+    for (int kk = 0; kk < K / 8; ++kk) {
+      const int ca = 8 * kk + t, cb = ca + 4;
+      const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
+      const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
+      const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
+      const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
+      const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
+      const uint32_t aq_[4] = {dev::to_tf32(Qf(ra, ca) * e00), dev::to_tf32(Qf(rb, ca) * e10),
+                               dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
+      const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
+                               dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int s = 16 * bj + 8 * nt + g;
-          const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2(gfa - sG[s * KP + ca]));
-          const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2(gfb - sG[s * KP + cb]));
-          dev::mma_1688_tf32(cq[nt], aq_, b0, b1);
-          dev::mma_1688_tf32(ck[nt], ak_, b0, b1);
+      for (int bj = 0; bj < 3; ++bj) {
+        if (bj < bi) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const int s = 16 * bj + 8 * nt + g;
+            const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2(gfa - sG[s * KP + ca]));
+            const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2(gfb - sG[s * KP + cb]));
+            dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
+            dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
+          }
         }
       }
-      const float fqa = p.scale * sRq[ra], fqb = p.scale * sRq[rb];
-      const float fka = sBeta[ra] * sRk[ra], fkb = sBeta[rb] * sRk[rb];
+    }
+    const float fqa = p.scale * sRq[ra], fqb = p.scale * sRq[rb];
+    const float fka = sBeta[ra] * sRk[ra], fkb = sBeta[rb] * sRk[rb];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int s = 16 * bj + 8 * nt + 2 * t;
-        const float k0 = sRk[s], k1 = sRk[s + 1];
-        sA[ra * AP + s] = fqa * k0 * cq[nt][0];
-        sA[ra * AP + s + 1] = fqa * k1 * cq[nt][1];
-        sA[rb * AP + s] = fqb * k0 * cq[nt][2];
-        sA[rb * AP + s + 1] = fqb * k1 * cq[nt][3];
-        sL[ra * AP + s] = fka * k0 * ck[nt][0];
-        sL[ra * AP + s + 1] = fka * k1 * ck[nt][1];
-        sL[rb * AP + s] = fkb * k0 * ck[nt][2];
-        sL[rb * AP + s + 1] = fkb * k1 * ck[nt][3];
+    for (int bj = 0; bj < 3; ++bj) {
+      if (bj < bi) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int s = 16 * bj + 8 * nt + 2 * t;
+          const float k0 = sRk[s], k1 = sRk[s + 1];
+          sA[ra * AP + s] = fqa * k0 * cq[bj][nt][0];
+          sA[ra * AP + s + 1] = fqa * k1 * cq[bj][nt][1];
+          sA[rb * AP + s] = fqb * k0 * cq[bj][nt][2];
+          sA[rb * AP + s + 1] = fqb * k1 * cq[bj][nt][3];
+          sL[ra * AP + s] = fka * k0 * ck[bj][nt][0];
+          sL[ra * AP + s + 1] = fka * k1 * ck[bj][nt][1];
+          sL[rb * AP + s] = fkb * k0 * ck[bj][nt][2];
+          sL[rb * AP + s + 1] = fkb * k1 * ck[bj][nt][3];
+        }
       }
     }
   }
