@@ -362,6 +362,18 @@ def test_scan_v1_fallback_agrees_with_v2(monkeypatch, name):
     assert rel_rms(o1.double(), o2) <= 2e-3 and rel_rms(h1.double(), h2) <= 2e-3
 
 
+@pytest.mark.parametrize("bv", ["64", "128"])
+@pytest.mark.parametrize("name", ["K128-V256-h0", "K64-V192-h0", "fp16-T333", "state-v-first", "varlen-fla"])
+def test_scan_v3_wgmma_every_slice_width(monkeypatch, name, bv):
+    # opt-in v3 (phase A on wgmma); the default stays v2 until this passes on the H200
+    case = SCAN_CASES[name]
+    if case.get("V", 128) % int(bv):
+        pytest.skip(f"V={case.get('V', 128)} has no {bv}-wide slices")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN", "v3")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", bv)
+    _check_scan_case(case)
+
+
 def test_scan_v2_deterministic():
     inputs, kw = make_case(B=3, T=1000, HV=2, V=256, h0=True)
     a = run_ours(inputs, kw)

@@ -345,7 +345,12 @@ constexpr int scan2_threads() {
   return BV / 16 * 32;
 }
 
-template <typename WT, int K, int BV>
+// kWg (v3, KERNEL_FUN_KDA_SCAN=v3, BV in {64, 128}): phase A on wgmma instead -- each warpgroup
+// (4 warps = 64 value columns = M of wgmma.m64n64k16) issues hT (registers, the A layout above) x
+// w^T / qg^T with B read from smem through a descriptor, once per warpgroup instead of once per warp
+// (w and qg are then stored in the no-swizzle core-matrix layout: 8 tokens x 8 k = 128 contiguous
+// bytes, LBO 128 B along k, SBO 16 K bytes along tokens).
+template <typename WT, int K, int BV, bool kWg = false>
 __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(const KdaFwdParams p) {
   using S = Scan2Smem<WT, K, BV>;
   using E = dev::Elem<WT>;
@@ -353,6 +358,7 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
   constexpr int KP = S::KP, AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV % 32 == 0 && BV <= 128, "BV in {32, 64, 128}");
+  static_assert(!kWg || BV % 64 == 0, "wgmma needs whole warpgroups (64 value columns)");
 
   extern __shared__ float4 smem_f4[];
   WT* sm = reinterpret_cast<WT*>(smem_f4);
@@ -399,8 +405,10 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
       const bool ok = r < rows;
       const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * K + c8;
       const int nb = ok ? 16 : 0;
-      dev::cp_async16(base + S::kW + r * KP + c8, gw + off, nb);
-      dev::cp_async16(base + S::kQg + r * KP + c8, gqg + off, nb);
+      // wgmma: core matrices [token / 8][k / 8][token % 8][k % 8]
+      const int wq = kWg ? (r >> 3) * (K * 8) + c8 * 8 + (r & 7) * 8 : r * KP + c8;
+      dev::cp_async16(base + S::kW + wq, gw + off, nb);
+      dev::cp_async16(base + S::kQg + wq, gqg + off, nb);
       dev::cp_async16(base + S::kKg + r * KP + c8, gkg + off, nb);
     }
     for (int i = tid; i < kChunk * 8; i += NT) {
@@ -433,6 +441,7 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
     dev::cp_async_wait<0>();
+    if constexpr (kWg) dev::fence_proxy_async_smem();  // cp.async writes -> wgmma reads
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1)
     __syncthreads();
     if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
@@ -461,24 +470,53 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) whT[j][e] = oT[j][e] = 0.f;
+    if constexpr (kWg) {
+      uint32_t ha[K / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = E::pack2(hT[2 * kk][0], hT[2 * kk][1]);
-      a[1] = E::pack2(hT[2 * kk][2], hT[2 * kk][3]);
-      a[2] = E::pack2(hT[2 * kk + 1][0], hT[2 * kk + 1][1]);
-      a[3] = E::pack2(hT[2 * kk + 1][2], hT[2 * kk + 1][3]);
+      for (int kk = 0; kk < K / 16; ++kk) {
+        ha[kk][0] = E::pack2(hT[2 * kk][0], hT[2 * kk][1]);
+        ha[kk][1] = E::pack2(hT[2 * kk][2], hT[2 * kk][3]);
+        ha[kk][2] = E::pack2(hT[2 * kk + 1][0], hT[2 * kk + 1][1]);
+        ha[kk][3] = E::pack2(hT[2 * kk + 1][2], hT[2 * kk + 1][3]);
+      }
+      dev::wg_fence_acc(whT);
+      dev::wg_fence_acc(oT);
+      dev::wg_arrive();
+      const uint32_t aw = dev::smem_u32(sW), aq = dev::smem_u32(sQg);
 #pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {
-        // B[k][n = token] = w[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
-        const int off = (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8;
-        uint32_t bw[4], bq[4];
-        dev::ldsm_x4(bw, sW + off);
-        dev::ldsm_x4(bq, sQg + off);
-        dev::mma_16816<WT>(whT[2 * pp], a, bw[0], bw[1]);
-        dev::mma_16816<WT>(whT[2 * pp + 1], a, bw[2], bw[3]);
-        dev::mma_16816<WT>(oT[2 * pp], a, bq[0], bq[1]);
-        dev::mma_16816<WT>(oT[2 * pp + 1], a, bq[2], bq[3]);
+      for (int kk = 0; kk < K / 16; ++kk) {
+        // k-step kk = core-matrix columns 2 kk, 2 kk + 1 (LBO 128 B); 8-token groups SBO 16 K B apart
+        dev::wgmma_m64n64k16_rs<WT>(whT, ha[kk], dev::gmma_desc_nosw(aw + kk * 256, 128, K * 16));
+        dev::wgmma_m64n64k16_rs<WT>(oT, ha[kk], dev::gmma_desc_nosw(aq + kk * 256, 128, K * 16));
+      }
+      dev::wg_commit();
+      dev::wg_wait<0>();
+      dev::wg_fence_acc(whT);
+      dev::wg_fence_acc(oT);
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dev::wg_fence_reg(ha[kk][e]);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = E::pack2(hT[2 * kk][0], hT[2 * kk][1]);
+        a[1] = E::pack2(hT[2 * kk][2], hT[2 * kk][3]);
+        a[2] = E::pack2(hT[2 * kk + 1][0], hT[2 * kk + 1][1]);
+        a[3] = E::pack2(hT[2 * kk + 1][2], hT[2 * kk + 1][3]);
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) {
+          // B[k][n = token] = w[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
+          const int off = (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8;
+          uint32_t bw[4], bq[4];
+          dev::ldsm_x4(bw, sW + off);
+          dev::ldsm_x4(bq, sQg + off);
+          dev::mma_16816<WT>(whT[2 * pp], a, bw[0], bw[1]);
+          dev::mma_16816<WT>(whT[2 * pp + 1], a, bw[2], bw[3]);
+          dev::mma_16816<WT>(oT[2 * pp], a, bq[0], bq[1]);
+          dev::mma_16816<WT>(oT[2 * pp + 1], a, bq[2], bq[3]);
+        }
       }
     }
 

@@ -1,5 +1,6 @@
 // Launchers of the KDA forward scan kernels (kda_fwd_scan.cuh): v1 (kda_fwd_scan_kernel, launch_scan
-// in kda_fwd_launch.h) and v2 (kda_fwd_scan2_kernel, launch_scan2 here). Only kda_fwd.cu calls them;
+// in kda_fwd_launch.h), v2 (kda_fwd_scan2_kernel, launch_scan2 here) and v3 (kda_fwd_scan2_kernel
+// with kWg, launch_scan3). Only kda_fwd.cu calls them;
 // each instantiation file under instantiations/ defines its variants with the macro below.
 #pragma once
 
@@ -10,6 +11,10 @@ namespace kernel_fun::kda {
 template <typename WT, int K, int BV>
 void launch_scan2(const KdaFwdParams& p, cudaStream_t stream);
 
+// v3 (opt-in, KERNEL_FUN_KDA_SCAN=v3): v2 with phase A on wgmma; BV in {64, 128}.
+template <typename WT, int K, int BV>
+void launch_scan3(const KdaFwdParams& p, cudaStream_t stream);
+
 }  // namespace kernel_fun::kda
 
 #define KF_KDA_DEFINE_SCAN2(WT, K, BV)                                                          \
@@ -18,6 +23,19 @@ void launch_scan2(const KdaFwdParams& p, cudaStream_t stream);
   void launch_scan2<WT, K, BV>(const KdaFwdParams& p, cudaStream_t stream) {                    \
     constexpr size_t smem = Scan2Smem<WT, K, BV>::kBytes;                                       \
     auto kern = kda_fwd_scan2_kernel<WT, K, BV>;                                                \
+    KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+    if (p.N == 0 || p.HV == 0) return;                                                          \
+    kern<<<dim3(p.V / BV, p.HV, p.N), scan2_threads<BV>(), smem, stream>>>(p);                  \
+    KF_CHECK_LAUNCH();                                                                          \
+  }                                                                                             \
+  }
+
+#define KF_KDA_DEFINE_SCAN3(WT, K, BV)                                                          \
+  namespace kernel_fun::kda {                                                                   \
+  template <>                                                                                   \
+  void launch_scan3<WT, K, BV>(const KdaFwdParams& p, cudaStream_t stream) {                    \
+    constexpr size_t smem = Scan2Smem<WT, K, BV>::kBytes;                                       \
+    auto kern = kda_fwd_scan2_kernel<WT, K, BV, true>;                                          \
     KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
     if (p.N == 0 || p.HV == 0) return;                                                          \
     kern<<<dim3(p.V / BV, p.HV, p.N), scan2_threads<BV>(), smem, stream>>>(p);                  \

@@ -1,7 +1,8 @@
-// kda_fwd_scan v1 and v2 for fp16, K=64, V-slice 128.
+// kda_fwd_scan v1, v2 and v3 for fp16, K=64, V-slice 128.
 #include "kda/sm90/kda_fwd_scan.cuh"
 #include "kda/sm90/kda_fwd_launch.h"
 #include "kda/sm90/kda_fwd_scan_launch.h"
 
 KF_KDA_DEFINE_SCAN(__half, 64, 128)
 KF_KDA_DEFINE_SCAN2(__half, 64, 128)
+KF_KDA_DEFINE_SCAN3(__half, 64, 128)
