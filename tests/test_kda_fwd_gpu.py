@@ -381,6 +381,85 @@ def test_scan_v2_deterministic():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+# ------------------------------------------------------------------------------------------------
+# intra v2 (default) per stage over every option, and the v1 fallback (KERNEL_FUN_KDA_INTRA=v1)
+def _intra_stage_errors(case):
+    """rel-RMS of the intra workspace (qg, kg, w, Aqk, Akk, exp2(G)) against the fp64 chunked reference."""
+    inputs, kw = make_case(**case)
+    _, _, _, ws = run_ours(inputs, kw, poison=True)
+    _, _, st = reference(inputs, kw, return_stages=True)
+    B, T = inputs[0].shape[:2]
+    K = inputs[3].shape[-1]
+    scale = kw.get("scale") or K ** -0.5
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    cu = case.get("cu")
+    valid = torch.ones(B * T, dtype=torch.bool, device="cuda")
+    if cu is not None:  # rows past the last sequence end are never written
+        valid[cu[-1]:] = False
+    rows = _last_rows(cu, B, T)
+    pairs = {
+        "qg": (flat(st["qg"]) * scale, ws["qg"]),
+        "kg": (flat(st["kg"]), ws["kg"]),
+        "w": (flat(st["w"]), ws["w"]),
+        "Aqk": (flat(st["Aqk"]), ws["Aqk"]),
+        "Akk": (flat(st["Akk"]), ws["Akk"]),
+    }
+    errs = {}
+    for key, (ref, got) in pairs.items():
+        got = got[valid]
+        assert torch.isfinite(got).all(), f"{key} has NaN/Inf"
+        errs[key] = rel_rms(ref[valid], got)
+    errs["exp2(G)"] = rel_rms(torch.exp2(flat(st["g2"])[rows]), ws["gdecay"][: len(rows)])
+    return errs, ws
+
+
+INTRA_CASES = ["T1", "T63", "T65", "T1000", "T1500-fp16", "K64-V64", "K64-V192", "GVA-2-4", "GVA-2-8-fp16",
+               "bounded", "bounded-noalog", "precomputed-nol2", "scale", "g-bf16", "extreme-unbounded16",
+               "extreme-1000", "extreme-1000-90", "varlen-15", "varlen-onetoken", "varlen-empty-int64",
+               "varlen-fla", "varlen-extreme-bounded", "varlen-extreme-1000"]
+
+
+@pytest.mark.parametrize("name", INTRA_CASES)
+def test_intra_v2_stages(monkeypatch, name):
+    monkeypatch.delenv("KERNEL_FUN_KDA_INTRA", raising=False)
+    errs, _ = _intra_stage_errors(CASES[name])
+    bad = {k: e for k, e in errs.items() if not e <= STAGE_TOL}
+    assert not bad, f"intra v2 stages off the reference: {bad}"
+
+
+@pytest.mark.parametrize("extreme", [0.3, 0.6, 0.9])
+def test_intra_v2_extreme_gates_fp16_tight(monkeypatch, extreme):
+    # fp16 storage rounds at ~3e-4, so the on-chip path (decay products, boundary factorisation,
+    # 3xTF32 inverse merge) is visible well below STAGE_TOL: per-step gates of -1000 on a fraction of
+    # the entries, where a cumsum reaches -6e4 and exp2 of its differences is most cancellation-prone.
+    monkeypatch.delenv("KERNEL_FUN_KDA_INTRA", raising=False)
+    case = dict(B=2, T=256, H=2, gate="precomputed", extreme=extreme, dtype=torch.float16, seed=3)
+    errs, _ = _intra_stage_errors(case)
+    bad = {k: e for k, e in errs.items() if not e <= 4e-3}
+    assert not bad, f"intra v2 at extreme gates (fp16): {bad}"
+
+
+@pytest.mark.parametrize("name", ["T1000", "K64-V192", "GVA-2-8-fp16", "bounded", "extreme-1000", "varlen-fla"])
+def test_intra_v1_fallback_agrees_with_v2(monkeypatch, name):
+    monkeypatch.setenv("KERNEL_FUN_KDA_INTRA", "v1")
+    e1, w1 = _intra_stage_errors(CASES[name])
+    monkeypatch.delenv("KERNEL_FUN_KDA_INTRA")
+    e2, w2 = _intra_stage_errors(CASES[name])
+    assert max(e2.values()) <= STAGE_TOL, e2
+    for key in ("w", "qg", "kg", "Aqk", "Akk"):
+        # same math, different fp32 association (products vs exp2 of differences, rstd applied late)
+        assert rel_rms(w1[key].double(), w2[key]) <= 5e-3, key
+
+
+def test_intra_v2_deterministic(monkeypatch):
+    monkeypatch.delenv("KERNEL_FUN_KDA_INTRA", raising=False)
+    inputs, kw = make_case(B=3, T=1000, H=2, h0=True)
+    a = run_ours(inputs, kw)
+    b = run_ours(inputs, kw)
+    for key in ("w", "qg", "kg", "Aqk", "Akk", "gdecay"):
+        assert torch.equal(a[3][key], b[3][key]), key
+
+
 # last in the file: an error path that crashed the interpreter would otherwise hide the rest
 BAD_ARGS = ["k", "v", "beta", "o", "final_state", "w", "gdecay", "A_log"]
 
