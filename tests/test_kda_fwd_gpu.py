@@ -364,12 +364,13 @@ def test_scan_v1_fallback_agrees_with_v2(monkeypatch, name):
 
 @pytest.mark.parametrize("bv", ["64", "128"])
 @pytest.mark.parametrize("name", ["K128-V256-h0", "K64-V192-h0", "fp16-T333", "state-v-first", "varlen-fla"])
-def test_scan_v3_wgmma_every_slice_width(monkeypatch, name, bv):
-    # opt-in v3 (phase A on wgmma); the default stays v2 until this passes on the H200
+@pytest.mark.parametrize("version", ["v3", "v4"])
+def test_scan_wgmma_every_slice_width(monkeypatch, name, bv, version):
+    # opt-in v3 (phase A on wgmma) and v4 (phases A and D); the default stays v2 until these pass
     case = SCAN_CASES[name]
     if case.get("V", 128) % int(bv):
         pytest.skip(f"V={case.get('V', 128)} has no {bv}-wide slices")
-    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN", "v3")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN", version)
     monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", bv)
     _check_scan_case(case)
 

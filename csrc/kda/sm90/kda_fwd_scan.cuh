@@ -350,7 +350,10 @@ constexpr int scan2_threads() {
 // w^T / qg^T with B read from smem through a descriptor, once per warpgroup instead of once per warp
 // (w and qg are then stored in the no-swizzle core-matrix layout: 8 tokens x 8 k = 128 contiguous
 // bytes, LBO 128 B along k, SBO 16 K bytes along tokens).
-template <typename WT, int K, int BV, bool kWg = false>
+// kWg == 2 (v4, KERNEL_FUN_KDA_SCAN=v4): phase D on wgmma as well -- hT (accumulators, m64nKk16) +=
+// v'T (registers) x kg, kg N-major in smem (core matrices 8 k-columns x 8 tokens, LBO 128 B between
+// 8-token groups, SBO 1 KB between 8-column groups).
+template <typename WT, int K, int BV, int kWg = 0>
 __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(const KdaFwdParams p) {
   using S = Scan2Smem<WT, K, BV>;
   using E = dev::Elem<WT>;
@@ -409,7 +412,8 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
       const int wq = kWg ? (r >> 3) * (K * 8) + c8 * 8 + (r & 7) * 8 : r * KP + c8;
       dev::cp_async16(base + S::kW + wq, gw + off, nb);
       dev::cp_async16(base + S::kQg + wq, gqg + off, nb);
-      dev::cp_async16(base + S::kKg + r * KP + c8, gkg + off, nb);
+      const int kq = kWg == 2 ? (c8 >> 3) * 512 + (r >> 3) * 64 + (r & 7) * 8 : r * KP + c8;
+      dev::cp_async16(base + S::kKg + kq, gkg + off, nb);
     }
     for (int i = tid; i < kChunk * 8; i += NT) {
       const int r = i / 8, c8 = (i % 8) * 8;
@@ -441,7 +445,7 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
     dev::cp_async_wait<0>();
-    if constexpr (kWg) dev::fence_proxy_async_smem();  // cp.async writes -> wgmma reads
+    if constexpr (kWg != 0) dev::fence_proxy_async_smem();  // cp.async writes -> wgmma reads
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1)
     __syncthreads();
     if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
@@ -470,7 +474,7 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) whT[j][e] = oT[j][e] = 0.f;
-    if constexpr (kWg) {
+    if constexpr (kWg != 0) {
       uint32_t ha[K / 16][4];
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) {
@@ -588,16 +592,32 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
       hT[j][2] *= d.x;
       hT[j][3] *= d.y;
     }
+    if constexpr (kWg == 2) {
+      dev::wg_fence_acc(hT);
+      dev::wg_arrive();
+      const uint32_t ak = dev::smem_u32(sKg);
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < 4; ++jj)  // tokens 16 jj.. = 8-token groups 2 jj, 2 jj + 1
+        dev::wgmma_rs<WT, K, 1>(hT, va[jj], dev::gmma_desc_nosw(ak + jj * 256, 128, 1024));
+      dev::wg_commit();
+      dev::wg_wait<0>();
+      dev::wg_fence_acc(hT);
 #pragma unroll
-      for (int q = 0; q < K / 16; ++q) {
-        // B[k = token][n = state row] = kg[token][k]: transposed loads; matrix m = tokens
-        // 16 jj + (m & 1) 8, state rows 16 q + (m >> 1) 8
-        uint32_t b[4];
-        dev::ldsm_x4_t(b, sKg + (16 * jj + (lmat & 1) * 8 + lrow) * KP + 16 * q + (lmat >> 1) * 8);
-        dev::mma_16816<WT>(hT[2 * q], va[jj], b[0], b[1]);
-        dev::mma_16816<WT>(hT[2 * q + 1], va[jj], b[2], b[3]);
+      for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dev::wg_fence_reg(va[jj][e]);
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int q = 0; q < K / 16; ++q) {
+          // B[k = token][n = state row] = kg[token][k]: transposed loads; matrix m = tokens
+          // 16 jj + (m & 1) 8, state rows 16 q + (m >> 1) 8
+          uint32_t b[4];
+          dev::ldsm_x4_t(b, sKg + (16 * jj + (lmat & 1) * 8 + lrow) * KP + 16 * q + (lmat >> 1) * 8);
+          dev::mma_16816<WT>(hT[2 * q], va[jj], b[0], b[1]);
+          dev::mma_16816<WT>(hT[2 * q + 1], va[jj], b[2], b[3]);
+        }
       }
     }
   }
