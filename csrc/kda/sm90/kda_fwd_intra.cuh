@@ -737,181 +737,194 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
   auto Kf = [&](int r, int d) { return E::to_float(sK[r * KQ + d]); };
 
   // ---------------------------------------------------------------- P2: Aqk and L
-  if (warp < 5) {
-    // 4x4 tiles of the diagonal 16x16 blocks: 40 tile slots (16 on the block diagonals first,
-    // then the 24 below them) x 8 d-slices (d = ds + 8j) = 320 items over 160 threads. Lanes
-    // 8m..8m+7 share a tile; a warp's four tiles are always of the same kind (no divergence).
-    for (int it = tid; it < 40 * 8; it += 160) {
-      const int ds = it & 7, slot = it >> 3;
-      int blk, rt, st;
-      if (slot < 16) {
-        blk = slot >> 2;
-        rt = st = slot & 3;
-      } else {
-        const int o = slot - 16;
-        blk = o / 6;
-        const int pr = o % 6;  // (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
-        rt = pr == 0 ? 1 : pr <= 2 ? 2 : 3;
-        st = pr - (rt * (rt - 1)) / 2;
-      }
-      const int r0 = 16 * blk + 4 * rt, s0 = 16 * blk + 4 * st;
-      float aq[4][4], ak[4][4];
+  // Write one entry of Aqk (q row) or L (k row) from an un-normalised, un-scaled dot product.
+  auto put = [&](bool is_k, int r, int s, float v) {
+    if (is_k) sL[r * AP + s] = sBeta[r] * sRk[r] * sRk[s] * v;
+    else sA[r * AP + s] = p.scale * sRq[r] * sRk[s] * v;
+  };
+  if (warp < 2) {
+    // SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds + 4j); lanes
+    // 4m..4m+3 share a tile. Inside the tile exp2(g_i - g_j) = a_{j+1} ... a_i with
+    // a_t = exp2(g_t - g_{t-1}) <= 1: 3 exp2 per tile and d instead of 10.
+    const int ds = tid & 3, slot = tid >> 2;  // slot 0..15
+    const int r0 = 16 * (slot >> 2) + 4 * (slot & 3);
+    float aq[4][4], ak[4][4];
 #pragma unroll
-      for (int a = 0; a < 4; ++a)
+    for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
-      if (slot < 16) {
-        // on the diagonal: exp2(g_i - g_j) = a_{j+1} ... a_i, a_t = exp2(g_t - g_{t-1}) <= 1
+      for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
 #pragma unroll 2
-        for (int j = 0; j < K / 8; ++j) {
-          const int d = ds + 8 * j;
-          float qr[4], kr[4], gr[4];
-#pragma unroll
-          for (int a = 0; a < 4; ++a) {
-            qr[a] = Qf(r0 + a, d);
-            kr[a] = Kf(r0 + a, d);
-            gr[a] = sG[(r0 + a) * KP + d];
-          }
-          const float a1 = dev::fast_exp2(gr[1] - gr[0]);
-          const float a2 = dev::fast_exp2(gr[2] - gr[1]);
-          const float a3 = dev::fast_exp2(gr[3] - gr[2]);
-          const float z20 = a1 * a2, z31 = a2 * a3, z30 = z20 * a3;
-          float e;
-          // column 0
-          aq[0][0] = fmaf(qr[0], kr[0], aq[0][0]);
-          e = a1 * kr[0];
-          aq[1][0] = fmaf(qr[1], e, aq[1][0]);
-          ak[1][0] = fmaf(kr[1], e, ak[1][0]);
-          e = z20 * kr[0];
-          aq[2][0] = fmaf(qr[2], e, aq[2][0]);
-          ak[2][0] = fmaf(kr[2], e, ak[2][0]);
-          e = z30 * kr[0];
-          aq[3][0] = fmaf(qr[3], e, aq[3][0]);
-          ak[3][0] = fmaf(kr[3], e, ak[3][0]);
-          // column 1
-          aq[1][1] = fmaf(qr[1], kr[1], aq[1][1]);
-          e = a2 * kr[1];
-          aq[2][1] = fmaf(qr[2], e, aq[2][1]);
-          ak[2][1] = fmaf(kr[2], e, ak[2][1]);
-          e = z31 * kr[1];
-          aq[3][1] = fmaf(qr[3], e, aq[3][1]);
-          ak[3][1] = fmaf(kr[3], e, ak[3][1]);
-          // column 2
-          aq[2][2] = fmaf(qr[2], kr[2], aq[2][2]);
-          e = a3 * kr[2];
-          aq[3][2] = fmaf(qr[3], e, aq[3][2]);
-          ak[3][2] = fmaf(kr[3], e, ak[3][2]);
-          // column 3
-          aq[3][3] = fmaf(qr[3], kr[3], aq[3][3]);
-        }
-      } else {
-        // below the diagonal: through e = s0 + 3 (the last row of the column tile), j <= e < i
-#pragma unroll 2
-        for (int j = 0; j < K / 8; ++j) {
-          const int d = ds + 8 * j;
-          float qr[4], kr[4], gr[4], ks[4], gs[4];
-#pragma unroll
-          for (int a = 0; a < 4; ++a) {
-            qr[a] = Qf(r0 + a, d);
-            kr[a] = Kf(r0 + a, d);
-            gr[a] = sG[(r0 + a) * KP + d];
-            ks[a] = Kf(s0 + a, d);
-            gs[a] = sG[(s0 + a) * KP + d];
-          }
-          const float gb = gs[3];
-#pragma unroll
-          for (int a = 0; a < 4; ++a) {
-            const float pf = dev::fast_exp2(gr[a] - gb);  // i > e
-            qr[a] *= pf;
-            kr[a] *= pf;
-          }
-#pragma unroll
-          for (int b = 0; b < 3; ++b) ks[b] *= dev::fast_exp2(gb - gs[b]);  // e >= j
-#pragma unroll
-          for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-              aq[a][b] = fmaf(qr[a], ks[b], aq[a][b]);
-              ak[a][b] = fmaf(kr[a], ks[b], ak[a][b]);
-            }
-        }
-      }
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-#pragma unroll
-          for (int o = 1; o < 8; o <<= 1) {
-            aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
-            ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
-          }
-        }
+    for (int j = 0; j < K / 4; ++j) {
+      const int d = ds + 4 * j;
+      float qr[4], kr[4], gr[4];
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
-        if (a != ds) continue;
-        const int r = r0 + a;
-        const float fq = p.scale * sRq[r], fk = sBeta[r] * sRk[r];
+        qr[a] = Qf(r0 + a, d);
+        kr[a] = Kf(r0 + a, d);
+        gr[a] = sG[(r0 + a) * KP + d];
+      }
+      const float a1 = dev::fast_exp2(gr[1] - gr[0]);
+      const float a2 = dev::fast_exp2(gr[2] - gr[1]);
+      const float a3 = dev::fast_exp2(gr[3] - gr[2]);
+      const float z20 = a1 * a2, z31 = a2 * a3, z30 = z20 * a3;
+      float e;
+      // column 0
+      aq[0][0] = fmaf(qr[0], kr[0], aq[0][0]);
+      e = a1 * kr[0];
+      aq[1][0] = fmaf(qr[1], e, aq[1][0]);
+      ak[1][0] = fmaf(kr[1], e, ak[1][0]);
+      e = z20 * kr[0];
+      aq[2][0] = fmaf(qr[2], e, aq[2][0]);
+      ak[2][0] = fmaf(kr[2], e, ak[2][0]);
+      e = z30 * kr[0];
+      aq[3][0] = fmaf(qr[3], e, aq[3][0]);
+      ak[3][0] = fmaf(kr[3], e, ak[3][0]);
+      // column 1
+      aq[1][1] = fmaf(qr[1], kr[1], aq[1][1]);
+      e = a2 * kr[1];
+      aq[2][1] = fmaf(qr[2], e, aq[2][1]);
+      ak[2][1] = fmaf(kr[2], e, ak[2][1]);
+      e = z31 * kr[1];
+      aq[3][1] = fmaf(qr[3], e, aq[3][1]);
+      ak[3][1] = fmaf(kr[3], e, ak[3][1]);
+      // column 2
+      aq[2][2] = fmaf(qr[2], kr[2], aq[2][2]);
+      e = a3 * kr[2];
+      aq[3][2] = fmaf(qr[3], e, aq[3][2]);
+      ak[3][2] = fmaf(kr[3], e, ak[3][2]);
+      // column 3
+      aq[3][3] = fmaf(qr[3], kr[3], aq[3][3]);
+    }
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int s = s0 + b;
-          if (r >= s) sA[r * AP + s] = fq * sRk[s] * aq[a][b];
-          if (r > s) sL[r * AP + s] = fk * sRk[s] * ak[a][b];
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b <= a; ++b) {
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+          aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
+          ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
         }
+      }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      if (a != ds) continue;
+#pragma unroll
+      for (int b = 0; b <= a; ++b) {
+        put(false, r0 + a, r0 + b, aq[a][b]);
+        if (b < a) put(true, r0 + a, r0 + b, ak[a][b]);
       }
     }
   } else {
-    // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp per block
-    // row bi (warp 5: bi = 3, 6: 2, 7: 1), so the A operands are gated once for all bj < bi.
-    // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
     const int g = lane >> 2, t = lane & 3;
-    const int bi = 8 - warp;
-    const int f = 16 * bi;
-    float cq[3][2][4] = {}, ck[3][2][4] = {};
-    const int ra = f + g, rb = f + g + 8;
+    if (warp < 5) {
+      // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp per
+      // block row bi (warp 2: bi = 3, 3: 2, 4: 1), so the A operands are gated once for all bj < bi.
+      // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j)
+      // (f > j).
+      const int bi = 5 - warp;
+      const int f = 16 * bi;
+      float cq[3][2][4] = {}, ck[3][2][4] = {};
+      const int ra = f + g, rb = f + g + 8;
 #pragma unroll 2
-    for (int kk = 0; kk < K / 8; ++kk) {
-      const int ca = 8 * kk + t, cb = ca + 4;
-      const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
-      const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
-      const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
-      const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
-      const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
-      const uint32_t aq_[4] = {dev::to_tf32(Qf(ra, ca) * e00), dev::to_tf32(Qf(rb, ca) * e10),
-                               dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
-      const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
-                               dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
+      for (int kk = 0; kk < K / 8; ++kk) {
+        const int ca = 8 * kk + t, cb = ca + 4;
+        const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
+        const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
+        const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
+        const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
+        const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
+        const uint32_t aq_[4] = {dev::to_tf32(Qf(ra, ca) * e00), dev::to_tf32(Qf(rb, ca) * e10),
+                                 dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
+        const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
+                                 dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
+#pragma unroll
+        for (int bj = 0; bj < 3; ++bj) {
+          if (bj < bi) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              const int s = 16 * bj + 8 * nt + g;
+              const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2(gfa - sG[s * KP + ca]));
+              const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2(gfb - sG[s * KP + cb]));
+              dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
+              dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
+            }
+          }
+        }
+      }
 #pragma unroll
       for (int bj = 0; bj < 3; ++bj) {
         if (bj < bi) {
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            const int s = 16 * bj + 8 * nt + g;
-            const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2(gfa - sG[s * KP + ca]));
-            const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2(gfb - sG[s * KP + cb]));
-            dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
-            dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
+            const int s = 16 * bj + 8 * nt + 2 * t;
+            put(false, ra, s, cq[bj][nt][0]);
+            put(false, ra, s + 1, cq[bj][nt][1]);
+            put(false, rb, s, cq[bj][nt][2]);
+            put(false, rb, s + 1, cq[bj][nt][3]);
+            put(true, ra, s, ck[bj][nt][0]);
+            put(true, ra, s + 1, ck[bj][nt][1]);
+            put(true, rb, s, ck[bj][nt][2]);
+            put(true, rb, s + 1, ck[bj][nt][3]);
           }
         }
       }
     }
-    const float fqa = p.scale * sRq[ra], fqb = p.scale * sRq[rb];
-    const float fka = sBeta[ra] * sRk[ra], fkb = sBeta[rb] * sRk[rb];
-#pragma unroll
-    for (int bj = 0; bj < 3; ++bj) {
-      if (bj < bi) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int s = 16 * bj + 8 * nt + 2 * t;
-          const float k0 = sRk[s], k1 = sRk[s + 1];
-          sA[ra * AP + s] = fqa * k0 * cq[bj][nt][0];
-          sA[ra * AP + s + 1] = fqa * k1 * cq[bj][nt][1];
-          sA[rb * AP + s] = fqb * k0 * cq[bj][nt][2];
-          sA[rb * AP + s + 1] = fqb * k1 * cq[bj][nt][3];
-          sL[ra * AP + s] = fka * k0 * ck[bj][nt][0];
-          sL[ra * AP + s + 1] = fka * k1 * ck[bj][nt][1];
-          sL[rb * AP + s] = fkb * k0 * ck[bj][nt][2];
-          sL[rb * AP + s + 1] = fkb * k1 * ck[bj][nt][3];
-        }
+    // The rest of each diagonal 16-block, on tf32 tensor cores with q and k rows STACKED in the
+    // 16 rows of one m16n8k8 (8 columns): tile (blk, 0) is the 8x8 quadrant rows o+8.., columns
+    // o..o+7 through the boundary e = o+7; tile (blk, 1) the two 4x4 tiles rows o+4.., columns
+    // o.. (e = o+3) and rows o+12.., columns o+8.. (e = o+11), whose cross products are formed
+    // and discarded (finite: every factor is <= 1). Factors exp2(g_i - g_e) (i > e) and
+    // exp2(g_e - g_j) (e >= j): the law holds. 8 tiles: warp 4 takes [0,1), 5 [1,3), 6 [3,6), 7 [6,8).
+    const int w4 = warp - 4;
+    const int t_begin = w4 <= 0 ? 0 : (w4 == 1 ? 1 : (w4 == 2 ? 3 : 6));
+    const int t_end = w4 <= 0 ? (warp == 4 ? 1 : 0) : (w4 == 1 ? 3 : (w4 == 2 ? 6 : 8));
+    for (int ti = t_begin; ti < t_end; ++ti) {
+      const int o = 16 * (ti >> 1);
+      const bool sub4 = ti & 1;
+      // per-thread rows / boundaries of the A fragment (rows g, g+8) and the B column g
+      int r0, r1, e0, e1, sb, eb;
+      bool k0, k1;
+      if (!sub4) {
+        r0 = r1 = o + 8 + g;
+        k0 = false;
+        k1 = true;
+        e0 = e1 = eb = o + 7;
+        sb = o + g;
+      } else {
+        k0 = k1 = (g >> 2) != 0;
+        r0 = o + 4 + (g & 3);
+        e0 = o + 3;
+        r1 = o + 12 + (g & 3);
+        e1 = o + 11;
+        sb = o + (g & 3) + 8 * (g >> 2);
+        eb = o + 3 + 8 * (g >> 2);
+      }
+      const WT* x0 = (k0 ? sK : sQ) + r0 * KQ;
+      const WT* x1 = (k1 ? sK : sQ) + r1 * KQ;
+      float c[4] = {};
+#pragma unroll 2
+      for (int kk = 0; kk < K / 8; ++kk) {
+        const int ca = 8 * kk + t, cb = ca + 4;
+        uint32_t af[4];
+        af[0] = dev::to_tf32(E::to_float(x0[ca]) * dev::fast_exp2(sG[r0 * KP + ca] - sG[e0 * KP + ca]));
+        af[1] = dev::to_tf32(E::to_float(x1[ca]) * dev::fast_exp2(sG[r1 * KP + ca] - sG[e1 * KP + ca]));
+        af[2] = dev::to_tf32(E::to_float(x0[cb]) * dev::fast_exp2(sG[r0 * KP + cb] - sG[e0 * KP + cb]));
+        af[3] = dev::to_tf32(E::to_float(x1[cb]) * dev::fast_exp2(sG[r1 * KP + cb] - sG[e1 * KP + cb]));
+        const uint32_t b0 = dev::to_tf32(Kf(sb, ca) * dev::fast_exp2(sG[eb * KP + ca] - sG[sb * KP + ca]));
+        const uint32_t b1 = dev::to_tf32(Kf(sb, cb) * dev::fast_exp2(sG[eb * KP + cb] - sG[sb * KP + cb]));
+        dev::mma_1688_tf32(c, af, b0, b1);
+      }
+      if (!sub4) {
+        put(false, r0, o + 2 * t, c[0]);
+        put(false, r0, o + 2 * t + 1, c[1]);
+        put(true, r1, o + 2 * t, c[2]);
+        put(true, r1, o + 2 * t + 1, c[3]);
+      } else if (t < 2) {  // row g x columns n = 2t, 2t+1 < 4: the upper 4x4 tile
+        put(k0, r0, o + 2 * t, c[0]);
+        put(k0, r0, o + 2 * t + 1, c[1]);
+      } else {  // row g+8 x columns n = 2t, 2t+1 >= 4: the lower 4x4 tile
+        put(k1, r1, o + 4 + 2 * t, c[2]);
+        put(k1, r1, o + 4 + 2 * t + 1, c[3]);
       }
     }
   }
