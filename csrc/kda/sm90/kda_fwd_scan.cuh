@@ -553,6 +553,25 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
       va[jj][3] = E::pack2(whT[2 * jj + 1][2], whT[2 * jj + 1][3]);
     }
 
+    if constexpr (kWg == 2) {
+      // D on wgmma, asynchronous: hT = hT * exp2(G)[k] + v'T @ kg runs while C below works on oT
+#pragma unroll
+      for (int j = 0; j < NK; ++j) {
+        const float2 d = *reinterpret_cast<const float2*>(sDec + 8 * j + 2 * t);
+        hT[j][0] *= d.x;
+        hT[j][1] *= d.y;
+        hT[j][2] *= d.x;
+        hT[j][3] *= d.y;
+      }
+      dev::wg_fence_acc(hT);
+      dev::wg_arrive();
+      const uint32_t ak = dev::smem_u32(sKg);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)  // tokens 16 jj.. = 8-token groups 2 jj, 2 jj + 1
+        dev::wgmma_rs<WT, K, 1>(hT, va[jj], dev::gmma_desc_nosw(ak + jj * 256, 128, 1024));
+      dev::wg_commit();
+    }
+
     // ---------------- C: OT += v'T @ Aqk^T -> o
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
@@ -583,23 +602,8 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
         }
     }
 
-    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg
-#pragma unroll
-    for (int j = 0; j < NK; ++j) {
-      const float2 d = *reinterpret_cast<const float2*>(sDec + 8 * j + 2 * t);
-      hT[j][0] *= d.x;
-      hT[j][1] *= d.y;
-      hT[j][2] *= d.x;
-      hT[j][3] *= d.y;
-    }
+    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (v4: issued before C, completed here)
     if constexpr (kWg == 2) {
-      dev::wg_fence_acc(hT);
-      dev::wg_arrive();
-      const uint32_t ak = dev::smem_u32(sKg);
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj)  // tokens 16 jj.. = 8-token groups 2 jj, 2 jj + 1
-        dev::wgmma_rs<WT, K, 1>(hT, va[jj], dev::gmma_desc_nosw(ak + jj * 256, 128, 1024));
-      dev::wg_commit();
       dev::wg_wait<0>();
       dev::wg_fence_acc(hT);
 #pragma unroll
@@ -607,6 +611,14 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
 #pragma unroll
         for (int e = 0; e < 4; ++e) dev::wg_fence_reg(va[jj][e]);
     } else {
+#pragma unroll
+      for (int j = 0; j < NK; ++j) {
+        const float2 d = *reinterpret_cast<const float2*>(sDec + 8 * j + 2 * t);
+        hT[j][0] *= d.x;
+        hT[j][1] *= d.y;
+        hT[j][2] *= d.x;
+        hT[j][3] *= d.y;
+      }
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
