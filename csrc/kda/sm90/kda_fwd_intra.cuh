@@ -657,11 +657,36 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
       if (p.A_log) a_exp = expf(p.A_log[hv]);
       if (p.dt_bias) bias = p.dt_bias[hv * K + d];
     }
+    // dtype and gate-mode switches outside the per-element loops (RP loads in flight)
     float xr[RP];
+    const int64_t g0 = (tok0 + part * RP) * HV * K + static_cast<int64_t>(hv) * K + d;
+    const int64_t gs = static_cast<int64_t>(HV) * K;  // row stride of g
+    switch (p.g_dtype) {
+      case DType::kFloat32: {
+        const float* gp = reinterpret_cast<const float*>(p.g) + g0;
 #pragma unroll
-    for (int i = 0; i < RP; ++i) {
-      const int r = part * RP + i;
-      xr[i] = r < len ? dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype) : 0.f;
+        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? gp[i * gs] : 0.f;
+        break;
+      }
+      case DType::kBFloat16: {
+        const __nv_bfloat16* gp = reinterpret_cast<const __nv_bfloat16*>(p.g) + g0;
+#pragma unroll
+        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? __bfloat162float(gp[i * gs]) : 0.f;
+        break;
+      }
+      case DType::kFloat16: {
+        const __half* gp = reinterpret_cast<const __half*>(p.g) + g0;
+#pragma unroll
+        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? __half2float(gp[i * gs]) : 0.f;
+        break;
+      }
+      default: {
+#pragma unroll
+        for (int i = 0; i < RP; ++i) {
+          const int r = part * RP + i;
+          xr[i] = r < len ? dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype) : 0.f;
+        }
+      }
     }
     if (tid < kChunk) {
       float b = 0.f;
@@ -671,22 +696,27 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
       }
       sBeta[tid] = b;
     }
+    switch (p.gate_mode) {  // rows past the end: gate 0
+      case GateMode::kPrecomputed: break;
+      case GateMode::kUnbounded:
+#pragma unroll
+        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? -a_exp * softplus_fast(xr[i] + bias) : 0.f;
+        break;
+      case GateMode::kBounded:
+#pragma unroll
+        for (int i = 0; i < RP; ++i)
+          xr[i] = part * RP + i < len ? p.lower_bound * sigmoid_fast(a_exp * (xr[i] + bias)) : 0.f;
+        break;
+      case GateMode::kBoundedNoALog:
+#pragma unroll
+        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? p.lower_bound * sigmoid_fast(xr[i] + bias) : 0.f;
+        break;
+    }
     float run = 0.f;
 #pragma unroll
     for (int i = 0; i < RP; ++i) {
-      const int r = part * RP + i;
-      float gate = 0.f;
-      if (r < len) {
-        const float x_ = xr[i];
-        switch (p.gate_mode) {
-          case GateMode::kPrecomputed: gate = x_; break;
-          case GateMode::kUnbounded: gate = -a_exp * softplus_fast(x_ + bias); break;
-          case GateMode::kBounded: gate = p.lower_bound * sigmoid_fast(a_exp * (x_ + bias)); break;
-          case GateMode::kBoundedNoALog: gate = p.lower_bound * sigmoid_fast(x_ + bias); break;
-        }
-      }
-      run += gate;
-      sG[r * KP + d] = run;
+      run += xr[i];
+      sG[(part * RP + i) * KP + d] = run;
     }
     sTot[part * K + d] = run;
     for (int i = tid; i < 2 * kChunk * AP; i += NTH) sA[i] = 0.f;  // sA and sL are adjacent
