@@ -37,6 +37,14 @@ using namespace dev;
 constexpr int kC = KF_CCONV_BWD_CHANNELS;
 constexpr int kUnroll = KF_CCONV_BWD_UNROLL;  // steps per unrolled group (halos stay in registers)
 
+// kFlags (a kernel template argument): 0 = activation decided at run time. KF_CCONV_STATIC_FLAGS=1
+// (tuning harness only) launches vector kernels specialised on it: bit 0 = static, bit 1 = silu.
+// The plan (and so the workspace) always comes from the kFlags = 0 kernel's occupancy.
+#ifndef KF_CCONV_STATIC_FLAGS
+#define KF_CCONV_STATIC_FLAGS 0
+#endif
+[[maybe_unused]] constexpr int kStatic = 1, kSiluBit = 2;
+
 template <typename T>
 constexpr int stages() { return KF_CCONV_BWD_STAGES; }  // (stages - 1) rows in flight per thread
 
@@ -62,14 +70,14 @@ using Kind = std::integral_constant<int, K>;
 constexpr int kHalo = 0, kMain = 1, kTail = 2;  // step kinds of the walk, see bwd_segment
 
 // One thread, one segment [s, e) of sequence n ([bos, eos)), channels ln.d0 + [0, kC).
-template <typename T, int W, bool kVec>
+template <typename T, int W, bool kVec, int kFlags>
 __device__ __forceinline__ void bwd_segment(const BwdParams& p, const Lane& ln, char* smem, int64_t n,
                                             int64_t bos, int64_t eos, int64_t s, int64_t e,
                                             const float (&w)[W][kC], const float (&b)[kC], Grads<W>& acc) {
   constexpr int S = stages<T>();
   constexpr int H = W > 1 ? W - 1 : 1;
   const Ring<T, kC, S, 2> ring(smem, threadIdx.x);
-  const bool silu_on = p.act == Activation::kSilu;
+  const bool silu_on = kFlags ? (kFlags & kSiluBit) != 0 : p.act == Activation::kSilu;
 
   // Steps r = 0, 1, ... walk positions ps + r. Rows [0, nload) are loaded (dy only from nhalo
   // on); steps run to nsteps = e + W - 1 - ps, with g = 0 past the sequence end, so every dx of
@@ -111,6 +119,10 @@ __device__ __forceinline__ void bwd_segment(const BwdParams& p, const Lane& ln, 
     if (r < nload) {
       ring.issue(r, 0, xg + r * p.x.s1);
       if (r >= nhalo) ring.issue(r, 1, dyg + r * p.dy.s1);
+      if (KF_CCONV_PREFETCH > 0 && r + KF_CCONV_PREFETCH < nload) {
+        prefetch_l2(xg + (r + KF_CCONV_PREFETCH) * p.x.s1);
+        prefetch_l2(dyg + (r + KF_CCONV_PREFETCH) * p.dy.s1);
+      }
     }
     cp_async_commit();
   };
@@ -219,7 +231,7 @@ __device__ __forceinline__ void bwd_segment(const BwdParams& p, const Lane& ln, 
 
 // kVec: every streamed row is kCopy-aligned with contiguous channels (cp.async ring); else
 // strided scalar loads. Separate kernels so the slow path costs the fast one no registers.
-template <typename T, int W, bool kVec>
+template <typename T, int W, bool kVec, int kFlags = 0>
 __global__ void __launch_bounds__(kThreads) cconv_bwd_kernel(const BwdParams p, const BwdGrid g) {
   extern __shared__ __align__(16) char smem[];
   const int tx = threadIdx.x % g.tx, ty = threadIdx.x / g.tx;
@@ -246,16 +258,21 @@ __global__ void __launch_bounds__(kThreads) cconv_bwd_kernel(const BwdParams p, 
         w[k][c] = ok ? load_any(p.weight.ptr, p.weight.dtype, (ln.d0 + c) * p.weight.s0 + k * p.weight.s1) : 0.f;
       b[c] = ok && p.bias.ptr ? load_any(p.bias.ptr, p.bias.dtype, (ln.d0 + c) * p.bias.s0) : 0.f;
     }
-    const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * TY + ty) * g.chunk;
-    const int64_t c1 = c0 + g.chunk < p.seq.total ? c0 + g.chunk : p.seq.total;
-    int64_t s = c0;
-    while (s < c1) {
-      const int64_t n = seq_of(p.seq, s);
-      const int64_t bos = seq_begin(p.seq, n), eos = seq_end(p.seq, n);
-      const int64_t e = eos < c1 ? eos : c1;
-      if (e <= s) break;  // only a malformed cu_seqlens gets here
-      bwd_segment<T, W, kVec>(p, ln, smem, n, bos, eos, s, e, w, b, acc);
-      s = e;
+    // Chunks row*TY + ty, then + rows*TY, ...: one pass with the default plan.
+    for (int64_t ci = static_cast<int64_t>(blockIdx.y) * TY + ty; ci * g.chunk < p.seq.total;
+         ci += g.rows * TY) {
+      const int64_t c0 = ci * g.chunk;
+      const int64_t c1 = c0 + g.chunk < p.seq.total ? c0 + g.chunk : p.seq.total;
+      int64_t s = c0;
+      while (s < c1) {
+        const int64_t n = seq_of(p.seq, s);
+        const int64_t bos = seq_begin(p.seq, n), eos = seq_end(p.seq, n);
+        const int64_t e = eos < c1 ? eos : c1;
+        if (e <= s) break;  // only a malformed cu_seqlens gets here
+        bwd_segment<T, W, kVec, kFlags>(p, ln, smem, n, bos, eos, s, e, w, b, acc);
+        s = e;
+      }
+      if (KF_CCONV_CHUNK == 0) break;  // the default plan's chunk covers everything: no loop
     }
   }
 
@@ -373,23 +390,29 @@ __global__ void __launch_bounds__(kFinishCols * kFinishSlices)
 }
 
 template <typename T, int W>
-int blocks_per_sm() {
-  static int nb = 0;
-  if (nb == 0) {
-    constexpr size_t smem = static_cast<size_t>(stages<T>()) * 2 * Row<T, kC>::kBytes * kThreads;
-    int v = 0;
-    KF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, cconv_bwd_kernel<T, W, true>, kThreads, smem));
-    nb = v > 0 ? v : 1;
-  }
-  return nb;
-}
-
-template <typename T, int W>
 constexpr size_t bwd_smem() {
   constexpr size_t ring = static_cast<size_t>(stages<T>()) * 2 * Row<T, kC>::kBytes * kThreads;
   constexpr size_t red = static_cast<size_t>(kThreads) * kC * (W + 1) * sizeof(float);
   static_assert(red <= ring, "the dw/db reduction reuses the ring's shared memory");
   return ring;
+}
+
+template <typename T, int W>
+int blocks_per_sm() {
+  static int nb = 0;
+  if (nb == 0) {
+    constexpr size_t smem = bwd_smem<T, W>();
+    if (smem > 48 * 1024) {  // deep rings (tuning) need the opt-in above 48 KB
+      KF_CUDA_CHECK(cudaFuncSetAttribute(cconv_bwd_kernel<T, W, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+      KF_CUDA_CHECK(cudaFuncSetAttribute(cconv_bwd_kernel<T, W, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    }
+    int v = 0;
+    KF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, cconv_bwd_kernel<T, W, true>, kThreads, smem));
+    nb = v > 0 ? v : 1;
+  }
+  return nb;
 }
 
 template <typename T, int W>
@@ -399,7 +422,7 @@ Plan bwd_plan(int64_t total, int64_t D) {
 
 template <typename T, int W>
 void launch_typed(const BwdParams& p, cudaStream_t stream) {
-  const Plan plan = bwd_plan<T, W>(p.seq.total, p.D);
+  const Plan plan = bwd_plan<T, W>(p.seq.total, p.D);  // also does the > 48 KB opt-in, if needed
   if (p.D == 0) return;
   BwdGrid g;
   g.tx = plan.tx;
@@ -409,7 +432,15 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   const bool vec = p.D % kC == 0 && rows_aligned(p.x, p.B, sizeof(T), A) &&
                    rows_aligned(p.dy, p.B, sizeof(T), A) && reinterpret_cast<uintptr_t>(p.dx) % A == 0;
   const dim3 grid(static_cast<unsigned>(plan.dtiles), static_cast<unsigned>(plan.rows));
-  if (vec) cconv_bwd_kernel<T, W, true><<<grid, kThreads, bwd_smem<T, W>(), stream>>>(p, g);
+#if KF_CCONV_STATIC_FLAGS
+  void (*vk)(const BwdParams, const BwdGrid) = p.act == Activation::kSilu ? cconv_bwd_kernel<T, W, true, kStatic | kSiluBit>
+                                                                           : cconv_bwd_kernel<T, W, true, kStatic>;
+  if (bwd_smem<T, W>() > 48 * 1024)
+    KF_CUDA_CHECK(cudaFuncSetAttribute(vk, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bwd_smem<T, W>())));
+#else
+  void (*vk)(const BwdParams, const BwdGrid) = cconv_bwd_kernel<T, W, true>;
+#endif
+  if (vec) vk<<<grid, kThreads, bwd_smem<T, W>(), stream>>>(p, g);
   else cconv_bwd_kernel<T, W, false><<<grid, kThreads, bwd_smem<T, W>(), stream>>>(p, g);
   KF_CHECK_LAUNCH();
 
@@ -425,9 +456,11 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
 template <typename T>
 void launch_w(const BwdParams& p, cudaStream_t stream) {
   switch (p.W) {
+#if !KF_CCONV_ONLY_BF16_W4
     case 1: return launch_typed<T, 1>(p, stream);
     case 2: return launch_typed<T, 2>(p, stream);
     case 3: return launch_typed<T, 3>(p, stream);
+#endif
     case 4: return launch_typed<T, 4>(p, stream);
   }
   throw std::invalid_argument("kernel_fun.cconv: W must be in 1..4");
@@ -437,8 +470,10 @@ template <int W>
 Plan plan_w(DType dt, int64_t total, int64_t D) {
   switch (dt) {
     case DType::kBFloat16: return bwd_plan<__nv_bfloat16, W>(total, D);
+#if !KF_CCONV_ONLY_BF16_W4
     case DType::kFloat16: return bwd_plan<__half, W>(total, D);
     case DType::kFloat32: return bwd_plan<float, W>(total, D);
+#endif
     default: break;
   }
   throw std::invalid_argument("kernel_fun.cconv: x must be bfloat16, float16 or float32");
@@ -449,9 +484,11 @@ Plan plan_w(DType dt, int64_t total, int64_t D) {
 int64_t bwd_workspace_floats(int64_t total_tokens, int64_t D, int W, bool has_bias, DType x_dtype) {
   Plan plan;
   switch (W) {
+#if !KF_CCONV_ONLY_BF16_W4
     case 1: plan = plan_w<1>(x_dtype, total_tokens, D); break;
     case 2: plan = plan_w<2>(x_dtype, total_tokens, D); break;
     case 3: plan = plan_w<3>(x_dtype, total_tokens, D); break;
+#endif
     case 4: plan = plan_w<4>(x_dtype, total_tokens, D); break;
     default: throw std::invalid_argument("kernel_fun.cconv: W must be in 1..4");
   }
@@ -461,8 +498,10 @@ int64_t bwd_workspace_floats(int64_t total_tokens, int64_t D, int W, bool has_bi
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   switch (p.x.dtype) {
     case DType::kBFloat16: return launch_w<__nv_bfloat16>(p, stream);
+#if !KF_CCONV_ONLY_BF16_W4
     case DType::kFloat16: return launch_w<__half>(p, stream);
     case DType::kFloat32: return launch_w<float>(p, stream);
+#endif
     default: break;
   }
   throw std::invalid_argument("kernel_fun.cconv: x must be bfloat16, float16 or float32");

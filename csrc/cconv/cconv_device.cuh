@@ -10,6 +10,10 @@
 
 #include "cconv/cconv.h"
 
+#ifndef KF_CCONV_STREAM_HINTS
+#define KF_CCONV_STREAM_HINTS 0  // -D override: tuning harness only (see cp_async)
+#endif
+
 namespace kernel_fun::cconv::dev {
 
 // Every conv CTA has kThreads threads: TX channel groups x TY token chunks.
@@ -128,10 +132,20 @@ __device__ __forceinline__ void store_row(T* p, bool vec, int nvalid, const floa
       const float* g = f + i * R::kPerPiece;
       char* q = reinterpret_cast<char*>(p) + i * R::kCopy;
       if constexpr (R::kCopy == 16) {
-        *reinterpret_cast<uint4*>(q) = make_uint4(pack_word(g, T{}), pack_word(g + E, T{}),
-                                                  pack_word(g + 2 * E, T{}), pack_word(g + 3 * E, T{}));
+        const uint4 v = make_uint4(pack_word(g, T{}), pack_word(g + E, T{}), pack_word(g + 2 * E, T{}),
+                                   pack_word(g + 3 * E, T{}));
+#if KF_CCONV_STREAM_HINTS
+        __stcs(reinterpret_cast<uint4*>(q), v);
+#else
+        *reinterpret_cast<uint4*>(q) = v;
+#endif
       } else {
-        *reinterpret_cast<uint2*>(q) = make_uint2(pack_word(g, T{}), pack_word(g + E, T{}));
+        const uint2 v = make_uint2(pack_word(g, T{}), pack_word(g + E, T{}));
+#if KF_CCONV_STREAM_HINTS
+        __stcs(reinterpret_cast<uint2*>(q), v);
+#else
+        *reinterpret_cast<uint2*>(q) = v;
+#endif
       }
     }
   } else {
@@ -145,24 +159,53 @@ __device__ __forceinline__ void store_row(T* p, bool vec, int nvalid, const floa
 // Each thread streams its own rows global -> shared with cp.async and reads back only what it
 // wrote itself, so no CTA barrier is needed: cp.async.wait_group makes a thread's own copies
 // visible to it. kStages-1 rows are in flight per thread, independent of register pressure.
+// KF_CCONV_STREAM_HINTS=1 (tuning harness only): streamed rows are read with an L2 evict_first
+// policy and vector rows are stored with st.global.cs, so the stream does not push other lines out.
+#if KF_CCONV_STREAM_HINTS
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+#endif
 template <int kBytes>
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  static_assert(kBytes == 16 || kBytes == 8, "cp.async moves 8 or 16 bytes here");
+#if KF_CCONV_STREAM_HINTS
+  const uint64_t pol = evict_first_policy();
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(pol)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "l"(pol)
+                 : "memory");
+  }
+#else
   if constexpr (kBytes == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
   } else {
-    static_assert(kBytes == 8, "cp.async moves 8 or 16 bytes here");
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
   }
+#endif
+}
+// KF_CCONV_PREFETCH=P > 0 (tuning harness only): when row r enters the ring, row r + P is also
+// prefetched into L2, so P more rows per thread are in flight at no shared-memory cost.
+#ifndef KF_CCONV_PREFETCH
+#define KF_CCONV_PREFETCH 0
+#endif
+__device__ __forceinline__ void prefetch_l2(const void* gmem) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Shared layout: [stage][stream][piece][thread] cells of kCopy bytes, so a warp's accesses to one
-// (stage, stream, piece) are consecutive (conflict-free). Stages are indexed at run time (row
-// number mod kStages): the walk loops need not be unrolled by kStages.
+// Shared layout: [stream][stage][piece][thread] cells of kCopy bytes, so a warp's accesses to one
+// (stream, stage, piece) are consecutive (conflict-free), and a launch that never uses stream 1
+// needs only the first kBytes / kStreams. Stages are indexed at run time (row number mod
+// kStages): the walk loops need not be unrolled by kStages.
 template <typename T, int C, int kStages, int kStreams>
 struct Ring {
   using R = Row<T, C>;
@@ -172,7 +215,7 @@ struct Ring {
   __device__ __forceinline__ Ring(char* smem, int tid) : base(smem + tid * R::kCopy) {}
   __device__ __forceinline__ char* cell(int row, int stream, int piece) const {
     const int stage = row & (kStages - 1);
-    return base + ((stage * kStreams + stream) * R::kPieces + piece) * (kThreads * R::kCopy);
+    return base + ((stream * kStages + stage) * R::kPieces + piece) * (kThreads * R::kCopy);
   }
   __device__ __forceinline__ void issue(int row, int stream, const T* g) const {
 #pragma unroll

@@ -27,6 +27,14 @@ using namespace dev;
 constexpr int kC = KF_CCONV_FWD_CHANNELS;  // channels per thread: 8 = one 16-byte bf16/fp16 access
 constexpr int kUnroll = KF_CCONV_FWD_UNROLL;  // steps per unrolled group (halo stays in registers)
 
+// kFlags (a kernel template argument): 0 = activation and residual decided at run time (one
+// kernel for all). KF_CCONV_STATIC_FLAGS=1 (tuning harness only) launches vector kernels
+// specialised on them: bit 0 set = static, bit 1 = silu, bit 2 = residual (no branches per row).
+#ifndef KF_CCONV_STATIC_FLAGS
+#define KF_CCONV_STATIC_FLAGS 0
+#endif
+[[maybe_unused]] constexpr int kStatic = 1, kSiluBit = 2, kResBit = 4;
+
 // Ring stages: (stages - 1) rows in flight per thread; fp32 rows are twice as wide, so half as many.
 template <typename T>
 constexpr int stages() { return sizeof(T) == 2 ? KF_CCONV_FWD_STAGES : KF_CCONV_FWD_STAGES / 2; }
@@ -44,15 +52,15 @@ struct Lane {
 };
 
 // One thread, one segment [s, e) of sequence n (starting at bos), channels ln.d0 + [0, kC).
-template <typename T, int W, bool kVec>
+template <typename T, int W, bool kVec, int kFlags>
 __device__ __forceinline__ void fwd_segment(const FwdParams& p, const Lane& ln, char* smem, int64_t n,
                                             int64_t bos, int64_t s, int64_t e, const float (&w)[W][kC],
                                             const float (&b)[kC]) {
   constexpr int S = stages<T>();
   constexpr int H = W > 1 ? W - 1 : 1;  // halo rows held in registers
   const Ring<T, kC, S, 2> ring(smem, threadIdx.x);
-  const bool has_res = p.residual.ptr != nullptr;
-  const bool silu_on = p.act == Activation::kSilu;
+  const bool has_res = kFlags ? (kFlags & kResBit) != 0 : p.residual.ptr != nullptr;
+  const bool silu_on = kFlags ? (kFlags & kSiluBit) != 0 : p.act == Activation::kSilu;
 
   // Stream rows [ps, e): the first nhalo are halo inside the sequence; positions before the
   // sequence start come from initial_state (or are zero) and seed the register halo.
@@ -82,6 +90,10 @@ __device__ __forceinline__ void fwd_segment(const FwdParams& p, const Lane& ln, 
     if (r < nrows) {
       ring.issue(r, 0, xg + r * p.x.s1);
       if (has_res && r >= nhalo) ring.issue(r, 1, rg + r * p.residual.s1);
+      if (KF_CCONV_PREFETCH > 0 && r + KF_CCONV_PREFETCH < nrows) {
+        prefetch_l2(xg + (r + KF_CCONV_PREFETCH) * p.x.s1);
+        if (has_res) prefetch_l2(rg + (r + KF_CCONV_PREFETCH) * p.residual.s1);
+      }
     }
     cp_async_commit();
   };
@@ -173,7 +185,7 @@ __device__ void fwd_final_state(const FwdParams& p, const Lane& ln, int64_t firs
 
 // kVec: every streamed row is kCopy-aligned with contiguous channels (cp.async ring); else
 // strided scalar loads. Separate kernels so the slow path costs the fast one no registers.
-template <typename T, int W, bool kVec>
+template <typename T, int W, bool kVec, int kFlags = 0>
 __global__ void __launch_bounds__(kThreads) cconv_fwd_kernel(const FwdParams p, const FwdGrid g) {
   extern __shared__ __align__(16) char smem[];
   const int tx = threadIdx.x % g.tx, ty = threadIdx.x / g.tx;
@@ -198,30 +210,59 @@ __global__ void __launch_bounds__(kThreads) cconv_fwd_kernel(const FwdParams p, 
     b[c] = ok && p.bias.ptr ? load_any(p.bias.ptr, p.bias.dtype, (ln.d0 + c) * p.bias.s0) : 0.f;
   }
 
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * TY + ty) * g.chunk;
-  const int64_t c1 = c0 + g.chunk < p.seq.total ? c0 + g.chunk : p.seq.total;
-  int64_t s = c0;
-  while (s < c1) {
-    const int64_t n = seq_of(p.seq, s);
-    const int64_t bos = seq_begin(p.seq, n), eos = seq_end(p.seq, n);
-    const int64_t e = eos < c1 ? eos : c1;
-    if (e <= s) break;  // only a malformed cu_seqlens gets here
-    fwd_segment<T, W, kVec>(p, ln, smem, n, bos, s, e, w, b);
-    s = e;
+  // Chunks row*TY + ty, then + rows*TY, ...: one pass with the default plan (chunk covers it all).
+  for (int64_t ci = static_cast<int64_t>(blockIdx.y) * TY + ty; ci * g.chunk < p.seq.total; ci += g.rows * TY) {
+    const int64_t c0 = ci * g.chunk;
+    const int64_t c1 = c0 + g.chunk < p.seq.total ? c0 + g.chunk : p.seq.total;
+    int64_t s = c0;
+    while (s < c1) {
+      const int64_t n = seq_of(p.seq, s);
+      const int64_t bos = seq_begin(p.seq, n), eos = seq_end(p.seq, n);
+      const int64_t e = eos < c1 ? eos : c1;
+      if (e <= s) break;  // only a malformed cu_seqlens gets here
+      fwd_segment<T, W, kVec, kFlags>(p, ln, smem, n, bos, s, e, w, b);
+      s = e;
+    }
+    if (KF_CCONV_CHUNK == 0) break;  // the default plan's chunk covers everything: no loop
   }
+}
+
+using FwdKernel = void (*)(const FwdParams, const FwdGrid);
+
+// The vector kernel for this activation / residual combination (one kernel unless static flags).
+template <typename T, int W>
+FwdKernel vec_kernel(bool silu_on, bool has_res) {
+#if KF_CCONV_STATIC_FLAGS
+  if (silu_on)
+    return has_res ? cconv_fwd_kernel<T, W, true, kStatic | kSiluBit | kResBit> : cconv_fwd_kernel<T, W, true, kStatic | kSiluBit>;
+  return has_res ? cconv_fwd_kernel<T, W, true, kStatic | kResBit> : cconv_fwd_kernel<T, W, true, kStatic>;
+#else
+  (void)silu_on;
+  (void)has_res;
+  return cconv_fwd_kernel<T, W, true>;
+#endif
 }
 
 template <typename T, int W>
 void launch_typed(const FwdParams& p, cudaStream_t stream) {
-  // Ring for x and residual (the residual half idles without one: occupancy is register-bound).
-  constexpr size_t smem = static_cast<size_t>(stages<T>()) * 2 * Row<T, kC>::kBytes * kThreads;
-  static int blocks_per_sm = 0;  // a pure function of the kernel: computed once
-  if (blocks_per_sm == 0) {
+  // Ring for x, and for the residual only when there is one (stream 1 is the ring's back half).
+  constexpr size_t smem_x = static_cast<size_t>(stages<T>()) * Row<T, kC>::kBytes * kThreads;
+  const bool has_res = p.residual.ptr != nullptr, silu_on = p.act == Activation::kSilu;
+  const size_t smem = has_res ? 2 * smem_x : smem_x;
+  const FwdKernel vk = vec_kernel<T, W>(silu_on, has_res);
+  const int slot = (silu_on ? 2 : 0) + (has_res ? 1 : 0);
+  static int blocks_per_sm[4] = {0, 0, 0, 0};  // pure functions of the kernel and smem: computed once
+  if (blocks_per_sm[slot] == 0) {
+    if (2 * smem_x > 48 * 1024) {  // deep rings (tuning) need the opt-in above 48 KB
+      KF_CUDA_CHECK(cudaFuncSetAttribute(vk, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(2 * smem_x)));
+      KF_CUDA_CHECK(cudaFuncSetAttribute(cconv_fwd_kernel<T, W, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(2 * smem_x)));
+    }
     int nb = 0;
-    KF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, cconv_fwd_kernel<T, W, true>, kThreads, smem));
-    blocks_per_sm = nb > 0 ? nb : 1;
+    KF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, vk, kThreads, smem));
+    blocks_per_sm[slot] = nb > 0 ? nb : 1;
   }
-  const Plan plan = make_plan(p.seq.total, p.D, kC, kThreads, blocks_per_sm);
+  const Plan plan = make_plan(p.seq.total, p.D, kC, kThreads, blocks_per_sm[slot]);
   FwdGrid g;
   g.tx = plan.tx;
   g.rows = p.seq.total > 0 ? plan.rows : 0;
@@ -237,7 +278,7 @@ void launch_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t gy = g.rows + state_rows;
   if (gy == 0 || p.D == 0) return;
   const dim3 grid(static_cast<unsigned>(plan.dtiles), static_cast<unsigned>(gy));
-  if (vec) cconv_fwd_kernel<T, W, true><<<grid, kThreads, smem, stream>>>(p, g);
+  if (vec) vk<<<grid, kThreads, smem, stream>>>(p, g);
   else cconv_fwd_kernel<T, W, false><<<grid, kThreads, smem, stream>>>(p, g);
   KF_CHECK_LAUNCH();
 }
@@ -245,9 +286,11 @@ void launch_typed(const FwdParams& p, cudaStream_t stream) {
 template <typename T>
 void launch_w(const FwdParams& p, cudaStream_t stream) {
   switch (p.W) {
+#if !KF_CCONV_ONLY_BF16_W4
     case 1: return launch_typed<T, 1>(p, stream);
     case 2: return launch_typed<T, 2>(p, stream);
     case 3: return launch_typed<T, 3>(p, stream);
+#endif
     case 4: return launch_typed<T, 4>(p, stream);
   }
   throw std::invalid_argument("kernel_fun.cconv: W must be in 1..4");
@@ -258,8 +301,10 @@ void launch_w(const FwdParams& p, cudaStream_t stream) {
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   switch (p.x.dtype) {
     case DType::kBFloat16: return launch_w<__nv_bfloat16>(p, stream);
+#if !KF_CCONV_ONLY_BF16_W4
     case DType::kFloat16: return launch_w<__half>(p, stream);
     case DType::kFloat32: return launch_w<float>(p, stream);
+#endif
     default: break;
   }
   throw std::invalid_argument("kernel_fun.cconv: x must be bfloat16, float16 or float32");

@@ -18,6 +18,15 @@
 #ifndef KF_CCONV_WAVES
 #define KF_CCONV_WAVES 1  // grid = this many GPU-fulls of CTAs (-D override: tuning harness only)
 #endif
+#ifndef KF_CCONV_ONLY_BF16_W4
+#define KF_CCONV_ONLY_BF16_W4 0  // 1: dispatch only bf16 W=4 (tuning harness builds, fast to compile)
+#endif
+#ifndef KF_CCONV_CHUNK
+// 0: each thread walks one chunk of ~total / (rows * TY) tokens. N > 0 (tuning harness only):
+// chunks of N tokens, taken grid-stride, so all CTAs sweep one narrow window of the token space
+// together (fewer DRAM pages / TLB entries live at once; costs W-1 halo rows per N).
+#define KF_CCONV_CHUNK 0
+#endif
 #ifndef KF_CCONV_CTA_CHANNELS
 #define KF_CCONV_CTA_CHANNELS 256  // channels one CTA spans at most (-D override: tuning harness only)
 #endif
@@ -28,7 +37,7 @@ struct Plan {
   int tx = 32;               // channel groups per CTA (power of two); TY = threads / tx
   int64_t dtiles = 1;        // gridDim.x: CTAs across channels
   int64_t rows = 1;          // CTAs along tokens (gridDim.y used by the token walk)
-  int64_t chunk = 0;         // L: tokens per thread
+  int64_t chunk = 0;         // L: tokens per chunk; thread (row, ty) walks chunks row*TY + ty + k*rows*TY
 };
 
 inline int num_sms() {
@@ -64,6 +73,10 @@ inline Plan make_plan(int64_t total, int64_t D, int C, int threads, int blocks_p
   rows = std::min<int64_t>(rows, std::max<int64_t>(1, (total + ty * min_chunk - 1) / (ty * min_chunk)));
   rows = std::min<int64_t>(rows, 65535 / 2);
   p.chunk = total > 0 ? (total + rows * ty - 1) / (rows * ty) : 0;
+  if (KF_CCONV_CHUNK > 0 && total > 0) {
+    p.chunk = KF_CCONV_CHUNK;
+    rows = std::min<int64_t>(rows, (total + ty * p.chunk - 1) / (ty * p.chunk));
+  }
   p.rows = rows;
   return p;
 }
