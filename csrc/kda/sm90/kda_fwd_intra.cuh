@@ -773,7 +773,7 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
     else sA[r * AP + s] = p.scale * sRq[r] * sRk[s] * v;
   };
   if (warp < 2) {
-    // SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds + 4j); lanes
+    // SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds mod 4); lanes
     // 4m..4m+3 share a tile. Inside the tile exp2(g_i - g_j) = a_{j+1} ... a_i with
     // a_t = exp2(g_t - g_{t-1}) <= 1: 3 exp2 per tile and d instead of 10.
     const int ds = tid & 3, slot = tid >> 2;  // slot 0..15
@@ -783,9 +783,14 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
     for (int a = 0; a < 4; ++a)
 #pragma unroll
       for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
+    // Each tile starts its walk over d at a different offset (4 * slot within the warp): the
+    // eight tiles of a warp sit on only two bank bases (row stride = 4 banks, tiles 4 rows apart),
+    // so without the rotation every load would be a 4-way bank conflict; with it the warp's 32
+    // lanes hit 32 distinct banks. The sum over d is the same, in a fixed per-tile order.
+    const int rot = slot & 7;
 #pragma unroll 2
     for (int j = 0; j < K / 4; ++j) {
-      const int d = ds + 4 * j;
+      const int d = ds + 4 * ((j + rot) & (K / 4 - 1));
       float qr[4], kr[4], gr[4];
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
