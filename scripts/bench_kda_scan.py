@@ -1,5 +1,5 @@
-"""Time the KDA forward's scan kernel alone, per scan version (KERNEL_FUN_KDA_SCAN = v1 / v2 / v3 /
-v4) and V-slice, on the benchmark shapes, and check every version's o and final state against v1's.
+"""Time the KDA forward's scan kernel alone, per scan version (KERNEL_FUN_KDA_SCAN = v1 ... v5
+) and V-slice, on the benchmark shapes, and check every version's o and final state against v1's.
 
     PYTHONPATH=src python3 scripts/bench_kda_scan.py [--iters 5] [--cases prod8192,b1h16]
 
@@ -22,7 +22,8 @@ CASES = {  # name: (B, T, H, K, V, cu_seqlens or None)
     "varlen6-h32": (1, 16384, 32, 128, 128, [0, 1000, 4000, 4100, 9000, 12000, 16384]),
     "k64v64": (8, 4096, 16, 64, 64, None),
 }
-VERSIONS = [("v1", None), ("v2", None), ("v2", "32"), ("v2", "64"), ("v3", None), ("v4", None)]
+VERSIONS = [("v1", None), ("v2", None), ("v2", "32"), ("v2", "64"), ("v3", None), ("v4", None), ("v5", None),
+            ("v5", "64")]
 
 
 def make(B, T, H, K, V, cu):

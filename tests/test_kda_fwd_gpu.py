@@ -364,9 +364,9 @@ def test_scan_v1_fallback_agrees_with_v2(monkeypatch, name):
 
 @pytest.mark.parametrize("bv", ["64", "128"])
 @pytest.mark.parametrize("name", ["K128-V256-h0", "K64-V192-h0", "fp16-T333", "state-v-first", "varlen-fla"])
-@pytest.mark.parametrize("version", ["v3", "v4"])
+@pytest.mark.parametrize("version", ["v3", "v4", "v5"])
 def test_scan_wgmma_every_slice_width(monkeypatch, name, bv, version):
-    # opt-in v3 (phase A on wgmma) and v4 (phases A and D); the default stays v2 until these pass
+    # opt-in v3 (phase A on wgmma), v4 (A, D), v5 (A-D); the default stays v2 until these pass
     case = SCAN_CASES[name]
     if case.get("V", 128) % int(bv):
         pytest.skip(f"V={case.get('V', 128)} has no {bv}-wide slices")

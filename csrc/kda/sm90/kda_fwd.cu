@@ -69,13 +69,15 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
 
 // KERNEL_FUN_KDA_SCAN=v1 selects the first scan kernel (h as mma.sync B operand in smem, 8 warps
 // per CTA, barriers between phases); =v3 the v2 kernel with phase A (w h, qg h) on wgmma, =v4 with
-// phase D (the state update) on wgmma too (experimental, BV 64/128); anything else, or unset, the default v2 (transposed state, one warp
+// phase D (the state update) on wgmma too, =v5 with phases B and C too (experimental, BV 64/128;
+// a choice of 32 runs at 64); anything else, or unset, the default v2 (transposed state, one warp
 // per 16 value columns, one barrier per chunk). Read per call, so one process can compare them.
 static int scan_version() {
   const char* env = std::getenv("KERNEL_FUN_KDA_SCAN");
   if (env && std::string(env) == "v1") return 1;
   if (env && std::string(env) == "v3") return 3;
   if (env && std::string(env) == "v4") return 4;
+  if (env && std::string(env) == "v5") return 5;
   return 2;
 }
 static bool scan_v1() { return scan_version() == 1; }
@@ -139,6 +141,10 @@ static void scan_bv(const KdaFwdParams& p, cudaStream_t s) {
   if (scan_version() == 4) {
     if (bv == 128) return launch_scan4<WT, K, 128>(p, s);
     return launch_scan4<WT, K, 64>(p, s);
+  }
+  if (scan_version() == 5) {
+    if (bv == 128) return launch_scan5<WT, K, 128>(p, s);
+    return launch_scan5<WT, K, 64>(p, s);
   }
   if (bv == 128) return launch_scan2<WT, K, 128>(p, s);
   if (bv == 32) return launch_scan2<WT, K, 32>(p, s);

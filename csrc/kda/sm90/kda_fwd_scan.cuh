@@ -353,6 +353,9 @@ constexpr int scan2_threads() {
 // kWg == 2 (v4, KERNEL_FUN_KDA_SCAN=v4): phase D on wgmma as well -- hT (accumulators, m64nKk16) +=
 // v'T (registers) x kg, kg N-major in smem (core matrices 8 k-columns x 8 tokens, LBO 128 B between
 // 8-token groups, SBO 1 KB between 8-column groups).
+// kWg == 3 (v5, KERNEL_FUN_KDA_SCAN=v5): phases B and C on wgmma as well (A = vT from ldmatrix.trans,
+// resp. v'T; B = Akk / Aqk as K-major core matrices, full 64 x 64 tiles with the blocks above the
+// diagonal zero-filled on load).
 template <typename WT, int K, int BV, int kWg = 0>
 __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(const KdaFwdParams p) {
   using S = Scan2Smem<WT, K, BV>;
@@ -412,17 +415,19 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
       const int wq = kWg ? (r >> 3) * (K * 8) + c8 * 8 + (r & 7) * 8 : r * KP + c8;
       dev::cp_async16(base + S::kW + wq, gw + off, nb);
       dev::cp_async16(base + S::kQg + wq, gqg + off, nb);
-      const int kq = kWg == 2 ? (c8 >> 3) * 512 + (r >> 3) * 64 + (r & 7) * 8 : r * KP + c8;
+      const int kq = kWg >= 2 ? (c8 >> 3) * 512 + (r >> 3) * 64 + (r & 7) * 8 : r * KP + c8;
       dev::cp_async16(base + S::kKg + kq, gkg + off, nb);
     }
     for (int i = tid; i < kChunk * 8; i += NT) {
       const int r = i / 8, c8 = (i % 8) * 8;
-      if ((c8 >> 4) > (r >> 4)) continue;
-      const bool ok = r < rows;
-      const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8;
+      const bool upper = (c8 >> 4) > (r >> 4);  // never read by mma.sync; zeros for wgmma
+      if (kWg != 3 && upper) continue;
+      const bool ok = r < rows && !upper;
+      const int64_t off = ((tok0 + (r < rows ? r : 0)) * HV + hv) * kChunk + c8;
       const int nb = ok ? 16 : 0;
-      dev::cp_async16(base + S::kAqk + r * AP + c8, gAqk + off, nb);
-      dev::cp_async16(base + S::kAkk + r * AP + c8, gAkk + off, nb);
+      const int aq = kWg == 3 ? (r >> 3) * 512 + c8 * 8 + (r & 7) * 8 : r * AP + c8;
+      dev::cp_async16(base + S::kAqk + aq, gAqk + off, nb);
+      dev::cp_async16(base + S::kAkk + aq, gAkk + off, nb);
     }
     constexpr int BV8 = BV / 8;
     for (int i = tid; i < kChunk * BV8; i += NT) {
@@ -529,18 +534,38 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) whT[j][e] = -whT[j][e];
+    if constexpr (kWg == 3) {
+      uint32_t vtA[4][4];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      // A[m = v][k = token j]: transposed loads of the [token][v] tile; matrix m = tokens
-      // 16 jj + (m >> 1) 8, values vw + (m & 1) 8
-      uint32_t a[4];
-      dev::ldsm_x4_t(a, sV + (16 * jj + (lmat >> 1) * 8 + lrow) * VP + vw + (lmat & 1) * 8);
+      for (int jj = 0; jj < 4; ++jj)
+        dev::ldsm_x4_t(vtA[jj], sV + (16 * jj + (lmat >> 1) * 8 + lrow) * VP + vw + (lmat & 1) * 8);
+      dev::wg_fence_acc(whT);
+      dev::wg_arrive();
+      const uint32_t ab = dev::smem_u32(sAkk);
 #pragma unroll
-      for (int pp = jj; pp < 4; ++pp) {
-        uint32_t b[4];
-        dev::ldsm_x4(b, sAkk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
-        dev::mma_16816<WT>(whT[2 * pp], a, b[0], b[1]);
-        dev::mma_16816<WT>(whT[2 * pp + 1], a, b[2], b[3]);
+      for (int jj = 0; jj < 4; ++jj)  // B[k = j][n = i] = Akk[i][j]: K-major, 8-row groups 1 KB apart
+        dev::wgmma_m64n64k16_rs<WT>(whT, vtA[jj], dev::gmma_desc_nosw(ab + jj * 256, 128, 1024));
+      dev::wg_commit();
+      dev::wg_wait<0>();
+      dev::wg_fence_acc(whT);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dev::wg_fence_reg(vtA[jj][e]);
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        // A[m = v][k = token j]: transposed loads of the [token][v] tile; matrix m = tokens
+        // 16 jj + (m >> 1) 8, values vw + (m & 1) 8
+        uint32_t a[4];
+        dev::ldsm_x4_t(a, sV + (16 * jj + (lmat >> 1) * 8 + lrow) * VP + vw + (lmat & 1) * 8);
+#pragma unroll
+        for (int pp = jj; pp < 4; ++pp) {
+          uint32_t b[4];
+          dev::ldsm_x4(b, sAkk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
+          dev::mma_16816<WT>(whT[2 * pp], a, b[0], b[1]);
+          dev::mma_16816<WT>(whT[2 * pp + 1], a, b[2], b[3]);
+        }
       }
     }
     // v'T as A fragments over the token dimension (rounded to WT, as v1 stores v')
@@ -553,7 +578,7 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
       va[jj][3] = E::pack2(whT[2 * jj + 1][2], whT[2 * jj + 1][3]);
     }
 
-    if constexpr (kWg == 2) {
+    if constexpr (kWg >= 2) {
       // D on wgmma, asynchronous: hT = hT * exp2(G)[k] + v'T @ kg runs while C below works on oT
 #pragma unroll
       for (int j = 0; j < NK; ++j) {
@@ -569,18 +594,32 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj)  // tokens 16 jj.. = 8-token groups 2 jj, 2 jj + 1
         dev::wgmma_rs<WT, K, 1>(hT, va[jj], dev::gmma_desc_nosw(ak + jj * 256, 128, 1024));
+      if constexpr (kWg == 3) {  // C in the same group: OT += v'T @ Aqk^T
+        dev::wg_fence_acc(oT);
+        const uint32_t ac = dev::smem_u32(sAqk);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          dev::wgmma_m64n64k16_rs<WT>(oT, va[jj], dev::gmma_desc_nosw(ac + jj * 256, 128, 1024));
+      }
       dev::wg_commit();
+    }
+    if constexpr (kWg == 3) {
+      dev::wg_wait<0>();
+      dev::wg_fence_acc(oT);
+      dev::wg_fence_acc(hT);
     }
 
     // ---------------- C: OT += v'T @ Aqk^T -> o
+    if constexpr (kWg != 3) {
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
-      for (int pp = jj; pp < 4; ++pp) {
-        uint32_t b[4];
-        dev::ldsm_x4(b, sAqk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
-        dev::mma_16816<WT>(oT[2 * pp], va[jj], b[0], b[1]);
-        dev::mma_16816<WT>(oT[2 * pp + 1], va[jj], b[2], b[3]);
+        for (int pp = jj; pp < 4; ++pp) {
+          uint32_t b[4];
+          dev::ldsm_x4(b, sAqk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
+          dev::mma_16816<WT>(oT[2 * pp], va[jj], b[0], b[1]);
+          dev::mma_16816<WT>(oT[2 * pp + 1], va[jj], b[2], b[3]);
+        }
       }
     }
     {
@@ -602,8 +641,8 @@ __global__ void __launch_bounds__(scan2_threads<BV>(), 1) kda_fwd_scan2_kernel(c
         }
     }
 
-    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (v4: issued before C, completed here)
-    if constexpr (kWg == 2) {
+    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (v4/v5: issued before C, completed here)
+    if constexpr (kWg >= 2) {
       dev::wg_wait<0>();
       dev::wg_fence_acc(hT);
 #pragma unroll
