@@ -1,5 +1,5 @@
-"""Time the KDA forward's scan kernel alone, per scan version (KERNEL_FUN_KDA_SCAN = v1 ... v5
-) and V-slice, on the benchmark shapes, and check every version's o and final state against v1's.
+"""Time the KDA forward's scan kernel alone, per scan version (KERNEL_FUN_KDA_SCAN = v1 ... v5)
+and V-slice, on the benchmark shapes, and check every version's o and final state against v1's.
 
     PYTHONPATH=src python3 scripts/bench_kda_scan.py [--iters 5] [--cases prod8192,b1h16]
 
