@@ -17,7 +17,10 @@
 namespace kernel_fun::cconv::dev {
 
 // Every conv CTA has kThreads threads: TX channel groups x TY token chunks.
-constexpr int kThreads = 128;
+#ifndef KF_CCONV_THREADS
+#define KF_CCONV_THREADS 128  // -D override (256): tuning harness only, with KF_CCONV_CTA_CHANNELS
+#endif
+constexpr int kThreads = KF_CCONV_THREADS;
 
 // ---- conversions -------------------------------------------------------------------------------
 __device__ __forceinline__ float to_f(float v) { return v; }
