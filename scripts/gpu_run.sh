@@ -8,6 +8,7 @@
 #   KF_PYTEST    extra pytest args (e.g. "-x tests/test_cconv_gpu.py")
 #   KF_BENCH     benchmark args (default: all cases); "none" skips the benchmark
 #   KF_NO_BUILD  1 = use a carried src/kernel_fun/_C.abi3.so instead of building here
+#   KF_TEST_TIMEOUT  seconds the GPU tests may take (default 300)
 set -u
 out="${1:-${OUT:-$PWD/gpu-out}}"
 mkdir -p "$out"
@@ -42,8 +43,8 @@ if [ "${KF_TESTS:-}" != "none" ]; then
   sel=()
   [ -n "${KF_TESTS:-}" ] && sel=(-k "$KF_TESTS")
   # shellcheck disable=SC2086
-  python3 -m pytest -q -m gpu -p no:cacheprovider "${sel[@]}" ${KF_PYTEST:-tests} \
-    > "$out/tests.log" 2>&1
+  timeout "${KF_TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "${sel[@]}" \
+    ${KF_PYTEST:-tests} > "$out/tests.log" 2>&1
   rc=$?
   grep -E "passed|failed|error" "$out/tests.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
