@@ -482,12 +482,17 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
 //     tiles below them; warps 5-7 the six cross-block 16x16 blocks on tf32 tensor cores (as v1).
 //
 // Shared memory plan (KP = K + 4 floats, KQ = K + 8 elements, AP = 68):
-//   sG  fp32 [64][KP]  g2 (P1 .. P4a), then kexp = k rk exp2(g2), the B operand of w (P4a .. P4b)
+//   sG  fp32 [64][KP]  block-local g2 (P1 .. P4a), then kexp = k rk exp2(g2), B operand of w (P4a .. P4b)
 //   sQ  WT   [64][KQ]  raw q                                  (P0 .. P4a)
 //   sK  WT   [64][KQ]  raw k (P0 .. P4a), then X = (I+L)^-1 / Akk fp32 [64][AP] (P3 .. P4b)
 //   sA  fp32 [64][AP]  Aqk (P2 .. P4a), then the merge scratch Y [48][AP] (P3)
 //   sL  fp32 [64][AP]  L (P2 .. P3)
-//   sBeta, sRq, sRk [64]; sGt [K] = g2 of the last row (G); sTot [256] cumsum part totals
+//   sBeta, sRq, sRk [64]; sGt [K] = G; sBT / sBO / sBS [4][K]: per 16-row block its total, the sum of
+//   the totals before it, the sum of the totals after it
+// g2 is kept BLOCK-LOCAL (the inclusive cumsum restarts at every 16-row block, times 1/ln2): every
+// exponent is either a difference inside one block or such a difference plus whole-block totals,
+// all terms <= 0, so a large cumsum never cancels across blocks (e.g. one -1000 step in block 0
+// costs blocks 1-3 nothing; with a chunk-global cumsum it costs ulp(1442) in every later exponent).
 // ==================================================================================================
 
 constexpr int kIntraThreadsV2 = 256;
@@ -510,8 +515,10 @@ struct IntraSmemV2 {
   static constexpr int oRq = oBeta + kChunk * 4;
   static constexpr int oRk = oRq + kChunk * 4;
   static constexpr int oGt = oRk + kChunk * 4;
-  static constexpr int oTot = oGt + K * 4;
-  static constexpr size_t kBytes = oTot + kIntraThreadsV2 * 4;
+  static constexpr int oBT = oGt + K * 4;     // [4][K] block totals
+  static constexpr int oBO = oBT + 4 * K * 4;  // [4][K] sum of the totals of the blocks before
+  static constexpr int oBS = oBO + 4 * K * 4;  // [4][K] sum of the totals of the blocks after
+  static constexpr size_t kBytes = oBS + 4 * K * 4;
   static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0, "16-byte aligned buffers");
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
@@ -587,7 +594,9 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
   float* sRq = reinterpret_cast<float*>(sm + S::oRq);
   float* sRk = reinterpret_cast<float*>(sm + S::oRk);
   float* sGt = reinterpret_cast<float*>(sm + S::oGt);
-  float* sTot = reinterpret_cast<float*>(sm + S::oTot);
+  float* sBT = reinterpret_cast<float*>(sm + S::oBT);
+  float* sBO = reinterpret_cast<float*>(sm + S::oBO);
+  float* sBS = reinterpret_cast<float*>(sm + S::oBS);
   float* sX = reinterpret_cast<float*>(sm + S::oK);  // after P4a
   float* sY = sA;                                    // after P4a
   float* sKexp = sG;                                 // from P4a
@@ -712,27 +721,35 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
         for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? p.lower_bound * sigmoid_fast(xr[i] + bias) : 0.f;
         break;
     }
+    // Block-local (16-row) inclusive cumsum: every part is whole blocks, so no cross-thread offsets.
     float run = 0.f;
 #pragma unroll
     for (int i = 0; i < RP; ++i) {
+      if (i % 16 == 0) run = 0.f;
       run += xr[i];
-      sG[(part * RP + i) * KP + d] = run;
+      sG[(part * RP + i) * KP + d] = run * kRcpLn2;
+      if (i % 16 == 15) sBT[((part * RP + i) >> 4) * K + d] = run * kRcpLn2;
     }
-    sTot[part * K + d] = run;
     for (int i = tid; i < 2 * kChunk * AP; i += NTH) sA[i] = 0.f;  // sA and sL are adjacent
-    __syncthreads();
-    float off = 0.f;
-    for (int pp = 0; pp < part; ++pp) off += sTot[pp * K + d];
-#pragma unroll
-    for (int i = 0; i < RP; ++i) {
-      const int r = part * RP + i;
-      sG[r * KP + d] = (sG[r * KP + d] + off) * kRcpLn2;
-    }
-    if (part == NP - 1) sGt[d] = sG[(kChunk - 1) * KP + d];
   }
   dev::cp_async_wait<0>();
   __syncthreads();
 
+  // ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G
+  if (tid < K) {
+    const float b0 = sBT[tid], b1 = sBT[K + tid], b2 = sBT[2 * K + tid], b3 = sBT[3 * K + tid];
+    const float o2 = b0 + b1, o3 = o2 + b2;
+    const float s2 = b3, s1 = b2 + s2, s0 = b1 + s1;
+    sBO[tid] = 0.f;
+    sBO[K + tid] = b0;
+    sBO[2 * K + tid] = o2;
+    sBO[3 * K + tid] = o3;
+    sBS[tid] = s0;
+    sBS[K + tid] = s1;
+    sBS[2 * K + tid] = s2;
+    sBS[3 * K + tid] = 0.f;
+    sGt[tid] = o3 + b3;  // G
+  }
   // ---- l2norm rstd per row (1 when off), one warp per row
   {
     constexpr int PER = K / 32;
@@ -872,17 +889,23 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
                                  dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
         const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
                                  dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
+        // B side: g_f - g_j = (T_bj - loc_j) + sum_{bj < m < bi} T_m + loc_f, every term <= 0
+        // (block-local cumsums loc, block totals T); ma/mb carry loc_f + the totals in between.
+        float ma = gfa, mb = gfb;
 #pragma unroll
-        for (int bj = 0; bj < 3; ++bj) {
+        for (int bj = 2; bj >= 0; --bj) {
           if (bj < bi) {
+            const float ta = sBT[bj * K + ca], tb = sBT[bj * K + cb];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
               const int s = 16 * bj + 8 * nt + g;
-              const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2(gfa - sG[s * KP + ca]));
-              const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2(gfb - sG[s * KP + cb]));
+              const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2((ta - sG[s * KP + ca]) + ma));
+              const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2((tb - sG[s * KP + cb]) + mb));
               dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
               dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
             }
+            ma += ta;
+            mb += tb;
           }
         }
       }
@@ -975,9 +998,22 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
       const int r = i / VPR, d0 = (i % VPR) * 8;
       const float fq = p.scale * sRq[r], fk = sRk[r];
       // 16-byte smem accesses: 8 consecutive d of row r
+      // g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks after):
+      // sums of terms <= 0, so both exponents are <= 0 and free of cancellation across blocks
       float g2v[8], Gv[8], qv[8], kv[8];
-      intra_ld8(g2v, sG + r * KP + d0);
-      intra_ld8(Gv, sGt + d0);
+      {
+        const int b = r >> 4;
+        float ov[8], tv[8], sv[8];
+        intra_ld8(g2v, sG + r * KP + d0);
+        intra_ld8(ov, sBO + b * K + d0);
+        intra_ld8(tv, sBT + b * K + d0);
+        intra_ld8(sv, sBS + b * K + d0);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          Gv[e] = (tv[e] - g2v[e]) + sv[e];  // G - g2
+          g2v[e] = ov[e] + g2v[e];           // g2
+        }
+      }
       {
         const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
         const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
@@ -1000,7 +1036,7 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
           const float kk = fk * kv[e + u];
           const float eg = dev::fast_exp2(g2);  // g2 <= 0
           vq[u] = fq * qv[e + u] * eg;
-          vk[u] = kk * dev::fast_exp2(Gv[e + u] - g2);  // G <= g2: one-sided
+          vk[u] = kk * dev::fast_exp2(Gv[e + u]);  // G - g2 <= 0: one-sided
           kx[e + u] = kk * eg;
         }
         pq[e / 2] = E::pack2(vq[0], vq[1]);
