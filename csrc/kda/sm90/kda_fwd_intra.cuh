@@ -963,11 +963,18 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
 #pragma unroll 2
       for (int kk = 0; kk < K / 8; ++kk) {
         const int ca = 8 * kk + t, cb = ca + 4;
+        const float fa0 = dev::fast_exp2(sG[r0 * KP + ca] - sG[e0 * KP + ca]);
+        const float fb0 = dev::fast_exp2(sG[r0 * KP + cb] - sG[e0 * KP + cb]);
+        float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
+        if (sub4) {
+          fa1 = dev::fast_exp2(sG[r1 * KP + ca] - sG[e1 * KP + ca]);
+          fb1 = dev::fast_exp2(sG[r1 * KP + cb] - sG[e1 * KP + cb]);
+        }
         uint32_t af[4];
-        af[0] = dev::to_tf32(E::to_float(x0[ca]) * dev::fast_exp2(sG[r0 * KP + ca] - sG[e0 * KP + ca]));
-        af[1] = dev::to_tf32(E::to_float(x1[ca]) * dev::fast_exp2(sG[r1 * KP + ca] - sG[e1 * KP + ca]));
-        af[2] = dev::to_tf32(E::to_float(x0[cb]) * dev::fast_exp2(sG[r0 * KP + cb] - sG[e0 * KP + cb]));
-        af[3] = dev::to_tf32(E::to_float(x1[cb]) * dev::fast_exp2(sG[r1 * KP + cb] - sG[e1 * KP + cb]));
+        af[0] = dev::to_tf32(E::to_float(x0[ca]) * fa0);
+        af[1] = dev::to_tf32(E::to_float(x1[ca]) * fa1);
+        af[2] = dev::to_tf32(E::to_float(x0[cb]) * fb0);
+        af[3] = dev::to_tf32(E::to_float(x1[cb]) * fb1);
         const uint32_t b0 = dev::to_tf32(Kf(sb, ca) * dev::fast_exp2(sG[eb * KP + ca] - sG[sb * KP + ca]));
         const uint32_t b1 = dev::to_tf32(Kf(sb, cb) * dev::fast_exp2(sG[eb * KP + cb] - sG[sb * KP + cb]));
         dev::mma_1688_tf32(c, af, b0, b1);
