@@ -69,7 +69,9 @@ inline Plan make_plan(int64_t total, int64_t D, int C, int threads, int blocks_p
   const int64_t ty = threads / tx;
   p.dtiles = (groups + tx - 1) / tx;
   const int64_t capacity = static_cast<int64_t>(num_sms()) * std::max(blocks_per_sm, 1) * KF_CCONV_WAVES;
-  int64_t rows = std::max<int64_t>(1, (capacity + p.dtiles - 1) / p.dtiles);
+  // Rounded down: rounding up would leave a few CTAs for a second wave (as long as the first)
+  // whenever the capacity is not a multiple of dtiles (D = 2560, 5120, 3 CTAs per SM, ...).
+  int64_t rows = std::max<int64_t>(1, capacity / p.dtiles);
   rows = std::min<int64_t>(rows, std::max<int64_t>(1, (total + ty * min_chunk - 1) / (ty * min_chunk)));
   rows = std::min<int64_t>(rows, 65535 / 2);
   p.chunk = total > 0 ? (total + rows * ty - 1) / (rows * ty) : 0;
