@@ -106,7 +106,7 @@ def test_case_list_holds_every_anchor_case():
 
 def test_select_and_passes():
     assert [c.name for c in bc.select("cconv")] == ["cconv_d2048", "cconv_d4096", "cconv_small"]
-    assert [c.name for c in bc.select("all", ["gva", "small"])] == ["small", "gva"]  # list order
+    assert [c.name for c in bc.select("all", ["gva", "small"])] == ["gva", "small"]  # the caller's order
     assert bc.passes("all") == ("fwd", "fwd+bwd")
     with pytest.raises(ValueError):
         bc.select("kda", ["nope"])

@@ -38,10 +38,12 @@ constexpr int kC = KF_CCONV_BWD_CHANNELS;
 constexpr int kUnroll = KF_CCONV_BWD_UNROLL;  // steps per unrolled group (halos stay in registers)
 
 // kFlags (a kernel template argument): 0 = activation decided at run time. KF_CCONV_STATIC_FLAGS=1
-// (tuning harness only) launches vector kernels specialised on it: bit 0 = static, bit 1 = silu.
-// The plan (and so the workspace) always comes from the kFlags = 0 kernel's occupancy.
+// (the default) launches vector kernels specialised on it: bit 0 = static, bit 1 = silu. Measured
+// on the H200 (B16 T8192 D2048 bf16 W4 silu): backward 0.465 ms specialised vs 0.531 ms with the
+// run-time branch per row. The plan (and so the workspace) always comes from the kFlags = 0
+// kernel's occupancy.
 #ifndef KF_CCONV_STATIC_FLAGS
-#define KF_CCONV_STATIC_FLAGS 0
+#define KF_CCONV_STATIC_FLAGS 1
 #endif
 [[maybe_unused]] constexpr int kStatic = 1, kSiluBit = 2;
 

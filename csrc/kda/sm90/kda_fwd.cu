@@ -96,13 +96,15 @@ static int scan_bv_v1(const KdaFwdParams& p) {
 // by what its warps share: shared-memory bandwidth (128 B/clk/SM) for the chunk's fill plus every
 // warp's ldmatrix reads of the K-wide tiles (~60 KB per warp per chunk at K=128), with a floor of
 // one warp's own serial chain. Modelled cost = waves x per-chunk time; the smallest wins.
+// BV=32 is not a candidate: on the H200 it never won (B1 T32768 H32: 1.65 ms at 32 vs 1.53 at 64;
+// B1 T8192 H16: 0.415 vs 0.400; K=V=64: 0.182 vs 0.152); KERNEL_FUN_KDA_SCAN_BV=32 still forces it.
 static int scan_bv_v2(const KdaFwdParams& p) {
   constexpr int kSMs = 132;
   const long rows = static_cast<long>(p.HV) * p.N;
   const double kw = p.K / 128.0;
   int best = 64;
   double best_cost = 0;
-  for (int bv : {128, 64, 32}) {
+  for (int bv : {128, 64}) {
     if (p.V % bv != 0) continue;
     const int warps = bv / 16;
     const double fill_kb = 52.0 * kw + 18.0 + bv / 8.0;  // w, qg, kg + Aqk, Akk + v, padded
