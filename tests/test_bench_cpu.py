@@ -404,3 +404,28 @@ def test_main_budget_reports_the_rest_as_not_run(fake_cuda, monkeypatch, tmp_pat
     assert bm.main(["--out", str(tmp_path), "--no-flush", "--budget-s", "0"]) == 0
     rows = json.loads((tmp_path / "fake-gpu.json").read_text())
     assert rows and all(r["status"] == "not_run" and r["ms"] is None and "budget" in r["note"] for r in rows)
+
+
+def test_merge_runs_prefers_the_newest_timed_row(tmp_path):
+    import json
+
+    from kernel_fun.bench import __main__ as cli
+    from kernel_fun.bench import report
+
+    def row(case, impl, status, ms, date):
+        return report.new_row(family="kda", case=case, **{"pass": "fwd"}, impl=impl, status=status, ms=ms,
+                              date=date, gpu="h200", device_name="NVIDIA H200")
+
+    a = [row("prod8192", "kernel_fun", "ok", 6.4, "2026-11-29T22:00"),
+         row("varlen", "kernel_fun", "not_run", None, "2026-11-29T22:00")]
+    b = [row("prod8192", "kernel_fun", "not_run", None, "2026-11-29T22:30"),
+         row("varlen", "kernel_fun", "ok", 0.8, "2026-11-29T22:30")]
+    rows, meta = report.merge_runs([a, b])
+    got = {(r["case"], r["status"]): r["ms"] for r in rows}
+    assert got == {("prod8192", "ok"): 6.4, ("varlen", "ok"): 0.8}
+    assert "merged from 2 runs" in meta["notes"][0]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert cli.main(["--merge", str(pa), str(pb), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "h200.json").read_text())[1]["ms"] == 0.8

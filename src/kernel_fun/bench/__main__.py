@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="start no new case after S seconds; the rest are reported as not run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="print the cases and exit")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no timing: merge these result files (oldest first; the newest timed row of "
+                        "each case/pass/impl wins) and write <gpu>.json/.md/.png to --out")
     return p
 
 
@@ -63,6 +66,20 @@ def main(argv=None) -> int:
         return 2
     if args.list:
         print(list_cases(cases, pass_list))
+        return 0
+    if args.merge:
+        import json
+
+        from kernel_fun.bench import report
+
+        runs = []
+        for path in args.merge:
+            with open(path) as f:
+                runs.append(json.load(f))
+        rows, meta = report.merge_runs(runs)
+        print(report.format_table(rows))
+        for m in report.write_all(rows, meta, args.out):
+            print(m)
         return 0
 
     try:

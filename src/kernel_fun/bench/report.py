@@ -229,6 +229,34 @@ def write_png(rows: list[dict], meta: dict, path: str) -> tuple[bool, str]:
     return True, path
 
 
+def merge_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
+    """Rows of several runs of the benchmark (each a list of JSON rows, oldest first) as one
+    table: per (family, case, pass, impl) the newest timed row wins, else the newest row. For a
+    device budget that fits only part of the cases per call. Returns (rows, meta for the page)."""
+    best: dict[tuple, dict] = {}
+    order: list[tuple] = []
+    for rows in runs:
+        for r in rows:
+            key = (r.get("family"), r.get("case"), r.get("pass"), r.get("impl"))
+            if key not in best:
+                order.append(key)
+                best[key] = r
+            elif r.get("status") == "ok" or best[key].get("status") != "ok":
+                best[key] = r
+    merged = [best[k] for k in order]
+    timed = [r for r in merged if r.get("status") == "ok"] or merged
+    last = max(timed, key=lambda r: r.get("date") or "")
+    dates = sorted({r.get("date") for r in timed if r.get("date")})
+    meta = {"device_name": last.get("device_name"), "gpu": last.get("gpu"), "versions": last.get("versions"),
+            "copy_tbps": last.get("copy_tbps"), "date": ", ".join(dates) or last.get("date"),
+            "iters": ", ".join(sorted({str(r.get("iters")) for r in timed if r.get("iters")})) or None,
+            "warmup": last.get("warmup"), "flush_l2": True,
+            "notes": [f"merged from {len(runs)} runs of the benchmark (one per device call); each row "
+                      f"keeps its own date and versions in the JSON, ours and fla's of one case always "
+                      f"come from the same process"]}
+    return merged, meta
+
+
 def write_all(rows: list[dict], meta: dict, out_dir: str) -> list[str]:
     """Write exactly <gpu>.json, <gpu>.md and (when matplotlib imports) <gpu>.png under out_dir.
     Returns messages to print."""
