@@ -1,485 +1,30 @@
-// kda_fwd_intra: the token-parallel part of the KDA forward, one CTA per (chunk, value head).
+// kda_fwd_intra: the token-parallel part of the KDA forward, one CTA per (chunk, value head),
+// 256 threads and ~108 KB of smem at K=128, so TWO CTAs share an SM (one CTA's loads and barriers
+// overlap the other's compute).
 //
 // Stages (docs/kda-forward.md):
-//   P1  gate activation + chunk-local inclusive cumsum, times 1/ln2  -> g2 (fp32, smem)
-//       q/k l2norm (fp32, smem), beta (sigmoid) -> smem
-//   P2  Aqk[i,j] = scale sum_d q_id k_jd exp2(g2_id - g2_jd)   (j <= i)
-//       L[i,j]   = beta_i sum_d k_id k_jd exp2(g2_id - g2_jd)  (j <  i)
-//       diagonal 16x16 blocks in SIMT with exactly one one-sided exp2 per (i, j, d), shared
-//       between Aqk and L (warps 0-9); blocks below the diagonal on tf32 tensor cores through the
-//       boundary row f = first row of the row block: exp2(g_i - g_f) * exp2(g_f - g_j), both
-//       exponents <= 0 because i >= f > j (warps 10-15). This is THE NUMERICS LAW of
-//       kernel-fun-ALGORITHM.md: no factor here can overflow at any gate magnitude.
+//   P0  raw q / k (input dtype, exact) -> smem by 16-byte cp.async, issued first thing and in
+//       flight while P1 runs
+//   P1  gate activation + block-local (16-row) inclusive cumsum, times 1/ln2 -> g2 (fp32, smem);
+//       beta (sigmoid) -> smem; per-row l2norm rstd of q / k (1 when off)
+//   P2  Aqk[i,j] = scale rq_i rk_j sum_d q_id k_jd exp2(g2_id - g2_jd)   (j <= i)
+//       L[i,j]   = beta_i rk_i rk_j sum_d k_id k_jd exp2(g2_id - g2_jd)  (j <  i)
+//       (the l2norm rstd is a per-row fp32 factor on the products, so the raw copy loses nothing)
 //   P4a qg = scale q exp2(g2), kg = k exp2(G - g2) -> workspace; kexp = k exp2(g2) -> smem;
 //       exp2(G) -> gdecay; Aqk -> workspace
 //   P3  X = (I + L)^-1 in fp32: forward substitution on the four 16x16 diagonal blocks, then the
 //       block merge X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj; Akk = X diag(beta) -> workspace
 //   P4b w = Akk @ kexp (tf32 tensor cores) -> workspace
 //
-// Shared memory plan (floats; KP = K + 4 so that fragment loads hit 32 distinct banks):
-//   sG [64][KP]  g2                       P1 .. P4a, then scratch Y of the block merge (P3)
-//   sQ [64][KP]  q (normalised)           P1 .. P4a, then kexp (P4a .. P4b)
-//   sK [64][KP]  k (normalised)           P1 .. P4a, then X = (I+L)^-1 / Akk (P3 .. P4b)
-//   sA [64][68]  Aqk                      P2 .. P4a
-//   sL [64][68]  L                        P2 .. P3
-//   sBeta[64], sTot[512 / K][K] (cumsum part totals)
-// Rows past the end of the sequence are zero (gate 0, q = k = 0, beta = 0): they contribute
-// nothing, keep g2 of the last valid row, and are never written to the workspace.
-#pragma once
-
-#include <cstdint>
-#include <cstdlib>
-
-#include "kda/sm90/kda_device.cuh"
-
-namespace kernel_fun::kda {
-
-constexpr int kIntraThreads = 512;
-
-template <int K>
-struct IntraSmem {
-  static constexpr int KP = K + 4;
-  static constexpr int AP = 68;
-  static constexpr int kG = 0;
-  static constexpr int kQ = kG + kChunk * KP;
-  static constexpr int kK = kQ + kChunk * KP;
-  static constexpr int kA = kK + kChunk * KP;
-  static constexpr int kL = kA + kChunk * AP;
-  static constexpr int kBeta = kL + kChunk * AP;
-  static constexpr int kTot = kBeta + kChunk;
-  static constexpr int kFloats = kTot + kIntraThreads;  // sTot [threads / K][K]
-  static constexpr size_t kBytes = sizeof(float) * kFloats;
-  static_assert(kChunk * AP <= kChunk * KP, "X = (I+L)^-1 [64][AP] must fit in sK");
-};
-
-__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
-
-template <typename WT, int K>
-__global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const KdaFwdParams p) {
-  using S = IntraSmem<K>;
-  using E = dev::Elem<WT>;
-  constexpr int KP = S::KP;
-  constexpr int AP = S::AP;
-  constexpr float kRcpLn2 = 1.4426950408889634f;
-  extern __shared__ float4 smem_f4[];
-  float* sm = reinterpret_cast<float*>(smem_f4);
-  float* sG = sm + S::kG;
-  float* sQ = sm + S::kQ;
-  float* sK = sm + S::kK;
-  float* sA = sm + S::kA;
-  float* sL = sm + S::kL;
-  float* sBeta = sm + S::kBeta;
-  float* sTot = sm + S::kTot;
-  float* sX = sK;  // after P4a
-  float* sY = sG;  // after P4a
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hv = blockIdx.y;
-  const int x = blockIdx.x;
-
-  // ---- which sequence / chunk this CTA owns
-  int n, c;
-  if (p.cu_seqlens) {
-    if (x >= p.chunk_offsets[p.N]) return;
-    int lo = 0, hi = p.N - 1;  // largest n with chunk_offsets[n] <= x
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.chunk_offsets[mid] <= x) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-    c = x - p.chunk_offsets[n];
-  } else {
-    const int nts = (p.T + kChunk - 1) / kChunk;
-    n = x / nts;
-    c = x % nts;
-  }
-  const dev::SeqInfo seq = dev::seq_info(p, n);
-  const int64_t tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
-  const int len = min(kChunk, seq.len - c * kChunk);
-  const int gchunk = seq.chunk0 + c;
-  const int HV = p.HV;
-  const int h = hv / (HV / p.H);
-
-  // ---------------------------------------------------------------- P1: gate + cumsum
-  {
-    constexpr int NP = kIntraThreads / K;  // parts of the chunk scanned in parallel per column
-    constexpr int RP = kChunk / NP;
-    const int d = tid % K, part = tid / K;
-    float a_exp = 1.f, bias = 0.f;
-    if (p.gate_mode != GateMode::kPrecomputed) {
-      if (p.A_log) a_exp = expf(p.A_log[hv]);
-      if (p.dt_bias) bias = p.dt_bias[hv * K + d];
-    }
-    // all loads first (RP independent requests in flight), then the serial cumsum
-    float xr[RP];
-#pragma unroll
-    for (int i = 0; i < RP; ++i) {
-      const int r = part * RP + i;
-      xr[i] = r < len ? dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype) : 0.f;
-    }
-    float run = 0.f;
-#pragma unroll
-    for (int i = 0; i < RP; ++i) {
-      const int r = part * RP + i;
-      float gate = 0.f;
-      if (r < len) {
-        const float x_ = xr[i];
-        switch (p.gate_mode) {
-          case GateMode::kPrecomputed: gate = x_; break;
-          case GateMode::kUnbounded: gate = -a_exp * softplus_f(x_ + bias); break;
-          case GateMode::kBounded: gate = p.lower_bound * sigmoid_f(a_exp * (x_ + bias)); break;
-          case GateMode::kBoundedNoALog: gate = p.lower_bound * sigmoid_f(x_ + bias); break;
-        }
-      }
-      run += gate;
-      sG[r * KP + d] = run;
-    }
-    sTot[part * K + d] = run;
-    // zero Aqk / L (only the lower triangle is written below)
-    for (int i = tid; i < 2 * kChunk * AP; i += kIntraThreads) sA[i] = 0.f;  // sA and sL are adjacent
-    __syncthreads();
-    float off = 0.f;
-    for (int pp = 0; pp < part; ++pp) off += sTot[pp * K + d];
-#pragma unroll
-    for (int i = 0; i < RP; ++i) {
-      const int r = part * RP + i;
-      sG[r * KP + d] = (sG[r * KP + d] + off) * kRcpLn2;
-    }
-  }
-  // ---- q / k (+ l2norm), one warp per row
-  {
-    constexpr int PER = K / 32;
-    const WT* q = reinterpret_cast<const WT*>(p.q);
-    const WT* k = reinterpret_cast<const WT*>(p.k);
-    constexpr int RPW = kChunk / (kIntraThreads / 32);  // rows per warp
-    float qvs[RPW][PER], kvs[RPW][PER];
-#pragma unroll
-    for (int rr = 0; rr < RPW; ++rr) {
-      const int r = warp * RPW + rr;
-      const int64_t base = ((tok0 + r) * p.H + h) * K;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        qvs[rr][j] = r < len ? E::to_float(q[base + lane + 32 * j]) : 0.f;
-        kvs[rr][j] = r < len ? E::to_float(k[base + lane + 32 * j]) : 0.f;
-      }
-    }
-#pragma unroll
-    for (int rr = 0; rr < RPW; ++rr) {
-      const int r = warp * RPW + rr;
-      float* qv = qvs[rr];
-      float* kv = kvs[rr];
-      float sq = 0.f, sk = 0.f;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        sq += qv[j] * qv[j];
-        sk += kv[j] * kv[j];
-      }
-      float rq = 1.f, rk = 1.f;
-      if (p.l2norm) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, o);
-          sk += __shfl_xor_sync(0xffffffffu, sk, o);
-        }
-        rq = 1.f / sqrtf(sq + 1e-6f);
-        rk = 1.f / sqrtf(sk + 1e-6f);
-      }
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        sQ[r * KP + lane + 32 * j] = qv[j] * rq;
-        sK[r * KP + lane + 32 * j] = kv[j] * rk;
-      }
-    }
-    if (tid < kChunk) {
-      float b = 0.f;
-      if (tid < len) {
-        b = dev::load_any(p.beta, (tok0 + tid) * HV + hv, p.beta_dtype);
-        if (p.beta_sigmoid_scale != 0.f) b = p.beta_sigmoid_scale * sigmoid_f(b);
-      }
-      sBeta[tid] = b;
-    }
-  }
-  __syncthreads();
-
-  // ---------------------------------------------------------------- P2: Aqk and L
-  if (warp < 10) {
-    // Diagonal 16x16 blocks: thread = (block, 4x4 tile at or below the diagonal, d-slice).
-    // Lanes 8i..8i+7 share a tile and split d (d = ds + 8j), then reduce with three shuffles.
-    const int item = tid;  // 0..319
-    const int ds = item & 7;
-    const int tile = (item >> 3) % 10;
-    const int blk = (item >> 3) / 10;
-    // tile -> (rt, st), st <= rt: (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3)
-    const int rt = tile >= 6 ? 3 : tile >= 3 ? 2 : tile >= 1 ? 1 : 0;
-    const int st = tile - (rt * (rt + 1)) / 2;
-    const int r0 = 16 * blk + 4 * rt, s0 = 16 * blk + 4 * st;
-    const bool diag_tile = rt == st;
-    float aq[4][4], ak[4][4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
-#pragma unroll 2
-    for (int j = 0; j < K / 8; ++j) {
-      const int d = ds + 8 * j;
-      float qr[4], kr[4], gr[4], ks[4], gs[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        qr[a] = sQ[(r0 + a) * KP + d];
-        kr[a] = sK[(r0 + a) * KP + d];
-        gr[a] = sG[(r0 + a) * KP + d];
-        ks[a] = sK[(s0 + a) * KP + d];
-        gs[a] = sG[(s0 + a) * KP + d];
-      }
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          // one-sided: row r0+a >= column s0+b, so the argument is <= 0; the pairs above the
-          // diagonal of a diagonal tile get exp2(-inf) = 0 and are never formed.
-          const float arg = (diag_tile && a < b) ? -INFINITY : gr[a] - gs[b];
-          const float e = dev::fast_exp2(arg) * ks[b];
-          aq[a][b] = fmaf(qr[a], e, aq[a][b]);
-          ak[a][b] = fmaf(kr[a], e, ak[a][b]);
-        }
-    }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-          aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
-          ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
-        }
-      }
-#pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      if (a != ds) continue;
-      const int r = r0 + a;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int s = s0 + b;
-        if (r >= s) sA[r * AP + s] = p.scale * aq[a][b];
-        if (r > s) sL[r * AP + s] = sBeta[r] * ak[a][b];
-      }
-    }
-  } else {
-    // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores. Reference row
-    // f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
-    const int task = warp - 10;  // 0..5, one (bi, bj) block each
-    const int g = lane >> 2, t = lane & 3;
-    {
-      const int bi = task == 0 ? 1 : task <= 2 ? 2 : 3;
-      const int bj = task == 0 ? 0 : task <= 2 ? task - 1 : task - 3;
-      const int f = 16 * bi;
-      float cq[2][4] = {}, ck[2][4] = {};
-      const int ra = f + g, rb = f + g + 8;
-#pragma unroll 2
-      for (int kk = 0; kk < K / 8; ++kk) {
-        const int ca = 8 * kk + t, cb = ca + 4;
-        const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
-        const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
-        const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
-        const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
-        const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
-        const uint32_t aq_[4] = {dev::to_tf32(sQ[ra * KP + ca] * e00), dev::to_tf32(sQ[rb * KP + ca] * e10),
-                                 dev::to_tf32(sQ[ra * KP + cb] * e01), dev::to_tf32(sQ[rb * KP + cb] * e11)};
-        const uint32_t ak_[4] = {dev::to_tf32(sK[ra * KP + ca] * e00), dev::to_tf32(sK[rb * KP + ca] * e10),
-                                 dev::to_tf32(sK[ra * KP + cb] * e01), dev::to_tf32(sK[rb * KP + cb] * e11)};
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int s = 16 * bj + 8 * nt + g;
-          const uint32_t b0 = dev::to_tf32(sK[s * KP + ca] * dev::fast_exp2(gfa - sG[s * KP + ca]));
-          const uint32_t b1 = dev::to_tf32(sK[s * KP + cb] * dev::fast_exp2(gfb - sG[s * KP + cb]));
-          dev::mma_1688_tf32(cq[nt], aq_, b0, b1);
-          dev::mma_1688_tf32(ck[nt], ak_, b0, b1);
-        }
-      }
-      const float ba = sBeta[ra], bb = sBeta[rb];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int s = 16 * bj + 8 * nt + 2 * t;
-        sA[ra * AP + s] = p.scale * cq[nt][0];
-        sA[ra * AP + s + 1] = p.scale * cq[nt][1];
-        sA[rb * AP + s] = p.scale * cq[nt][2];
-        sA[rb * AP + s + 1] = p.scale * cq[nt][3];
-        sL[ra * AP + s] = ba * ck[nt][0];
-        sL[ra * AP + s + 1] = ba * ck[nt][1];
-        sL[rb * AP + s] = bb * ck[nt][2];
-        sL[rb * AP + s + 1] = bb * ck[nt][3];
-      }
-    }
-  }
-  __syncthreads();
-
-  // ---------------------------------------------------------------- P4a: elementwise outputs
-  {
-    WT* qg = reinterpret_cast<WT*>(p.qg);
-    WT* kg = reinterpret_cast<WT*>(p.kg);
-    WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
-    constexpr int VPR = K / 8;  // 8-element vectors per row
-    for (int i = tid; i < kChunk * VPR; i += kIntraThreads) {
-      const int r = i / VPR, d0 = (i % VPR) * 8;
-      uint32_t pq[4], pk[4];
-#pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        float vq[2], vk[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int d = d0 + e + u;
-          const float g2 = sG[r * KP + d];
-          const float G = sG[(kChunk - 1) * KP + d];
-          const float kk = sK[r * KP + d];
-          const float eg = dev::fast_exp2(g2);  // g2 <= 0
-          vq[u] = p.scale * sQ[r * KP + d] * eg;
-          vk[u] = kk * dev::fast_exp2(G - g2);  // G <= g2: one-sided
-          sQ[r * KP + d] = kk * eg;             // kexp, the B operand of w (P4b)
-        }
-        pq[e / 2] = E::pack2(vq[0], vq[1]);
-        pk[e / 2] = E::pack2(vk[0], vk[1]);
-      }
-      if (r < len) {
-        const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
-        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-      }
-    }
-    for (int i = tid; i < kChunk * 8; i += kIntraThreads) {
-      const int r = i / 8, s0 = (i % 8) * 8;
-      if (r < len) {
-        uint32_t pa[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sA[r * AP + s0 + 2 * e], sA[r * AP + s0 + 2 * e + 1]);
-        *reinterpret_cast<uint4*>(Aqk + ((tok0 + r) * HV + hv) * kChunk + s0) =
-            make_uint4(pa[0], pa[1], pa[2], pa[3]);
-      }
-    }
-    if (tid < K)
-      p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + tid] =
-          dev::fast_exp2(sG[(kChunk - 1) * KP + tid]);
-  }
-  __syncthreads();
-
-  // ---------------------------------------------------------------- P3: X = (I + L)^-1
-  if (tid < 64) {
-    // Column j of the inverse of the unit lower-triangular diagonal block: forward substitution
-    // in fp32 (never a low-precision Neumann series: near-collinear keys make it diverge).
-    const int blk = tid >> 4, j = tid & 15, o = 16 * blk;
-    float xv[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int m = 0; m < i; ++m) acc = fmaf(sL[(o + i) * AP + o + m], xv[m], acc);
-      xv[i] = i < j ? 0.f : (i == j ? 1.f : -acc);
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
-  } else {
-    // zero the blocks above the diagonal (Akk is stored as full 64-wide rows)
-    for (int i = tid - 64; i < 6 * 256; i += kIntraThreads - 64) {
-      const int b = i >> 8, e = i & 255;
-      const int bi = b < 3 ? 0 : b < 5 ? 1 : 2;
-      const int bj = b < 3 ? b + 1 : b < 5 ? b - 1 : 3;
-      sX[(16 * bi + (e >> 4)) * AP + 16 * bj + (e & 15)] = 0.f;
-    }
-  }
-  __syncthreads();
-  for (int bi = 1; bi < 4; ++bi) {
-    // Y_j = sum_{m=j}^{bi-1} L_{bi,m} X_{m,j}
-    for (int i = tid; i < bi * 256; i += kIntraThreads) {
-      const int bj = i >> 8, r = (i >> 4) & 15, cc = i & 15;
-      float acc = 0.f;
-      for (int m = bj; m < bi; ++m)
-#pragma unroll
-        for (int e = 0; e < 16; ++e)
-          acc = fmaf(sL[(16 * bi + r) * AP + 16 * m + e], sX[(16 * m + e) * AP + 16 * bj + cc], acc);
-      sY[(16 * bj + r) * KP + cc] = acc;
-    }
-    __syncthreads();
-    // X_{bi,j} = -X_{bi,bi} Y_j
-    for (int i = tid; i < bi * 256; i += kIntraThreads) {
-      const int bj = i >> 8, r = (i >> 4) & 15, cc = i & 15;
-      float acc = 0.f;
-#pragma unroll
-      for (int e = 0; e < 16; ++e)
-        acc = fmaf(sX[(16 * bi + r) * AP + 16 * bi + e], sY[(16 * bj + e) * KP + cc], acc);
-      sX[(16 * bi + r) * AP + 16 * bj + cc] = -acc;
-    }
-    __syncthreads();
-  }
-  // Akk = X diag(beta) (column scaling), then store full rows
-  for (int i = tid; i < kChunk * kChunk; i += kIntraThreads) {
-    const int r = i >> 6, s = i & 63;
-    sX[r * AP + s] *= sBeta[s];
-  }
-  __syncthreads();
-  {
-    WT* Akk = reinterpret_cast<WT*>(p.Akk);
-    for (int i = tid; i < kChunk * 8; i += kIntraThreads) {
-      const int r = i / 8, s0 = (i % 8) * 8;
-      if (r < len) {
-        uint32_t pa[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sX[r * AP + s0 + 2 * e], sX[r * AP + s0 + 2 * e + 1]);
-        *reinterpret_cast<uint4*>(Akk + ((tok0 + r) * HV + hv) * kChunk + s0) =
-            make_uint4(pa[0], pa[1], pa[2], pa[3]);
-      }
-    }
-  }
-
-  // ---------------------------------------------------------------- P4b: w = Akk @ kexp
-  {
-    WT* w = reinterpret_cast<WT*>(p.w);
-    const int g = lane >> 2, t = lane & 3;
-    const int mt = warp & 3, nh = warp >> 2;
-    constexpr int NT8 = K / 32;  // n-tiles of 8 per warp (a quarter of K)
-    float acc[NT8][4] = {};
-    const int ra = 16 * mt + g, rb = ra + 8;
-    // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1).
-    for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
-      const int ca = 8 * kk + t, cb = ca + 4;
-      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca]), dev::to_tf32(sX[rb * AP + ca]),
-                             dev::to_tf32(sX[ra * AP + cb]), dev::to_tf32(sX[rb * AP + cb])};
-#pragma unroll
-      for (int nt = 0; nt < NT8; ++nt) {
-        const int col = nh * (K / 4) + 8 * nt + g;
-        dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sQ[ca * KP + col]), dev::to_tf32(sQ[cb * KP + col]));
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT8; ++nt) {
-      const int col = nh * (K / 4) + 8 * nt + 2 * t;
-      if (ra < len)
-        *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
-      if (rb < len)
-        *reinterpret_cast<uint32_t*>(w + ((tok0 + rb) * HV + hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
-    }
-  }
-}
-
-
-// ==================================================================================================
-// kda_fwd_intra v2 (the default; KERNEL_FUN_KDA_INTRA=v1 selects the kernel above).
-//
-// Same outputs and the same math as v1, restructured for occupancy and fewer special-function ops:
-//   * 256 threads and ~104 KB of smem at K=128, so TWO CTAs share an SM (v1: one 512-thread CTA,
-//     138 KB): one CTA's loads and barriers overlap the other's compute.
-//   * q/k are copied raw (input dtype, exact) into smem with 16-byte cp.async issued first thing,
-//     in flight while the gate/cumsum runs; the l2norm rstd is a per-row fp32 factor applied to the
-//     products (Aqk[i,j] = scale rq_i rk_j sum_d ..., L[i,j] = beta_i rk_i rk_j sum_d ...), so no
-//     precision is lost by keeping the raw copy.
-//   * Diagonal 16x16 blocks in SIMT with telescoping decay products instead of one exp2 per
-//     (i, j, d): inside a 4x4 tile on the block's diagonal, exp2(g_i - g_j) = prod_{t=j+1..i} a_t
-//     with a_t = exp2(g_t - g_{t-1}) <= 1 (3 exp2 per tile and d instead of 10); for a 4x4 tile
-//     below it (rows i, columns j, e = last row of the column tile, j <= e < i):
-//     exp2(g_i - g_e) * exp2(g_e - g_j), both exponents <= 0 (7 exp2 instead of 16). Every factor
-//     is a decay between j and i, never exp2 of a positive number: THE NUMERICS LAW holds at any
-//     gate magnitude (underflow to 0 is the correct limit).
-//   * Warp-uniform work: warps 0-3 first do the 16 diagonal 4x4 tiles, then warps 0-4 the 24
-//     tiles below them; warps 5-7 the six cross-block 16x16 blocks on tf32 tensor cores (as v1).
+// P2 split (every decay factor is exp2 of a difference <= 0, a decay between j and i, never exp2
+// of a positive number: THE NUMERICS LAW of kernel-fun-ALGORITHM.md holds at any gate magnitude;
+// underflow to 0 is the correct limit):
+//   * warps 0-1: the 16 4x4 tiles ON the diagonal in SIMT with telescoping products,
+//     exp2(g_i - g_j) = prod_{t=j+1..i} a_t, a_t = exp2(g_t - g_{t-1}) <= 1;
+//   * warps 2-4: the blocks below the diagonal on tf32 tensor cores, one warp per 16-row block,
+//     through the boundary row f = first row of the block: exp2(g_i - g_f) * exp2(g_f - g_j);
+//   * warps 4-7: the rest of each diagonal 16-block on tf32 tensor cores, through the last row e of
+//     the column tile: exp2(g_i - g_e) * exp2(g_e - g_j).
 //
 // Shared memory plan (KP = K + 4 floats, KQ = K + 8 elements, AP = 68):
 //   sG  fp32 [64][KP]  block-local g2 (P1 .. P4a), then kexp = k rk exp2(g2), B operand of w (P4a .. P4b)
@@ -493,12 +38,21 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_intra_kernel(const K
 // exponent is either a difference inside one block or such a difference plus whole-block totals,
 // all terms <= 0, so a large cumsum never cancels across blocks (e.g. one -1000 step in block 0
 // costs blocks 1-3 nothing; with a chunk-global cumsum it costs ulp(1442) in every later exponent).
-// ==================================================================================================
+// Rows past the end of the sequence are zero (gate 0, q = k = 0, beta = 0): they contribute
+// nothing, keep g2 of the last valid row, and are never written to the workspace.
+#pragma once
 
-constexpr int kIntraThreadsV2 = 256;
+#include <cstdint>
+
+#include "kda/sm90/kda_device.cuh"
+#include "kda/sm90/kda_fwd_launch.h"
+
+namespace kernel_fun::kda {
+
+constexpr int kIntraThreads = 256;
 
 template <int K>
-struct IntraSmemV2 {
+struct IntraSmem {
   static constexpr int KP = K + 4;
   static constexpr int KQ = K + 8;
   static constexpr int AP = 68;
@@ -539,7 +93,7 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
   dev::mma_1688_tf32(c, ah, bh0, bh1);
 }
 
-// Gate activations of v2 without the libm log1pf / expf / IEEE division (v1's softplus_f is ~70
+// Gate activations without the libm log1pf / expf / IEEE division (a libm softplus is ~70
 // instructions per element, which made the gate the costliest part of the kernel):
 //   softplus(x) = max(x, 0) + log1p(u), u = exp(-|x|) in (0, 1], and log1p(u) = 2 atanh(s) with
 //   s = u / (2 + u) in (0, 1/3]: 2 s (1 + s^2/3 + ... + s^14/15), truncation < 1e-8 relative. Against
@@ -562,6 +116,7 @@ __device__ __forceinline__ float softplus_fast(float x) {
   const float two_s = 2.f * s;
   return fmaxf(x, 0.f) + fmaf(two_s, s2 * pol, two_s);
 }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 // 8 consecutive floats (16-byte aligned) between smem and registers.
@@ -575,13 +130,13 @@ __device__ __forceinline__ void intra_st8(float* p, const float (&v)[8]) {
 }
 
 template <typename WT, int K>
-__global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(const KdaFwdParams p) {
-  using S = IntraSmemV2<K>;
+__global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
+  using S = IntraSmem<K>;
   using E = dev::Elem<WT>;
   constexpr int KP = S::KP;
   constexpr int KQ = S::KQ;
   constexpr int AP = S::AP;
-  constexpr int NTH = kIntraThreadsV2;
+  constexpr int NTH = kIntraThreads;
   constexpr float kRcpLn2 = 1.4426950408889634f;
   extern __shared__ float4 smem_f4[];
   char* sm = reinterpret_cast<char*>(smem_f4);
@@ -1197,36 +752,16 @@ __global__ void __launch_bounds__(kIntraThreadsV2, 2) kda_fwd_intra_v2_kernel(co
   }
 }
 
-// Which intra kernel runs: v2 unless KERNEL_FUN_KDA_INTRA=v1 (read on every launch, so a benchmark
-// can compare both in one process).
-inline bool intra_use_v1() {
-  const char* e = std::getenv("KERNEL_FUN_KDA_INTRA");
-  return e != nullptr && e[0] == 'v' && e[1] == '1' && e[2] == '\0';
+template <typename WT, int K>
+void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = IntraSmem<K>::kBytes;
+  auto kern = kda_fwd_intra_kernel<WT, K>;
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kern<<<dim3(p.max_chunks, p.HV), kIntraThreads, smem, stream>>>(p);
+  KF_CHECK_LAUNCH();
 }
 
 }  // namespace kernel_fun::kda
-
-// Defines launch_intra<WT, K> with the run-time v1 / v2 choice (used by instantiations/).
-#define KF_KDA_DEFINE_INTRA_SELECT(WT, K)                                                          \
-  namespace kernel_fun::kda {                                                                      \
-  template <>                                                                                      \
-  void launch_intra<WT, K>(const KdaFwdParams& p, cudaStream_t stream) {                           \
-    if (intra_use_v1()) {                                                                          \
-      constexpr size_t smem = IntraSmem<K>::kBytes;                                                \
-      auto kern = kda_fwd_intra_kernel<WT, K>;                                                     \
-      KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
-      if (p.max_chunks == 0 || p.HV == 0) return;                                                  \
-      kern<<<dim3(p.max_chunks, p.HV), kIntraThreads, smem, stream>>>(p);                          \
-      KF_CHECK_LAUNCH();                                                                           \
-      return;                                                                                      \
-    }                                                                                              \
-    constexpr size_t smem = IntraSmemV2<K>::kBytes;                                                \
-    auto kern = kda_fwd_intra_v2_kernel<WT, K>;                                                    \
-    KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));  \
-    KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,       \
-                                       cudaSharedmemCarveoutMaxShared));                           \
-    if (p.max_chunks == 0 || p.HV == 0) return;                                                    \
-    kern<<<dim3(p.max_chunks, p.HV), kIntraThreadsV2, smem, stream>>>(p);                          \
-    KF_CHECK_LAUNCH();                                                                             \
-  }                                                                                                \
-  }
