@@ -8,7 +8,6 @@
 
 #include "kda/sm90/kda_device.cuh"
 #include "kda/sm90/kda_fwd_launch.h"
-#include "kda/sm90/kda_fwd_scan_launch.h"
 
 namespace kernel_fun::kda {
 
@@ -67,38 +66,16 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
   }
 }
 
-// KERNEL_FUN_KDA_SCAN=v1 selects the first scan kernel (h as mma.sync B operand in smem, 8 warps
-// per CTA, barriers between phases); =v3 the v2 kernel with phase A (w h, qg h) on wgmma, =v4 with
-// phase D (the state update) on wgmma too, =v5 with phases B and C too (experimental, BV 64/128;
-// a choice of 32 runs at 64); anything else, or unset, the default v2 (transposed state, one warp
-// per 16 value columns, one barrier per chunk). Read per call, so one process can compare them.
-static int scan_version() {
-  const char* env = std::getenv("KERNEL_FUN_KDA_SCAN");
-  if (env && std::string(env) == "v1") return 1;
-  if (env && std::string(env) == "v3") return 3;
-  if (env && std::string(env) == "v4") return 4;
-  if (env && std::string(env) == "v5") return 5;
-  return 2;
-}
-static bool scan_v1() { return scan_version() == 1; }
-
-static int scan_bv_v1(const KdaFwdParams& p) {
-  if (p.V % 128 != 0) return 64;
-  // Wide slices halve the re-reads of w/qg/kg/Aqk/Akk but halve the CTA count: keep them when
-  // they still fill the 132 SMs (measured on the H200: B16 H16 V128 scan 1.25 ms at 128 vs
-  // 1.70 ms at 64; B1 H16 V128 0.64 vs 0.44), and never for varlen (the longest sequence is the
-  // critical path; narrower slices split it over more SMs).
-  const long ctas128 = static_cast<long>(p.V / 128) * p.HV * p.N;
-  return (!p.cu_seqlens && ctas128 >= 132) ? 128 : 64;
-}
-
-// v2: every warp does the whole chunk for its 16 value columns, so a CTA's per-chunk time is set
-// by what its warps share: shared-memory bandwidth (128 B/clk/SM) for the chunk's fill plus every
+// Every warp does the whole chunk for its 16 value columns, so a CTA's per-chunk time is set by
+// what its warps share: shared-memory bandwidth (128 B/clk/SM) for the chunk's fill plus every
 // warp's ldmatrix reads of the K-wide tiles (~60 KB per warp per chunk at K=128), with a floor of
 // one warp's own serial chain. Modelled cost = waves x per-chunk time; the smallest wins.
-// BV=32 is not a candidate: on the H200 it never won (B1 T32768 H32: 1.65 ms at 32 vs 1.53 at 64;
-// B1 T8192 H16: 0.415 vs 0.400; K=V=64: 0.182 vs 0.152); KERNEL_FUN_KDA_SCAN_BV=32 still forces it.
-static int scan_bv_v2(const KdaFwdParams& p) {
+// BV=32 is not supported: on the H200 it never won (B1 T32768 H32: 1.65 ms at 32 vs 1.53 at 64;
+// B1 T8192 H16: 0.415 vs 0.400; K=V=64: 0.182 vs 0.152).
+int kda_fwd_scan_bv(const KdaFwdParams& p) {
+  const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV");  // benchmarking override: 64 or 128
+  const int forced = env ? std::atoi(env) : 0;
+  if ((forced == 64 || forced == 128) && p.V % forced == 0) return forced;
   constexpr int kSMs = 132;
   const long rows = static_cast<long>(p.HV) * p.N;
   const double kw = p.K / 128.0;
@@ -120,37 +97,10 @@ static int scan_bv_v2(const KdaFwdParams& p) {
   return best;
 }
 
-int kda_fwd_scan_bv(const KdaFwdParams& p) {
-  const bool v1 = scan_v1();
-  if (const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV")) {  // benchmarking override
-    const int bv = std::atoi(env);
-    if ((bv == 64 || bv == 128 || (bv == 32 && !v1)) && p.V % bv == 0) return bv;
-  }
-  return v1 ? scan_bv_v1(p) : scan_bv_v2(p);
-}
-
 template <typename WT, int K>
 static void scan_bv(const KdaFwdParams& p, cudaStream_t s) {
-  const int bv = kda_fwd_scan_bv(p);
-  if (scan_v1()) {
-    if (bv == 128) return launch_scan<WT, K, 128>(p, s);
-    return launch_scan<WT, K, 64>(p, s);
-  }
-  if (scan_version() == 3) {
-    if (bv == 128) return launch_scan3<WT, K, 128>(p, s);
-    return launch_scan3<WT, K, 64>(p, s);  // whole warpgroups: 32 -> 64
-  }
-  if (scan_version() == 4) {
-    if (bv == 128) return launch_scan4<WT, K, 128>(p, s);
-    return launch_scan4<WT, K, 64>(p, s);
-  }
-  if (scan_version() == 5) {
-    if (bv == 128) return launch_scan5<WT, K, 128>(p, s);
-    return launch_scan5<WT, K, 64>(p, s);
-  }
-  if (bv == 128) return launch_scan2<WT, K, 128>(p, s);
-  if (bv == 32) return launch_scan2<WT, K, 32>(p, s);
-  return launch_scan2<WT, K, 64>(p, s);
+  if (kda_fwd_scan_bv(p) == 128) return launch_scan<WT, K, 128>(p, s);
+  return launch_scan<WT, K, 64>(p, s);
 }
 
 template <typename WT>

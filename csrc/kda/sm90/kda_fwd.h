@@ -4,8 +4,8 @@
 //   kda_fwd_intra  one CTA per (chunk of 64 tokens, value head): gate + chunk-local cumsum (base 2),
 //                  q/k l2norm, beta sigmoid, Aqk, Akk = (I + L)^-1 diag(beta), w, qg, kg, exp2(G).
 //   kda_fwd_scan   one CTA per (V-slice, value head, sequence): the serial chunk recurrence with the
-//                  state h [K, BV] in fp32 registers; u = Akk v, v' = u - w h, o = qg h + Aqk v',
-//                  h <- exp2(G) h + kg^T v'.
+//                  state h [K, BV] in fp32 registers (transposed: each warp owns 16 value columns);
+//                  u = Akk v, v' = u - w h, o = qg h + Aqk v', h <- exp2(G) h + kg^T v'.
 // A third, tiny kernel builds the varlen chunk map (chunk offsets per sequence) on the device, so no
 // call ever synchronises with the host.
 #pragma once

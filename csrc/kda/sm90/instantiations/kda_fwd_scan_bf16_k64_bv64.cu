@@ -1,10 +1,6 @@
-// kda_fwd_scan v1 to v5 for bf16, K=64, V-slice 64.
+// kda_fwd_scan for bf16, K=64, V-slice 64.
 #include "kda/sm90/kda_fwd_scan.cuh"
-#include "kda/sm90/kda_fwd_launch.h"
-#include "kda/sm90/kda_fwd_scan_launch.h"
 
-KF_KDA_DEFINE_SCAN(__nv_bfloat16, 64, 64)
-KF_KDA_DEFINE_SCAN2(__nv_bfloat16, 64, 64)
-KF_KDA_DEFINE_SCAN3(__nv_bfloat16, 64, 64)
-KF_KDA_DEFINE_SCAN4(__nv_bfloat16, 64, 64)
-KF_KDA_DEFINE_SCAN5(__nv_bfloat16, 64, 64)
+namespace kernel_fun::kda {
+template void launch_scan<__nv_bfloat16, 64, 64>(const KdaFwdParams& p, cudaStream_t stream);
+}

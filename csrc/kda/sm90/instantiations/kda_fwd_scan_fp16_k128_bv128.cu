@@ -1,10 +1,6 @@
-// kda_fwd_scan v1 to v5 for fp16, K=128, V-slice 128.
+// kda_fwd_scan for fp16, K=128, V-slice 128.
 #include "kda/sm90/kda_fwd_scan.cuh"
-#include "kda/sm90/kda_fwd_launch.h"
-#include "kda/sm90/kda_fwd_scan_launch.h"
 
-KF_KDA_DEFINE_SCAN(__half, 128, 128)
-KF_KDA_DEFINE_SCAN2(__half, 128, 128)
-KF_KDA_DEFINE_SCAN3(__half, 128, 128)
-KF_KDA_DEFINE_SCAN4(__half, 128, 128)
-KF_KDA_DEFINE_SCAN5(__half, 128, 128)
+namespace kernel_fun::kda {
+template void launch_scan<__half, 128, 128>(const KdaFwdParams& p, cudaStream_t stream);
+}

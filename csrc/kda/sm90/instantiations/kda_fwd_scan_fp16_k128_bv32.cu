@@ -1,5 +1,0 @@
-// kda_fwd_scan v2 for fp16, K=128, V-slice 32 (2 warps: few sequences).
-#include "kda/sm90/kda_fwd_scan.cuh"
-#include "kda/sm90/kda_fwd_scan_launch.h"
-
-KF_KDA_DEFINE_SCAN2(__half, 128, 32)
