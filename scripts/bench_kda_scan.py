@@ -1,15 +1,17 @@
-"""Time the KDA forward's scan kernel alone, per scan version (KERNEL_FUN_KDA_SCAN = v1 ... v5)
-and V-slice, on the benchmark shapes, and check every version's o and final state against v1's.
+"""Time the KDA forward's scan kernel alone per V-slice width: the cost model's pick ("auto") and
+each width forced by KERNEL_FUN_KDA_SCAN_BV (64, 128), on the benchmark shapes, and check each
+forced width's o and final state against the auto run -- the data to re-tune kda_fwd_scan_bv.
 
     PYTHONPATH=src python3 scripts/bench_kda_scan.py [--iters 5] [--cases prod8192,b1h16]
 
 Times are the summed CUDA time of kernels named kda_fwd_scan* per call (torch profiler), mean over
---iters calls after 2 warm-ups. A version that raises or disagrees with v1 (rel-RMS > 5e-3) is
+--iters calls after 2 warm-ups. A width that raises or disagrees with auto (rel-RMS > 5e-3) is
 reported as such, never hides the others."""
 from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,8 +24,7 @@ CASES = {  # name: (B, T, H, K, V, cu_seqlens or None)
     "varlen6-h32": (1, 16384, 32, 128, 128, [0, 1000, 4000, 4100, 9000, 12000, 16384]),
     "k64v64": (8, 4096, 16, 64, 64, None),
 }
-VERSIONS = [("v1", None), ("v2", None), ("v2", "32"), ("v2", "64"), ("v3", None), ("v4", None), ("v5", None),
-            ("v5", "64")]
+WIDTHS = [None, "64", "128"]  # None: the cost model's pick
 
 
 def make(B, T, H, K, V, cu):
@@ -55,14 +56,12 @@ def main():
     from kernel_fun.kda import _kernel
 
     refs = {}
-    # versions outermost and the experimental wgmma ones last: a kernel fault kills the CUDA context
-    for ver, bv in VERSIONS:
-        os.environ["KERNEL_FUN_KDA_SCAN"] = ver
+    for bv in WIDTHS:
         if bv:
             os.environ["KERNEL_FUN_KDA_SCAN_BV"] = bv
         else:
             os.environ.pop("KERNEL_FUN_KDA_SCAN_BV", None)
-        label = ver + (f"/bv{bv}" if bv else "")
+        label = f"bv{bv}" if bv else "auto"
         for name in args.cases.split(","):
             try:
                 inputs, kw = make(*CASES[name])
@@ -76,19 +75,21 @@ def main():
                 us = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
                          for e in prof.key_averages() if "kda_fwd_scan" in e.key)
                 ms = us / args.iters / 1000
+                # the width that ran, from the kernel name (kda_fwd_scan_kernel<WT, K, BV>)
+                ran = {m.group(1) for e in prof.key_averages()
+                       for m in [re.search(r"kda_fwd_scan_kernel<[^,]+, *\d+, *(\d+)>", e.key)] if m}
                 if name not in refs:
                     refs[name] = (o.clone(), ht.clone())
-                    note = "reference"
+                    note = f"reference (ran bv{'/'.join(sorted(ran)) or '?'})"
                 else:
                     eo, eh = rel_rms(refs[name][0], o), rel_rms(refs[name][1], ht)
                     bad = not (max(eo, eh) <= 5e-3)
-                    note = f"vs v1: o {eo:.1e} ht {eh:.1e}" + ("  MISMATCH" if bad else "")
+                    note = f"vs auto: o {eo:.1e} ht {eh:.1e}" + ("  MISMATCH" if bad else "")
                 print(f"{name:14s} {label:9s} scan {ms:7.3f} ms   {note}", flush=True)
                 del inputs, kw, o, ht
             except Exception as exc:  # noqa: BLE001 -- report and go on
                 print(f"{name:14s} {label:9s} FAILED: {type(exc).__name__}: {exc}"[:300], flush=True)
             torch.cuda.empty_cache()
-    os.environ.pop("KERNEL_FUN_KDA_SCAN", None)
     os.environ.pop("KERNEL_FUN_KDA_SCAN_BV", None)
 
 if __name__ == "__main__":
