@@ -95,14 +95,9 @@ def _check(x, weight, bias, residual, initial_state, output_final_state, activat
 
 def _routing_reason(x, backend, cp_context, kwargs) -> str | None:
     """Why our CUDA kernels cannot serve this valid call for reasons of routing (None if none)."""
-    off = _env.family_disabled(FAMILY)
-    if off:
-        return f"disabled by {off}"
-    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
-    if unknown:
-        return f"unrecognized argument {', '.join(unknown)} (fla may have grown a flag)"
-    if cp_context is not None:
-        return "cp_context (context parallelism) is fla's"
+    why = _dispatch.common_reason(FAMILY, kwargs, _KNOWN_KWARGS, cp_context)
+    if why:
+        return why
     if backend != "triton":
         return f"backend={backend!r} asks for fla's {backend} implementation"
     if not x.is_cuda:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kernel_fun import _dispatch, _env, _ext
+from kernel_fun import _dispatch, _ext
 
 __all__ = ["chunk_kda", "is_supported", "warmup"]
 
@@ -141,14 +141,9 @@ def _reason(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
             disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
             cp_context, kwargs) -> str | None:
     """Why our kernels cannot serve this (valid, CUDA) call, or None when they can."""
-    off = _env.family_disabled(FAMILY)
-    if off:
-        return f"disabled by {off}"
-    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
-    if unknown:
-        return f"unrecognized argument {', '.join(unknown)} (fla may have grown a flag)"
-    if cp_context is not None:
-        return "cp_context (context parallelism) is not supported"
+    why = _dispatch.common_reason(FAMILY, kwargs, _KNOWN_KWARGS, cp_context)
+    if why:
+        return why
     ok, why = _ext.status()
     if not ok:
         return why
