@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernel_fun
-from kernel_fun import _env
+from kernel_fun import _env, _ext
 from kernel_fun.kda import chunk_kda, is_supported
 
 from helpers import rel_rms
@@ -110,6 +110,32 @@ def test_is_supported_on_cpu_says_why():
     assert not ok and "reference" in why
     ok, why = is_supported(q, v, k=k, g=g, beta=beta, chunk_size=48)
     assert not ok and "chunk_size" in why
+
+
+def _big_views(B, T, H=1, HV=1, K=64, V=64, dtype=torch.bfloat16):
+    """Kernel-shaped q, k, v, g, beta as stride-0 views of one element each (nothing allocated)."""
+    q = torch.empty(1, 1, 1, 1, dtype=dtype).expand(B, T, H, K)
+    v = torch.empty(1, 1, 1, 1, dtype=dtype).expand(B, T, HV, V)
+    g = torch.empty(1, 1, 1, 1).expand(B, T, HV, K)
+    beta = torch.empty(1, 1, 1).expand(B, T, HV)
+    return q, q, v, g, beta
+
+
+@pytest.mark.skipif(not _ext.available(), reason="extension not built: C++ support check unavailable")
+def test_support_guards_grid_and_token_limits():
+    # kda_fwd_support reads metadata only (CompositeExplicitAutograd), so CPU views exercise it.
+    support = _ext.ops().kda_fwd_support
+    assert support(*_big_views(65535, 1), None, 64) == ""
+    # Fixed length: the scan grid's z dimension is B (<= 65535), even with T == 0.
+    assert "65535" in support(*_big_views(65536, 1), None, 64)
+    assert "65535" in support(*_big_views(65536, 0), None, 64)
+    # Varlen: N = len(cu_seqlens) - 1 is the z dimension.
+    cu = torch.zeros(65537, dtype=torch.int32)
+    assert "65535" in support(*_big_views(1, 64), cu, 64)
+    # Tokens: B * T <= 2^30.
+    assert support(*_big_views(2 ** 15, 2 ** 15), None, 64) == ""
+    assert "2^30" in support(*_big_views(2 ** 15, 2 ** 15 + 1), None, 64)
+    assert "2^30" in support(*_big_views(1, 2 ** 30 + 1), None, 64)
 
 
 def test_env_flags_parse_and_warn(monkeypatch, caplog):

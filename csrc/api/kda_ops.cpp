@@ -46,9 +46,14 @@ std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, co
     if (N > 65535) return "more than 65535 varlen sequences";
     const ScalarType ct = cu_seqlens->scalar_type();
     if (ct != ScalarType::Int && ct != ScalarType::Long) return "cu_seqlens must be int32 or int64";
+  } else if (q.size(0) > 65535) {
+    // The scan's grid is (V / BV, HV, N) and gridDim.z <= 65535; without cu_seqlens N = B (also
+    // when T == 0: the scan still runs to carry initial_state to final_state).
+    return "B=" + std::to_string(q.size(0)) + " > 65535 sequences (the scan grid's z dimension)";
   }
-  const int64_t tokens = q.size(0) * q.size(1);
-  if (tokens > (int64_t{1} << 30)) return "more than 2^30 tokens";
+  // B * T > 2^30, without forming the product (an empty q may have huge B and T).
+  const int64_t B = q.size(0), T = q.size(1);
+  if (T > 0 && B > (int64_t{1} << 30) / T) return "more than 2^30 tokens";
   return "";
 }
 
