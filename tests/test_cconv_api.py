@@ -107,6 +107,17 @@ def test_unsupported_reasons_from_the_cpp_check():
     assert "float64" in ops.cconv_support(x.double(), w, None, None, None, False, None, None, None)
 
 
+@needs_ext
+def test_token_limit_from_the_cpp_check():
+    # Stride-0 views: the check reads shapes only, nothing of this size is allocated.
+    ops = _ext.ops()
+    w = torch.randn(8, 4)
+    x = torch.empty(1, 1, 1).expand(2 ** 16, 2 ** 15, 8)  # B * T = 2^31
+    assert "2^31" in ops.cconv_support(x, w, None, None, None, False, None, None, None)
+    x = torch.empty(1, 1, 1).expand(2 ** 16, 2 ** 15 - 1, 8)
+    assert ops.cconv_support(x, w, None, None, None, False, None, None, None) == ""
+
+
 # ------------------------------------------------------------------ errors naming the argument
 
 BAD = [

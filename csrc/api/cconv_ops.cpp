@@ -158,7 +158,9 @@ FwdShape check_forward(const Tensor& x, const OptT& weight, const OptT& bias, co
   }
   if (!is_kernel_float(x.scalar_type()))
     throw Unsupported(std::string("x dtype ") + scalar_type_name(x.scalar_type()) + " (kernels cover bfloat16, float16, float32)");
-  if (B * T >= (int64_t{1} << 31)) throw Unsupported("more than 2^31 tokens");
+  // B * T >= 2^31, without forming the product (an empty x may have huge B and T). Keeps every
+  // per-thread chunk (and so the kernels' int row counters) far below 2^31.
+  if (T > 0 && B > ((int64_t{1} << 31) - 1) / T) throw Unsupported("2^31 or more tokens");
   if (D == 0) throw Unsupported("D == 0");
   return {B, T, D, W, N};
 }
