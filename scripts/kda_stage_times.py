@@ -7,13 +7,12 @@ warm-ups) and the whole call's median by CUDA events. Ours only; fla is timed by
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kernel_fun.bench.cases import KdaCase, select
-from kernel_fun.bench.run import make_inputs
+from kernel_fun.bench.run import make_inputs, time_calls
 from kernel_fun.kda import chunk_kda
 
 
@@ -39,20 +38,12 @@ def main() -> None:
                 for _ in range(args.iters):
                     call()
                 torch.cuda.synchronize()
-            events = []
-            for _ in range(10):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                call()
-                b.record()
-                events.append((a, b))
-            torch.cuda.synchronize()
+            total = time_calls(torch, call, warmup=1, iters=10)["ms"]
         per = {}
         for e in prof.key_averages():
             if e.device_type.name == "CUDA" and "kda_fwd" in e.key:
                 name = e.key.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")
                 per[name] = per.get(name, 0.0) + e.device_time_total / args.iters / 1000
-        total = statistics.median(a.elapsed_time(b) for a, b in events)
         stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items()))
         print(f"{case.name:14s} total {total:7.3f} ms   {stages}", flush=True)
         del inp
