@@ -155,3 +155,42 @@ def test_versions_has_the_keys():
     v = kernel_fun.versions()
     for key in ("kernel_fun", "torch", "triton", "fla", "cutlass", "cuda", "device", "extension"):
         assert isinstance(v.get(key), str) and v[key]
+
+
+def test_kernel_path_wiring_without_a_gpu(monkeypatch):
+    """chunk_kda and is_supported hand our kernel layer the same, complete keyword set (meta tensors
+    reach the kernel path; the kernel layer is replaced by a recorder)."""
+    from kernel_fun import _dispatch, _ext
+    from kernel_fun.kda import _kernel
+
+    seen = []
+    monkeypatch.setattr(_ext, "status", lambda: (True, "stub"))
+    monkeypatch.setattr(_dispatch, "fla_function", lambda module, name: None)  # as without fla
+    monkeypatch.setattr(_kernel, "support_reason", lambda *a, **kw: seen.append(("support", kw)) or None)
+    monkeypatch.setattr(_kernel, "forward", lambda *a, **kw: seen.append(("forward", kw)) or ("o", None))
+    dev = torch.device("meta")
+    q = torch.empty(1, 70, 2, 16, device=dev)
+    v = torch.empty(1, 70, 4, 24, device=dev)
+    g = torch.empty(1, 70, 4, 16, device=dev)
+    beta = torch.empty(1, 70, 4, device=dev)
+    A_log = torch.empty(4, device=dev)
+    cu = torch.tensor([0, 30, 70], device=dev)
+    cu_cpu = torch.tensor([0, 30, 70])
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, lower_bound=-5.0, safe_gate=True,
+              use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, output_final_state=True)
+    with torch.no_grad():
+        assert chunk_kda(q, q, v, g, beta, **kw) == ("o", None)
+    (k1, support1), (k2, fwd) = seen
+    assert (k1, k2) == ("support", "forward") and support1 == fwd
+    assert fwd["scale"] == 16 ** -0.5 and fwd["lower_bound"] == -5.0 and fwd["A_log"] is A_log
+    assert fwd["chunk_size"] == 64 and fwd["output_final_state"] and fwd["cu_seqlens"] is cu
+    assert torch.equal(fwd["cu_seqlens_cpu"], cu_cpu.long())
+    # an unknown flag is a routing reason (fla is not installed here, so the fallback raises it)
+    with pytest.raises(RuntimeError, match="unrecognized argument no_such_flag"), torch.no_grad():
+        chunk_kda(q, q, v, g, beta, no_such_flag=1)
+    # is_supported binds chunk_kda's own signature: valid keywords pass validation and reach the
+    # device check; a bad value or an unknown positional is an invalid-input reason
+    ok, why = is_supported(q, v, k=q, g=g, beta=beta, **kw)
+    assert not ok and why.startswith("tensors on meta")
+    ok, why = is_supported(q, v, k=q, g=g, beta=beta, chunk_size=48)
+    assert not ok and "chunk_size" in why

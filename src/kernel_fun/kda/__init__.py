@@ -14,6 +14,7 @@ Until the KDA backward lands, a call that needs gradients is routed wholly to fl
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -136,10 +137,22 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _reason(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-            disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
-            cp_context, kwargs) -> str | None:
+def _kernel_kwargs(scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                   use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+                   return_intermediate_states, state_v_first, cu_seqlens, host_cu, kwargs) -> dict:
+    """The keyword arguments of kda._kernel.support_reason and .forward, built once per call."""
+    return dict(
+        scale=float(scale), initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=host_cu, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"),
+        chunk_size=kwargs.get("chunk_size", 64), return_intermediate_states=return_intermediate_states,
+        disable_recompute=disable_recompute,
+    )
+
+
+def _reason(q, k, v, g, beta, kk: dict, cp_context, kwargs) -> str | None:
     """Why our kernels cannot serve this (valid, CUDA) call, or None when they can."""
     why = _dispatch.common_reason(FAMILY, kwargs, _KNOWN_KWARGS, cp_context)
     if why:
@@ -147,21 +160,13 @@ def _reason(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     ok, why = _ext.status()
     if not ok:
         return why
-    if _needs_grad(q, k, v, g, beta, initial_state, kwargs.get("A_log"), kwargs.get("dt_bias")):
+    if _needs_grad(q, k, v, g, beta, kk["initial_state"], kk["A_log"], kk["dt_bias"]):
         return "gradients requested and the kernel-fun KDA backward is not implemented yet"
     try:
         from kernel_fun.kda import _kernel
     except ImportError as e:
         return f"KDA kernels are not available in this build ({e})"
-    return _kernel.support_reason(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"),
-        chunk_size=kwargs.get("chunk_size", 64), return_intermediate_states=return_intermediate_states,
-        disable_recompute=disable_recompute,
-    )
+    return _kernel.support_reason(q, k, v, g, beta, **kk)
 
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -235,10 +240,10 @@ def chunk_kda(
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)
 
-    reason = _reason(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                     disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, host_cu,
-                     cp_context, kwargs)
+    kk = _kernel_kwargs(scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+                        return_intermediate_states, state_v_first, cu_seqlens, host_cu, kwargs)
+    reason = _reason(q, k, v, g, beta, kk, cp_context, kwargs)
     if reason is not None:
         return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
 
@@ -248,15 +253,7 @@ def chunk_kda(
     HV, V = v.shape[2], v.shape[3]
     _dispatch.log_engaged(FAMILY, f"B={B} T={T} H={H} HV={HV} K={K} V={V} dtype={q.dtype} "
                                   f"varlen={cu_seqlens is not None}")
-    return _kernel.forward(
-        q, k, v, g, beta, scale=float(scale), initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=host_cu, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"),
-        chunk_size=kwargs.get("chunk_size", 64), return_intermediate_states=return_intermediate_states,
-        disable_recompute=disable_recompute,
-    )
+    return _kernel.forward(q, k, v, g, beta, **kk)
 
 
 def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str | None]:
@@ -272,28 +269,27 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
     k = q if k is None else k
     g = q.new_empty((B, T, HV, K)) if g is None else g
     beta = q.new_empty((B, T, HV)) if beta is None else beta
-    names = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "disable_recompute",
-             "return_intermediate_states", "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "cp_context")
-    defaults = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                    use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                    safe_gate=False, lower_bound=None, disable_recompute=False, return_intermediate_states=False,
-                    state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None)
-    a = {n: kwargs.pop(n, defaults[n]) for n in names}
+    try:
+        bound = inspect.signature(chunk_kda).bind(q, k, v, g, beta, **kwargs)
+    except TypeError as e:
+        return False, f"invalid input: {e}"
+    bound.apply_defaults()
+    a = bound.arguments
+    extra = a.pop("kwargs")
     try:
         host_cu = _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
                             a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
-                            a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], kwargs)
+                            a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra)
     except (ValueError, TypeError) as e:
         return False, f"invalid input: {e}"
     if q.device.type != "cuda":
         return False, f"tensors on {q.device} run the torch reference, not our kernels"
-    scale = a["scale"] if a["scale"] is not None else K ** -0.5
-    reason = _reason(q, k, v, g, beta, scale, a["initial_state"], a["output_final_state"],
-                     a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
-                     a["allow_neg_eigval"], a["safe_gate"], a["lower_bound"], a["disable_recompute"],
-                     a["return_intermediate_states"], a["state_v_first"], a["cu_seqlens"], host_cu,
-                     a["cp_context"], kwargs)
+    kk = _kernel_kwargs(a["scale"] if a["scale"] is not None else K ** -0.5, a["initial_state"],
+                        a["output_final_state"], a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"],
+                        a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"], a["lower_bound"],
+                        a["disable_recompute"], a["return_intermediate_states"], a["state_v_first"],
+                        a["cu_seqlens"], host_cu, extra)
+    reason = _reason(q, k, v, g, beta, kk, a["cp_context"], extra)
     return (reason is None), reason
 
 
