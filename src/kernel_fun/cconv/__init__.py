@@ -65,11 +65,14 @@ def _check_types(fn: str, tensors: dict, activation) -> None:
         _fail(fn, TypeError, f"activation must be None or a string, got {type(activation).__name__}")
 
 
-def _flatten(x: torch.Tensor, weight) -> torch.Tensor:
-    """fla folds trailing dims into D when x.shape[-1] != weight.shape[0] ('b t ... -> b t (...)')."""
+def _flatten(x: torch.Tensor, weight, residual):
+    """fla folds trailing dims into D when x.shape[-1] != weight.shape[0] ('b t ... -> b t (...)');
+    the residual follows x's view. Returns (x view, residual view)."""
     if weight is not None and weight.dim() >= 1 and x.dim() > 3 and x.shape[-1] != weight.shape[0]:
-        return x.flatten(2)
-    return x
+        x = x.flatten(2)
+    if residual is not None and residual.shape != x.shape and residual.numel() == x.numel():
+        residual = residual.reshape(x.shape)
+    return x, residual
 
 
 def _verdict(fn: str, text: str) -> str | None:
@@ -114,10 +117,7 @@ def _prepare(x, weight, bias, residual, initial_state, output_final_state, activ
                                        cu_seqlens_cpu=cu_seqlens_cpu), activation)
     if backend not in _BACKENDS:
         _fail("causal_conv1d", ValueError, f"backend must be one of {_BACKENDS}, got {backend!r}")
-    xf = _flatten(x, weight)
-    rf = residual
-    if residual is not None and residual.shape != xf.shape and residual.numel() == xf.numel():
-        rf = residual.reshape(xf.shape)
+    xf, rf = _flatten(x, weight, residual)
     why = _check(xf, weight, bias, rf, initial_state, output_final_state, activation, cu_seqlens,
                  cu_seqlens_cpu)
     return xf, rf, why
@@ -216,10 +216,7 @@ def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activa
     Inference only (no autograd through our kernel, as in fla)."""
     _check_types("causal_conv1d_update", dict(x=x, cache=cache, residual=residual, weight=weight, bias=bias),
                  activation)
-    xf = _flatten(x, weight)
-    rf = residual
-    if residual is not None and residual.shape != xf.shape and residual.numel() == xf.numel():
-        rf = residual.reshape(xf.shape)
+    xf, rf = _flatten(x, weight, residual)
     why = None
     if _ext.available():
         why = _verdict("causal_conv1d_update",
@@ -235,9 +232,7 @@ def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activa
         with torch.no_grad():
             cache.copy_(new_cache)
         return y.view(x.shape), cache
-    if why is None:
-        why = _env.family_disabled(FAMILY)
-        why = f"disabled by {why}" if why else None
+    why = why or _dispatch.common_reason(FAMILY, {}, _KNOWN_KWARGS, None)
     if why is not None:
         return _dispatch.fallback(FAMILY, why, _FLA_MODULE, "causal_conv1d_update", (x, cache),
                                   dict(residual=residual, weight=weight, bias=bias, activation=activation))
