@@ -23,6 +23,11 @@ template <> struct Elem<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+  // Two packed elements (low half = the lower address) -> floats. bf16 is the top half of an fp32,
+  // so this is two integer ops, not two conversions.
+  static __device__ __forceinline__ float2 to_float2(uint32_t u) {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  }
 };
 template <> struct Elem<__half> {
   using T2 = __half2;
@@ -31,6 +36,9 @@ template <> struct Elem<__half> {
   static __device__ __forceinline__ uint32_t pack2(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 to_float2(uint32_t u) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&u));
   }
 };
 
@@ -48,6 +56,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   // ex2.approx: ~2 ulp, exp2(-inf) = 0, and every argument the kernels pass is <= 0 (or -inf).
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_lg2(float x) {
+  // lg2.approx: absolute error ~2^-22 near 1 (the gate's softplus only calls it on [1, 2]).
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

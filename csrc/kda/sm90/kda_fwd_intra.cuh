@@ -26,7 +26,7 @@
 //   * warps 4-7: the rest of each diagonal 16-block on tf32 tensor cores, through the last row e of
 //     the column tile: exp2(g_i - g_e) * exp2(g_e - g_j).
 //
-// Shared memory plan (KP = K + 4 floats, KQ = K + 8 elements, AP = 68):
+// Shared memory plan (KP = K + 8 floats, KQ = K + 8 elements, AP = 68):
 //   sG  fp32 [64][KP]  block-local g2 (P1 .. P4a), then kexp = k rk exp2(g2), B operand of w (P4a .. P4b)
 //   sQ  WT   [64][KQ]  raw q                                  (P0 .. P4a)
 //   sK  WT   [64][KQ]  raw k (P0 .. P4a), then X = (I+L)^-1 / Akk fp32 [64][AP] (P3 .. P4b)
@@ -53,7 +53,9 @@ constexpr int kIntraThreads = 256;
 
 template <int K>
 struct IntraSmem {
-  static constexpr int KP = K + 4;
+  // Row strides: KP = K + 8 floats is 8 banks per row, so the 8-byte (float2) loads of P2 (rows g
+  // of a fragment, columns 2t, 2t+1) and P4b's column reads hit distinct banks per half-warp.
+  static constexpr int KP = K + 8;
   static constexpr int KQ = K + 8;
   static constexpr int AP = 68;
   static constexpr int kGBytes = kChunk * KP * 4;
@@ -72,8 +74,11 @@ struct IntraSmem {
   static constexpr int oBT = oGt + K * 4;     // [4][K] block totals
   static constexpr int oBO = oBT + 4 * K * 4;  // [4][K] sum of the totals of the blocks before
   static constexpr int oBS = oBO + 4 * K * 4;  // [4][K] sum of the totals of the blocks after
-  static constexpr size_t kBytes = oBS + 4 * K * 4;
-  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0, "16-byte aligned buffers");
+  static constexpr int oWork = oBS + 4 * K * 4;  // int: next unit of the shared qg/kg work queue
+  static constexpr size_t kBytes = oWork + 16;
+  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0 && oBT % 16 == 0 &&
+                    oBO % 16 == 0 && oBS % 16 == 0,
+                "16-byte aligned buffers");
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
 
@@ -95,26 +100,17 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
 
 // Gate activations without the libm log1pf / expf / IEEE division (a libm softplus is ~70
 // instructions per element, which made the gate the costliest part of the kernel):
-//   softplus(x) = max(x, 0) + log1p(u), u = exp(-|x|) in (0, 1], and log1p(u) = 2 atanh(s) with
-//   s = u / (2 + u) in (0, 1/3]: 2 s (1 + s^2/3 + ... + s^14/15), truncation < 1e-8 relative. Against
-//   fp64 over x in [-30, 25] the max relative error is 1.8e-6 (the argument rounding of ex2 at
-//   |x| ~ 30), max absolute 4.8e-7: below the fp32 rounding of the chunk cumsum it feeds.
+//   softplus(x) = max(x, 0) + ln2 * log2(1 + u), u = exp(-|x|) in (0, 1]: one ex2 and one lg2 on
+//   the SFU. lg2.approx's absolute error on [1, 2] is ~2^-22 and 1 + u rounds to 2^-24, so the
+//   absolute error is ~2e-7 at any x (the relative error grows only where softplus(x) < ~1e-6,
+//   i.e. x < -14, where the step's whole contribution to the cumsum is below that). The cumsum
+//   it feeds rounds at 6e-8 * |cumsum|; the fp64 reference tests bound the end-to-end effect.
 //   sigmoid(x) = 1 / (1 + exp(-x)) with ex2.approx and the approximate division (~2 ulp; exp(-x) =
 //   inf gives 0, the correct limit).
 __device__ __forceinline__ float softplus_fast(float x) {
-  if (x > 20.f) return x;
-  const float u = __expf(-fabsf(x));
-  const float s = __fdividef(u, 2.f + u);
-  const float s2 = s * s;
-  float pol = 1.f / 15.f;
-  pol = fmaf(pol, s2, 1.f / 13.f);
-  pol = fmaf(pol, s2, 1.f / 11.f);
-  pol = fmaf(pol, s2, 1.f / 9.f);
-  pol = fmaf(pol, s2, 1.f / 7.f);
-  pol = fmaf(pol, s2, 1.f / 5.f);
-  pol = fmaf(pol, s2, 1.f / 3.f);
-  const float two_s = 2.f * s;
-  return fmaxf(x, 0.f) + fmaf(two_s, s2 * pol, two_s);
+  if (x > 20.f) return x;  // torch / fla: threshold 20 returns x itself
+  const float u = dev::fast_exp2(-1.4426950408889634f * fabsf(x));
+  return fmaxf(x, 0.f) + 0.6931471805599453f * dev::fast_lg2(1.f + u);
 }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
@@ -152,6 +148,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   float* sBT = reinterpret_cast<float*>(sm + S::oBT);
   float* sBO = reinterpret_cast<float*>(sm + S::oBO);
   float* sBS = reinterpret_cast<float*>(sm + S::oBS);
+  int* sWork = reinterpret_cast<int*>(sm + S::oWork);
   float* sX = reinterpret_cast<float*>(sm + S::oK);  // after P4a
   float* sY = sA;                                    // after P4a
   float* sKexp = sG;                                 // from P4a
@@ -286,6 +283,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       if (i % 16 == 15) sBT[((part * RP + i) >> 4) * K + d] = run * kRcpLn2;
     }
     for (int i = tid; i < 2 * kChunk * AP; i += NTH) sA[i] = 0.f;  // sA and sL are adjacent
+    if (tid == 0) *sWork = 0;
   }
   dev::cp_async_wait<0>();
   __syncthreads();
@@ -305,31 +303,31 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
     sBS[3 * K + tid] = 0.f;
     sGt[tid] = o3 + b3;  // G
   }
-  // ---- l2norm rstd per row (1 when off), one warp per row
+  // ---- l2norm rstd per row (1 when off): VPR lanes per row, 8 elements each (16-byte loads), a
+  // shuffle tree over the row's lanes (aligned groups of VPR lanes of one warp; uniform trip count)
   {
-    constexpr int PER = K / 32;
-    for (int r = warp; r < kChunk; r += NTH / 32) {
+    constexpr int VPR = K / 8;
+    static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
+    for (int i = tid; i < kChunk * VPR; i += NTH) {
+      const int r = i / VPR, d0 = (i % VPR) * 8;
+      const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
+      const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+      const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
       float sq = 0.f, sk = 0.f;
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const float qv = E::to_float(sQ[r * KQ + lane + 32 * j]);
-        const float kv = E::to_float(sK[r * KQ + lane + 32 * j]);
-        sq = fmaf(qv, qv, sq);
-        sk = fmaf(kv, kv, sk);
+      for (int e = 0; e < 4; ++e) {
+        const float2 a = E::to_float2(wq[e]), b = E::to_float2(wk[e]);
+        sq = fmaf(a.x, a.x, fmaf(a.y, a.y, sq));
+        sk = fmaf(b.x, b.x, fmaf(b.y, b.y, sk));
       }
-      float rq = 1.f, rk = 1.f;
-      if (p.l2norm) {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, o);
-          sk += __shfl_xor_sync(0xffffffffu, sk, o);
-        }
-        rq = 1.f / sqrtf(sq + 1e-6f);
-        rk = 1.f / sqrtf(sk + 1e-6f);
+      for (int o = VPR / 2; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
       }
-      if (lane == 0) {
-        sRq[r] = rq;
-        sRk[r] = rk;
+      if (i % VPR == 0) {
+        sRq[r] = p.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
+        sRk[r] = p.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
       }
     }
   }
@@ -337,6 +335,9 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
 
   auto Qf = [&](int r, int d) { return E::to_float(sQ[r * KQ + d]); };
   auto Kf = [&](int r, int d) { return E::to_float(sK[r * KQ + d]); };
+  // Columns d, d+1 (d even) of a 16-bit row / of an fp32 row in one 4- / 8-byte load.
+  auto X2 = [&](const WT* row, int d) { return E::to_float2(*reinterpret_cast<const uint32_t*>(row + d)); };
+  auto G2 = [&](int r, int d) { return *reinterpret_cast<const float2*>(sG + r * KP + d); };
 
   // ---------------------------------------------------------------- P2: Aqk and L
   // Write one entry of Aqk (q row) or L (k row) from an un-normalised, un-scaled dot product.
@@ -432,35 +433,38 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       const int f = 16 * bi;
       float cq[3][2][4] = {}, ck[3][2][4] = {};
       const int ra = f + g, rb = f + g + 8;
+      // MMA k-slots t and t+4 carry the ADJACENT columns c0 = 8 kk + 2t and c0 + 1 (A and B alike,
+      // so the dot product is the same sum): one 8-byte g load and one 4-byte q / k load per pair.
 #pragma unroll 2
       for (int kk = 0; kk < K / 8; ++kk) {
-        const int ca = 8 * kk + t, cb = ca + 4;
-        const float gfa = sG[f * KP + ca], gfb = sG[f * KP + cb];
-        const float e00 = dev::fast_exp2(sG[ra * KP + ca] - gfa);
-        const float e10 = dev::fast_exp2(sG[rb * KP + ca] - gfa);
-        const float e01 = dev::fast_exp2(sG[ra * KP + cb] - gfb);
-        const float e11 = dev::fast_exp2(sG[rb * KP + cb] - gfb);
-        const uint32_t aq_[4] = {dev::to_tf32(Qf(ra, ca) * e00), dev::to_tf32(Qf(rb, ca) * e10),
-                                 dev::to_tf32(Qf(ra, cb) * e01), dev::to_tf32(Qf(rb, cb) * e11)};
-        const uint32_t ak_[4] = {dev::to_tf32(Kf(ra, ca) * e00), dev::to_tf32(Kf(rb, ca) * e10),
-                                 dev::to_tf32(Kf(ra, cb) * e01), dev::to_tf32(Kf(rb, cb) * e11)};
+        const int c0 = 8 * kk + 2 * t;
+        const float2 gf = G2(f, c0), ga = G2(ra, c0), gb = G2(rb, c0);
+        const float e00 = dev::fast_exp2(ga.x - gf.x), e01 = dev::fast_exp2(ga.y - gf.y);
+        const float e10 = dev::fast_exp2(gb.x - gf.x), e11 = dev::fast_exp2(gb.y - gf.y);
+        const float2 qa = X2(sQ + ra * KQ, c0), qb = X2(sQ + rb * KQ, c0);
+        const float2 ka = X2(sK + ra * KQ, c0), kb = X2(sK + rb * KQ, c0);
+        const uint32_t aq_[4] = {dev::to_tf32(qa.x * e00), dev::to_tf32(qb.x * e10), dev::to_tf32(qa.y * e01),
+                                 dev::to_tf32(qb.y * e11)};
+        const uint32_t ak_[4] = {dev::to_tf32(ka.x * e00), dev::to_tf32(kb.x * e10), dev::to_tf32(ka.y * e01),
+                                 dev::to_tf32(kb.y * e11)};
         // B side: g_f - g_j = (T_bj - loc_j) + sum_{bj < m < bi} T_m + loc_f, every term <= 0
         // (block-local cumsums loc, block totals T); ma/mb carry loc_f + the totals in between.
-        float ma = gfa, mb = gfb;
+        float ma = gf.x, mb = gf.y;
 #pragma unroll
         for (int bj = 2; bj >= 0; --bj) {
           if (bj < bi) {
-            const float ta = sBT[bj * K + ca], tb = sBT[bj * K + cb];
+            const float2 tt = *reinterpret_cast<const float2*>(sBT + bj * K + c0);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
               const int s = 16 * bj + 8 * nt + g;
-              const uint32_t b0 = dev::to_tf32(Kf(s, ca) * dev::fast_exp2((ta - sG[s * KP + ca]) + ma));
-              const uint32_t b1 = dev::to_tf32(Kf(s, cb) * dev::fast_exp2((tb - sG[s * KP + cb]) + mb));
+              const float2 gs = G2(s, c0), ks = X2(sK + s * KQ, c0);
+              const uint32_t b0 = dev::to_tf32(ks.x * dev::fast_exp2((tt.x - gs.x) + ma));
+              const uint32_t b1 = dev::to_tf32(ks.y * dev::fast_exp2((tt.y - gs.y) + mb));
               dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
               dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
             }
-            ma += ta;
-            mb += tb;
+            ma += tt.x;
+            mb += tt.y;
           }
         }
       }
@@ -514,26 +518,37 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       }
       const WT* x0 = (k0 ? sK : sQ) + r0 * KQ;
       const WT* x1 = (k1 ? sK : sQ) + r1 * KQ;
-      float c[4] = {};
-#pragma unroll 2
-      for (int kk = 0; kk < K / 8; ++kk) {
-        const int ca = 8 * kk + t, cb = ca + 4;
-        const float fa0 = dev::fast_exp2(sG[r0 * KP + ca] - sG[e0 * KP + ca]);
-        const float fb0 = dev::fast_exp2(sG[r0 * KP + cb] - sG[e0 * KP + cb]);
+      // Same adjacent-column k-slot mapping as the cross blocks; two accumulators (even / odd kk)
+      // so consecutive MMAs do not wait on each other.
+      auto step = [&](int kk, float (&acc)[4]) {
+        const int c0 = 8 * kk + 2 * t;
+        const float2 g0 = G2(r0, c0), ge0 = G2(e0, c0);
+        const float fa0 = dev::fast_exp2(g0.x - ge0.x);
+        const float fb0 = dev::fast_exp2(g0.y - ge0.y);
         float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
         if (sub4) {
-          fa1 = dev::fast_exp2(sG[r1 * KP + ca] - sG[e1 * KP + ca]);
-          fb1 = dev::fast_exp2(sG[r1 * KP + cb] - sG[e1 * KP + cb]);
+          const float2 g1 = G2(r1, c0), ge1 = G2(e1, c0);
+          fa1 = dev::fast_exp2(g1.x - ge1.x);
+          fb1 = dev::fast_exp2(g1.y - ge1.y);
         }
+        const float2 v0 = X2(x0, c0), v1 = X2(x1, c0);
         uint32_t af[4];
-        af[0] = dev::to_tf32(E::to_float(x0[ca]) * fa0);
-        af[1] = dev::to_tf32(E::to_float(x1[ca]) * fa1);
-        af[2] = dev::to_tf32(E::to_float(x0[cb]) * fb0);
-        af[3] = dev::to_tf32(E::to_float(x1[cb]) * fb1);
-        const uint32_t b0 = dev::to_tf32(Kf(sb, ca) * dev::fast_exp2(sG[eb * KP + ca] - sG[sb * KP + ca]));
-        const uint32_t b1 = dev::to_tf32(Kf(sb, cb) * dev::fast_exp2(sG[eb * KP + cb] - sG[sb * KP + cb]));
-        dev::mma_1688_tf32(c, af, b0, b1);
+        af[0] = dev::to_tf32(v0.x * fa0);
+        af[1] = dev::to_tf32(v1.x * fa1);
+        af[2] = dev::to_tf32(v0.y * fb0);
+        af[3] = dev::to_tf32(v1.y * fb1);
+        const float2 gsb = G2(sb, c0), geb = G2(eb, c0), kb = X2(sK + sb * KQ, c0);
+        const uint32_t b0 = dev::to_tf32(kb.x * dev::fast_exp2(geb.x - gsb.x));
+        const uint32_t b1 = dev::to_tf32(kb.y * dev::fast_exp2(geb.y - gsb.y));
+        dev::mma_1688_tf32(acc, af, b0, b1);
+      };
+      float c[4] = {}, c1[4] = {};
+      for (int kk = 0; kk < K / 8; kk += 2) {
+        step(kk, c);
+        step(kk + 1, c1);
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[e] += c1[e];
       if (!sub4) {
         put(false, r0, o + 2 * t, c[0]);
         put(false, r0, o + 2 * t + 1, c[1]);
@@ -548,21 +563,29 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       }
     }
   }
-  __syncthreads();
-
-  // ---------------------------------------------------------------- P4a: elementwise outputs
+  // ---- P4a, first part: qg and kg -> workspace. It reads only what P1 wrote (sG, sQ, sK, the block
+  // sums, the row factors), so the warps that finish their P2 share early take it over from a
+  // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 32
+  // vectors (one per lane); every vector is computed the same way whichever warp takes it, so the
+  // result is deterministic.
   {
     WT* qg = reinterpret_cast<WT*>(p.qg);
     WT* kg = reinterpret_cast<WT*>(p.kg);
-    WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
     constexpr int VPR = K / 8;  // 8-element vectors per row
-    for (int i = tid; i < kChunk * VPR; i += NTH) {
+    constexpr int kUnits = kChunk * VPR / 32;
+    for (;;) {
+      int unit = 0;
+      if (lane == 0) unit = atomicAdd(sWork, 1);
+      unit = __shfl_sync(0xffffffffu, unit, 0);
+      if (unit >= kUnits) break;
+      const int i = unit * 32 + lane;
       const int r = i / VPR, d0 = (i % VPR) * 8;
+      if (r >= len) continue;  // rows past the end are never written
       const float fq = p.scale * sRq[r], fk = sRk[r];
       // 16-byte smem accesses: 8 consecutive d of row r
       // g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks after):
       // sums of terms <= 0, so both exponents are <= 0 and free of cancellation across blocks
-      float g2v[8], Gv[8], qv[8], kv[8];
+      float g2v[8], Gv[8];
       {
         const int b = r >> 4;
         float ov[8], tv[8], sv[8];
@@ -576,41 +599,44 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
           g2v[e] = ov[e] + g2v[e];           // g2
         }
       }
-      {
-        const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
-        const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-        const WT* eq = reinterpret_cast<const WT*>(&uq);
-        const WT* ek = reinterpret_cast<const WT*>(&uk);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          qv[e] = E::to_float(eq[e]);
-          kv[e] = E::to_float(ek[e]);
-        }
-      }
+      const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
+      const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+      const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
       uint32_t pq[4], pk[4];
-      float kx[8];
 #pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        float vq[2], vk[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const float g2 = g2v[e + u];
-          const float kk = fk * kv[e + u];
-          const float eg = dev::fast_exp2(g2);  // g2 <= 0
-          vq[u] = fq * qv[e + u] * eg;
-          vk[u] = kk * dev::fast_exp2(Gv[e + u]);  // G - g2 <= 0: one-sided
-          kx[e + u] = kk * eg;
-        }
-        pq[e / 2] = E::pack2(vq[0], vq[1]);
-        pk[e / 2] = E::pack2(vk[0], vk[1]);
+      for (int e = 0; e < 4; ++e) {
+        const float2 qv = E::to_float2(wq[e]), kv = E::to_float2(wk[e]);
+        pq[e] = E::pack2(fq * qv.x * dev::fast_exp2(g2v[2 * e]), fq * qv.y * dev::fast_exp2(g2v[2 * e + 1]));
+        pk[e] = E::pack2(fk * kv.x * dev::fast_exp2(Gv[2 * e]), fk * kv.y * dev::fast_exp2(Gv[2 * e + 1]));
       }
-      // kexp in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
+      const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
+      *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+      *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    }
+  }
+  __syncthreads();
+
+  // ---------------------------------------------------------------- P4a, second part
+  // kexp = k rk exp2(g2) in place of g2 (B operand of w), Aqk -> workspace, exp2(G) -> gdecay
+  {
+    WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
+    constexpr int VPR = K / 8;
+    for (int i = tid; i < kChunk * VPR; i += NTH) {
+      const int r = i / VPR, d0 = (i % VPR) * 8;
+      const float fk = sRk[r];
+      float lv[8], ov[8], kx[8];
+      intra_ld8(lv, sG + r * KP + d0);
+      intra_ld8(ov, sBO + (r >> 4) * K + d0);
+      const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+      const uint32_t wk[4] = {uk.x, uk.y, uk.z, uk.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 kv = E::to_float2(wk[e]);
+        kx[2 * e] = fk * kv.x * dev::fast_exp2(ov[2 * e] + lv[2 * e]);
+        kx[2 * e + 1] = fk * kv.y * dev::fast_exp2(ov[2 * e + 1] + lv[2 * e + 1]);
+      }
+      // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
       intra_st8(sKexp + r * KP + d0, kx);
-      if (r < len) {
-        const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
-        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-      }
     }
     for (int i = tid; i < kChunk * 8; i += NTH) {
       const int r = i / 8, s0 = (i % 8) * 8;
