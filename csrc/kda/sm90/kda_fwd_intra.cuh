@@ -209,45 +209,62 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   }
 
   // ---------------------------------------------------------------- P1: gate + cumsum, beta
+  // Thread = (16-row block, group of 8 columns, sub-group of RPT rows): 16-byte g loads, the gate
+  // on RPT x 8 elements, a running sum over the thread's rows, then the prefix over the SUBS
+  // sub-groups of the block by shuffles (adjacent lanes). The cumsum is block-local (restarts at
+  // every 16-row block), so no sums cross threads of different blocks.
   {
-    constexpr int NP = NTH / K;  // parts of the chunk scanned in parallel per column
-    constexpr int RP = kChunk / NP;
-    const int d = tid % K, part = tid / K;
-    float a_exp = 1.f, bias = 0.f;
+    constexpr int CG = K / 8;
+    constexpr int SUBS = NTH / (4 * CG);  // 4 at K = 128, 8 at K = 64
+    constexpr int RPT = 16 / SUBS;        // rows per thread
+    static_assert(SUBS * RPT == 16 && 32 % SUBS == 0, "sub-groups of one block are adjacent lanes");
+    const int sub = tid % SUBS, cg = (tid / SUBS) % CG, blk = tid / (SUBS * CG);
+    const int d0 = 8 * cg, row0 = 16 * blk + RPT * sub;
+    float a_exp = 1.f, bias[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) bias[e] = 0.f;
     if (p.gate_mode != GateMode::kPrecomputed) {
       if (p.A_log) a_exp = expf(p.A_log[hv]);
-      if (p.dt_bias) bias = p.dt_bias[hv * K + d];
+      if (p.dt_bias) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + d0 + e];
+      }
     }
-    // dtype and gate-mode switches outside the per-element loops (RP loads in flight)
-    float xr[RP];
-    const int64_t g0 = (tok0 + part * RP) * HV * K + static_cast<int64_t>(hv) * K + d;
-    const int64_t gs = static_cast<int64_t>(HV) * K;  // row stride of g
-    switch (p.g_dtype) {
-      case DType::kFloat32: {
-        const float* gp = reinterpret_cast<const float*>(p.g) + g0;
+    // dtype switch outside the per-row loop (RPT 16-byte loads in flight)
+    float xr[RPT][8];
+    const bool gal16 = (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
+    auto goff = [&](int j) { return ((tok0 + row0 + j) * HV + hv) * K + d0; };
+    if (gal16 && p.g_dtype == DType::kFloat32) {
 #pragma unroll
-        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? gp[i * gs] : 0.f;
-        break;
+      for (int j = 0; j < RPT; ++j) {
+        float4 u0 = make_float4(0.f, 0.f, 0.f, 0.f), u1 = u0;
+        if (row0 + j < len) {
+          const float4* gp = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.g) + goff(j));
+          u0 = gp[0];
+          u1 = gp[1];
+        }
+        xr[j][0] = u0.x; xr[j][1] = u0.y; xr[j][2] = u0.z; xr[j][3] = u0.w;
+        xr[j][4] = u1.x; xr[j][5] = u1.y; xr[j][6] = u1.z; xr[j][7] = u1.w;
       }
-      case DType::kBFloat16: {
-        const __nv_bfloat16* gp = reinterpret_cast<const __nv_bfloat16*>(p.g) + g0;
+    } else if (gal16 && (p.g_dtype == DType::kBFloat16 || p.g_dtype == DType::kFloat16)) {
+      const bool bf = p.g_dtype == DType::kBFloat16;
 #pragma unroll
-        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? __bfloat162float(gp[i * gs]) : 0.f;
-        break;
-      }
-      case DType::kFloat16: {
-        const __half* gp = reinterpret_cast<const __half*>(p.g) + g0;
+      for (int j = 0; j < RPT; ++j) {
+        uint4 u = make_uint4(0u, 0u, 0u, 0u);
+        if (row0 + j < len) u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.g) + goff(j));
+        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? __half2float(gp[i * gs]) : 0.f;
-        break;
-      }
-      default: {
-#pragma unroll
-        for (int i = 0; i < RP; ++i) {
-          const int r = part * RP + i;
-          xr[i] = r < len ? dev::load_any(p.g, ((tok0 + r) * HV + hv) * K + d, p.g_dtype) : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const float2 f2 = bf ? dev::Elem<__nv_bfloat16>::to_float2(w4[e]) : dev::Elem<__half>::to_float2(w4[e]);
+          xr[j][2 * e] = f2.x;
+          xr[j][2 * e + 1] = f2.y;
         }
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < RPT; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xr[j][e] = row0 + j < len ? dev::load_any(p.g, goff(j) + e, p.g_dtype) : 0.f;
     }
     if (tid < kChunk) {
       float b = 0.f;
@@ -257,31 +274,45 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       }
       sBeta[tid] = b;
     }
-    switch (p.gate_mode) {  // rows past the end: gate 0
-      case GateMode::kPrecomputed: break;
-      case GateMode::kUnbounded:
+    // gate activation; rows past the end: gate 0
 #pragma unroll
-        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? -a_exp * softplus_fast(xr[i] + bias) : 0.f;
-        break;
-      case GateMode::kBounded:
+    for (int j = 0; j < RPT; ++j) {
+      const bool ok = row0 + j < len;
 #pragma unroll
-        for (int i = 0; i < RP; ++i)
-          xr[i] = part * RP + i < len ? p.lower_bound * sigmoid_fast(a_exp * (xr[i] + bias)) : 0.f;
-        break;
-      case GateMode::kBoundedNoALog:
-#pragma unroll
-        for (int i = 0; i < RP; ++i) xr[i] = part * RP + i < len ? p.lower_bound * sigmoid_fast(xr[i] + bias) : 0.f;
-        break;
+      for (int e = 0; e < 8; ++e) {
+        const float x = xr[j][e] + bias[e];
+        float y = xr[j][e];
+        switch (p.gate_mode) {
+          case GateMode::kPrecomputed: break;
+          case GateMode::kUnbounded: y = -a_exp * softplus_fast(x); break;
+          case GateMode::kBounded: y = p.lower_bound * sigmoid_fast(a_exp * x); break;
+          case GateMode::kBoundedNoALog: y = p.lower_bound * sigmoid_fast(x); break;
+        }
+        xr[j][e] = ok ? y : 0.f;
+      }
     }
-    // Block-local (16-row) inclusive cumsum: every part is whole blocks, so no cross-thread offsets.
-    float run = 0.f;
+    // block-local inclusive cumsum: the thread's rows, then the exclusive prefix of the sub-groups
+    // before it in the block (shuffles within the block's SUBS lanes)
 #pragma unroll
-    for (int i = 0; i < RP; ++i) {
-      if (i % 16 == 0) run = 0.f;
-      run += xr[i];
-      sG[(part * RP + i) * KP + d] = run * kRcpLn2;
-      if (i % 16 == 15) sBT[((part * RP + i) >> 4) * K + d] = run * kRcpLn2;
+    for (int j = 1; j < RPT; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xr[j][e] += xr[j - 1][e];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float incl = xr[RPT - 1][e];  // inclusive prefix of the sub-group totals
+#pragma unroll
+      for (int o = 1; o < SUBS; o <<= 1) {
+        const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
+        if (sub >= o) incl += v;
+      }
+      const float excl = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
+#pragma unroll
+      for (int j = 0; j < RPT; ++j) xr[j][e] = (sub == 0 ? xr[j][e] : excl + xr[j][e]) * kRcpLn2;
     }
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) intra_st8(sG + (row0 + j) * KP + d0, xr[j]);
+    // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
+    if (sub == SUBS - 1) intra_st8(sBT + blk * K + d0, xr[RPT - 1]);
     for (int i = tid; i < 2 * kChunk * AP; i += NTH) sA[i] = 0.f;  // sA and sL are adjacent
     if (tid == 0) *sWork = 0;
   }
@@ -565,53 +596,56 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   }
   // ---- P4a, first part: qg and kg -> workspace. It reads only what P1 wrote (sG, sQ, sK, the block
   // sums, the row factors), so the warps that finish their P2 share early take it over from a
-  // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 32
-  // vectors (one per lane); every vector is computed the same way whichever warp takes it, so the
+  // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 64
+  // vectors (two per lane); every vector is computed the same way whichever warp takes it, so the
   // result is deterministic.
   {
     WT* qg = reinterpret_cast<WT*>(p.qg);
     WT* kg = reinterpret_cast<WT*>(p.kg);
     constexpr int VPR = K / 8;  // 8-element vectors per row
-    constexpr int kUnits = kChunk * VPR / 32;
+    constexpr int kUnits = kChunk * VPR / 64;  // units of 64 vectors, two per lane
     for (;;) {
       int unit = 0;
       if (lane == 0) unit = atomicAdd(sWork, 1);
       unit = __shfl_sync(0xffffffffu, unit, 0);
       if (unit >= kUnits) break;
-      const int i = unit * 32 + lane;
-      const int r = i / VPR, d0 = (i % VPR) * 8;
-      if (r >= len) continue;  // rows past the end are never written
-      const float fq = p.scale * sRq[r], fk = sRk[r];
-      // 16-byte smem accesses: 8 consecutive d of row r
-      // g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks after):
-      // sums of terms <= 0, so both exponents are <= 0 and free of cancellation across blocks
-      float g2v[8], Gv[8];
-      {
-        const int b = r >> 4;
-        float ov[8], tv[8], sv[8];
-        intra_ld8(g2v, sG + r * KP + d0);
-        intra_ld8(ov, sBO + b * K + d0);
-        intra_ld8(tv, sBT + b * K + d0);
-        intra_ld8(sv, sBS + b * K + d0);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          Gv[e] = (tv[e] - g2v[e]) + sv[e];  // G - g2
-          g2v[e] = ov[e] + g2v[e];           // g2
+      for (int half = 0; half < 2; ++half) {
+        const int i = unit * 64 + half * 32 + lane;
+        const int r = i / VPR, d0 = (i % VPR) * 8;
+        if (r >= len) continue;  // rows past the end are never written
+        const float fq = p.scale * sRq[r], fk = sRk[r];
+        // 16-byte smem accesses: 8 consecutive d of row r
+        // g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks after):
+        // sums of terms <= 0, so both exponents are <= 0 and free of cancellation across blocks
+        float g2v[8], Gv[8];
+        {
+          const int b = r >> 4;
+          float ov[8], tv[8], sv[8];
+          intra_ld8(g2v, sG + r * KP + d0);
+          intra_ld8(ov, sBO + b * K + d0);
+          intra_ld8(tv, sBT + b * K + d0);
+          intra_ld8(sv, sBS + b * K + d0);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            Gv[e] = (tv[e] - g2v[e]) + sv[e];  // G - g2
+            g2v[e] = ov[e] + g2v[e];           // g2
+          }
         }
-      }
-      const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
-      const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-      const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
-      uint32_t pq[4], pk[4];
+        const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
+        const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+        const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
+        uint32_t pq[4], pk[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 qv = E::to_float2(wq[e]), kv = E::to_float2(wk[e]);
-        pq[e] = E::pack2(fq * qv.x * dev::fast_exp2(g2v[2 * e]), fq * qv.y * dev::fast_exp2(g2v[2 * e + 1]));
-        pk[e] = E::pack2(fk * kv.x * dev::fast_exp2(Gv[2 * e]), fk * kv.y * dev::fast_exp2(Gv[2 * e + 1]));
+        for (int e = 0; e < 4; ++e) {
+          const float2 qv = E::to_float2(wq[e]), kv = E::to_float2(wk[e]);
+          pq[e] = E::pack2(fq * qv.x * dev::fast_exp2(g2v[2 * e]), fq * qv.y * dev::fast_exp2(g2v[2 * e + 1]));
+          pk[e] = E::pack2(fk * kv.x * dev::fast_exp2(Gv[2 * e]), fk * kv.y * dev::fast_exp2(Gv[2 * e + 1]));
+        }
+        const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
+        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
       }
-      const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
-      *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-      *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
     }
   }
   __syncthreads();
@@ -669,10 +703,68 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
     for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
   }
   __syncthreads();
+  // Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
+  // blocks), threads [t0, t0 + nthr) of the CTA
+  auto store_akk_rows = [&](int blk, int t0, int nthr) {
+    WT* Akk = reinterpret_cast<WT*>(p.Akk);
+    for (int i = tid - t0; i < 16 * 8; i += nthr) {
+      const int r = 16 * blk + i / 8, s0 = (i % 8) * 8;
+      if (r < len) {
+        uint32_t pa[4];
+        if ((s0 >> 4) > blk) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[e] = E::pack2(0.f, 0.f);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            pa[e] = E::pack2(sX[r * AP + s0 + 2 * e] * sBeta[s0 + 2 * e],
+                             sX[r * AP + s0 + 2 * e + 1] * sBeta[s0 + 2 * e + 1]);
+        }
+        *reinterpret_cast<uint4*>(Akk + ((tok0 + r) * HV + hv) * kChunk + s0) =
+            make_uint4(pa[0], pa[1], pa[2], pa[3]);
+      }
+    }
+  };
+  // P4b for one m-tile: w[16 mt .. 16 mt + 15][col0 .. col0 + 8 ntc) = Akk @ kexp (tf32 tensor cores).
+  // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1). Needs only the rows of
+  // X in block mt, which are final once merge step mt is done.
+  constexpr int kNtMax = K / 32;
+  auto w_tile = [&](int mt, int col0, int ntc) {
+    WT* w = reinterpret_cast<WT*>(p.w);
+    const int g = lane >> 2, t = lane & 3;
+    float acc[kNtMax][4] = {};
+    const int ra = 16 * mt + g, rb = ra + 8;
+    for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
+      const int ca = 8 * kk + t, cb = ca + 4;
+      const float bca = sBeta[ca], bcb = sBeta[cb];  // Akk = X diag(beta)
+      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca] * bca), dev::to_tf32(sX[rb * AP + ca] * bca),
+                             dev::to_tf32(sX[ra * AP + cb] * bcb), dev::to_tf32(sX[rb * AP + cb] * bcb)};
+#pragma unroll
+      for (int nt = 0; nt < kNtMax; ++nt) {
+        if (nt < ntc) {
+          const int col = col0 + 8 * nt + g;
+          dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sKexp[ca * KP + col]), dev::to_tf32(sKexp[cb * KP + col]));
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNtMax; ++nt) {
+      if (nt < ntc) {
+        const int col = col0 + 8 * nt + 2 * t;
+        if (ra < len)
+          *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
+        if (rb < len)
+          *reinterpret_cast<uint32_t*>(w + ((tok0 + rb) * HV + hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
+      }
+    }
+  };
+
   // Block merge X_{bi,j} = -X_{bi,bi} sum_{m=j}^{bi-1} L_{bi,m} X_{m,j}, one warp per (bi, j), on
   // tensor cores in 3xTF32 (hi*hi + hi*lo + lo*hi: ~fp32 accuracy). Y goes through the warp's own
   // rows of the scratch sY. The blocks above the diagonal are never formed (the Akk store writes
-  // zeros there, w never reads them).
+  // zeros there, w never reads them). While warps < bi merge row block bi, warps 4-7 already
+  // produce w and Akk for row block bi - 1 (final since the previous step), a quarter of K each,
+  // instead of waiting at the step's barrier.
   {
     const int g = lane >> 2, t = lane & 3;
     for (int bi = 1; bi < 4; ++bi) {
@@ -721,61 +813,16 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
           sX[(ra + 8) * AP + col] = -cx[nt][2];
           sX[(ra + 8) * AP + col + 1] = -cx[nt][3];
         }
+      } else if (warp >= 4) {
+        w_tile(bi - 1, (warp - 4) * (K / 4), K / 32);
+        store_akk_rows(bi - 1, 128, 128);
       }
       __syncthreads();
     }
   }
-  // Akk = X diag(beta), stored as full 64-wide rows (zeros above the diagonal blocks)
-  {
-    WT* Akk = reinterpret_cast<WT*>(p.Akk);
-    for (int i = tid; i < kChunk * 8; i += NTH) {
-      const int r = i / 8, s0 = (i % 8) * 8;
-      if (r < len) {
-        uint32_t pa[4];
-        if ((s0 >> 4) > (r >> 4)) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[e] = E::pack2(0.f, 0.f);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            pa[e] = E::pack2(sX[r * AP + s0 + 2 * e] * sBeta[s0 + 2 * e],
-                             sX[r * AP + s0 + 2 * e + 1] * sBeta[s0 + 2 * e + 1]);
-        }
-        *reinterpret_cast<uint4*>(Akk + ((tok0 + r) * HV + hv) * kChunk + s0) =
-            make_uint4(pa[0], pa[1], pa[2], pa[3]);
-      }
-    }
-  }
-
-  // ---------------------------------------------------------------- P4b: w = Akk @ kexp
-  {
-    WT* w = reinterpret_cast<WT*>(p.w);
-    const int g = lane >> 2, t = lane & 3;
-    const int mt = warp & 3, nh = warp >> 2;  // m-tile of 16 rows, half of K
-    constexpr int NT8 = K / 16;               // n-tiles of 8 per warp
-    float acc[NT8][4] = {};
-    const int ra = 16 * mt + g, rb = ra + 8;
-    // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1).
-    for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
-      const int ca = 8 * kk + t, cb = ca + 4;
-      const float bca = sBeta[ca], bcb = sBeta[cb];  // Akk = X diag(beta)
-      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca] * bca), dev::to_tf32(sX[rb * AP + ca] * bca),
-                             dev::to_tf32(sX[ra * AP + cb] * bcb), dev::to_tf32(sX[rb * AP + cb] * bcb)};
-#pragma unroll
-      for (int nt = 0; nt < NT8; ++nt) {
-        const int col = nh * (K / 2) + 8 * nt + g;
-        dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sKexp[ca * KP + col]), dev::to_tf32(sKexp[cb * KP + col]));
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT8; ++nt) {
-      const int col = nh * (K / 2) + 8 * nt + 2 * t;
-      if (ra < len)
-        *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
-      if (rb < len)
-        *reinterpret_cast<uint32_t*>(w + ((tok0 + rb) * HV + hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
-    }
-  }
+  // ---------------------------------------------------------------- P4b, last row block (all warps)
+  w_tile(3, warp * (K / 8), K / 64);
+  store_akk_rows(3, 0, NTH);
 }
 
 template <typename WT, int K>
