@@ -28,8 +28,8 @@
 //
 // Shared memory plan (KP = K + 8 floats, KQ = K + 8 elements, AP = 68):
 //   sG  fp32 [64][KP]  block-local g2 (P1 .. P4a), then kexp = k rk exp2(g2), B operand of w (P4a .. P4b)
-//   sQ  WT   [64][KQ]  raw q                                  (P0 .. P4a)
-//   sK  WT   [64][KQ]  raw k (P0 .. P4a), then X = (I+L)^-1 / Akk fp32 [64][AP] (P3 .. P4b)
+//   sQ  WT   [64][KQ]  raw q (P0 .. qg), then X = (I+L)^-1 fp32 [64][AP] (P3 .. P4b)
+//   sK  WT   [64][KQ]  raw k (P0 .. kexp)
 //   sA  fp32 [64][AP]  Aqk (P2 .. P4a), then the merge scratch Y [48][AP] (P3)
 //   sL  fp32 [64][AP]  L (P2 .. P3)
 //   sBeta, sRq, sRk [64]; sGt [K] = G; sBT / sBO / sBS [4][K]: per 16-row block its total, the sum of
@@ -59,8 +59,9 @@ struct IntraSmem {
   static constexpr int KQ = K + 8;
   static constexpr int AP = 68;
   static constexpr int kGBytes = kChunk * KP * 4;
-  static constexpr int kQBytes = kChunk * KQ * 2;
-  static constexpr int kKBytes = kQBytes > kChunk * AP * 4 ? kQBytes : kChunk * AP * 4;
+  // The q region later holds X = (I+L)^-1 in fp32 (from P3 on), so it has room for both.
+  static constexpr int kQBytes = kChunk * KQ * 2 > kChunk * AP * 4 ? kChunk * KQ * 2 : kChunk * AP * 4;
+  static constexpr int kKBytes = kChunk * KQ * 2;
   static constexpr int kABytes = kChunk * AP * 4;
   static constexpr int oG = 0;
   static constexpr int oQ = oG + kGBytes;
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   float* sBO = reinterpret_cast<float*>(sm + S::oBO);
   float* sBS = reinterpret_cast<float*>(sm + S::oBS);
   int* sWork = reinterpret_cast<int*>(sm + S::oWork);
-  float* sX = reinterpret_cast<float*>(sm + S::oK);  // after P4a
+  float* sX = reinterpret_cast<float*>(sm + S::oQ);  // from P3 (q is dead once qg is written)
   float* sY = sA;                                    // after P4a
   float* sKexp = sG;                                 // from P4a
 
@@ -313,7 +314,8 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
     for (int j = 0; j < RPT; ++j) intra_st8(sG + (row0 + j) * KP + d0, xr[j]);
     // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
     if (sub == SUBS - 1) intra_st8(sBT + blk * K + d0, xr[RPT - 1]);
-    for (int i = tid; i < 2 * kChunk * AP; i += NTH) sA[i] = 0.f;  // sA and sL are adjacent
+    for (int i = tid; i < 2 * kChunk * AP / 4; i += NTH)  // sA and sL are adjacent
+      reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (tid == 0) *sWork = 0;
   }
   dev::cp_async_wait<0>();
@@ -650,12 +652,30 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   }
   __syncthreads();
 
-  // ---------------------------------------------------------------- P4a, second part
-  // kexp = k rk exp2(g2) in place of g2 (B operand of w), Aqk -> workspace, exp2(G) -> gdecay
-  {
+  // ---------------------------------------------------------------- P3 (diagonal) || P4a, second part
+  // Warps 0-1: the diagonal blocks of X = (I + L)^-1 (a serial, latency-bound substitution), into
+  // the dead q region. Warps 2-7 meanwhile: kexp = k rk exp2(g2) in place of g2 (B operand of w),
+  // Aqk -> workspace, exp2(G) -> gdecay. Disjoint buffers: sL / sX vs sG / sK / sA.
+  if (tid < 64) {
+    // column j of the inverse of the unit lower-triangular 16x16 block by forward substitution in
+    // fp32 (never a low-precision Neumann series: near-collinear keys make it diverge)
+    const int blk = tid >> 4, j = tid & 15, o = 16 * blk;
+    float xv[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) acc = fmaf(sL[(o + i) * AP + o + m], xv[m], acc);
+      xv[i] = i < j ? 0.f : (i == j ? 1.f : -acc);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
+  } else {
+    constexpr int NT2 = NTH - 64;
+    const int t2 = tid - 64;
     WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
     constexpr int VPR = K / 8;
-    for (int i = tid; i < kChunk * VPR; i += NTH) {
+    for (int i = t2; i < kChunk * VPR; i += NT2) {
       const int r = i / VPR, d0 = (i % VPR) * 8;
       const float fk = sRk[r];
       float lv[8], ov[8], kx[8];
@@ -672,7 +692,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
       intra_st8(sKexp + r * KP + d0, kx);
     }
-    for (int i = tid; i < kChunk * 8; i += NTH) {
+    for (int i = t2; i < kChunk * 8; i += NT2) {
       const int r = i / 8, s0 = (i % 8) * 8;
       if (r < len) {
         uint32_t pa[4];
@@ -682,25 +702,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
             make_uint4(pa[0], pa[1], pa[2], pa[3]);
       }
     }
-    if (tid < K) p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + tid] = dev::fast_exp2(sGt[tid]);
-  }
-  __syncthreads();
-
-  // ---------------------------------------------------------------- P3: X = (I + L)^-1
-  // Diagonal 16x16 blocks: column j of the inverse of the unit lower-triangular block by forward
-  // substitution in fp32 (never a low-precision Neumann series: near-collinear keys make it diverge).
-  if (tid < 64) {
-    const int blk = tid >> 4, j = tid & 15, o = 16 * blk;
-    float xv[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int m = 0; m < i; ++m) acc = fmaf(sL[(o + i) * AP + o + m], xv[m], acc);
-      xv[i] = i < j ? 0.f : (i == j ? 1.f : -acc);
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
+    if (t2 < K) p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + t2] = dev::fast_exp2(sGt[t2]);
   }
   __syncthreads();
   // Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
