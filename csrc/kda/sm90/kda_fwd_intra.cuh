@@ -1,20 +1,25 @@
 // kda_fwd_intra: the token-parallel part of the KDA forward, one CTA per (chunk, value head),
-// 256 threads and ~108 KB of smem at K=128, so TWO CTAs share an SM (one CTA's loads and barriers
+// 256 threads and ~109 KB of smem at K=128, so TWO CTAs share an SM (one CTA's loads and barriers
 // overlap the other's compute).
 //
-// Stages (docs/kda-forward.md):
+// Stages (docs/kda-forward.md), in execution order, "|" = barrier:
 //   P0  raw q / k (input dtype, exact) -> smem by 16-byte cp.async, issued first thing and in
 //       flight while P1 runs
 //   P1  gate activation + block-local (16-row) inclusive cumsum, times 1/ln2 -> g2 (fp32, smem);
-//       beta (sigmoid) -> smem; per-row l2norm rstd of q / k (1 when off)
+//       beta (sigmoid) -> smem                                                              |
+//       block sums; per-row l2norm rstd of q / k (1 when off)                               |
 //   P2  Aqk[i,j] = scale rq_i rk_j sum_d q_id k_jd exp2(g2_id - g2_jd)   (j <= i)
 //       L[i,j]   = beta_i rk_i rk_j sum_d k_id k_jd exp2(g2_id - g2_jd)  (j <  i)
-//       (the l2norm rstd is a per-row fp32 factor on the products, so the raw copy loses nothing)
-//   P4a qg = scale q exp2(g2), kg = k exp2(G - g2) -> workspace; kexp = k exp2(g2) -> smem;
-//       exp2(G) -> gdecay; Aqk -> workspace
-//   P3  X = (I + L)^-1 in fp32: forward substitution on the four 16x16 diagonal blocks, then the
-//       block merge X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj; Akk = X diag(beta) -> workspace
-//   P4b w = Akk @ kexp (tf32 tensor cores) -> workspace
+//       (the l2norm rstd is a per-row fp32 factor on the products, so the raw copy loses nothing);
+//       each warp then takes units of qg = scale q exp2(g2), kg = k exp2(G - g2) -> workspace
+//       from a shared queue (P4a first part: the warps with less P2 work do more of it)     |
+//   P3 diagonal (warps 0-1): forward substitution on the four 16x16 diagonal blocks of
+//       X = (I + L)^-1, fp32, into the dead q region; beside it (warps 2-7) P4a second part:
+//       kexp = k exp2(g2) in place of g2, Aqk -> workspace, exp2(G) -> gdecay               |
+//   P3 merge step bi = 1..3: X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj (warps < bi), while warps 4-7
+//       produce row block bi-1 of P4b w = Akk @ kexp (tf32 tensor cores) and of Akk = X diag(beta)
+//       -> workspace                                                                         | x3
+//   P4b row block 3 (all warps)
 //
 // P2 split (every decay factor is exp2 of a difference <= 0, a decay between j and i, never exp2
 // of a positive number: THE NUMERICS LAW of kernel-fun-ALGORITHM.md holds at any gate magnitude;
@@ -27,10 +32,10 @@
 //     the column tile: exp2(g_i - g_e) * exp2(g_e - g_j).
 //
 // Shared memory plan (KP = K + 8 floats, KQ = K + 8 elements, AP = 68):
-//   sG  fp32 [64][KP]  block-local g2 (P1 .. P4a), then kexp = k rk exp2(g2), B operand of w (P4a .. P4b)
+//   sG  fp32 [64][KP]  block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2), B operand of w (.. P4b)
 //   sQ  WT   [64][KQ]  raw q (P0 .. qg), then X = (I+L)^-1 fp32 [64][AP] (P3 .. P4b)
 //   sK  WT   [64][KQ]  raw k (P0 .. kexp)
-//   sA  fp32 [64][AP]  Aqk (P2 .. P4a), then the merge scratch Y [48][AP] (P3)
+//   sA  fp32 [64][AP]  Aqk (P2 .. its store), then the merge scratch Y [48][AP] (P3 merge)
 //   sL  fp32 [64][AP]  L (P2 .. P3)
 //   sBeta, sRq, sRk [64]; sGt [K] = G; sBT / sBO / sBS [4][K]: per 16-row block its total, the sum of
 //   the totals before it, the sum of the totals after it
@@ -151,8 +156,8 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   float* sBS = reinterpret_cast<float*>(sm + S::oBS);
   int* sWork = reinterpret_cast<int*>(sm + S::oWork);
   float* sX = reinterpret_cast<float*>(sm + S::oQ);  // from P3 (q is dead once qg is written)
-  float* sY = sA;                                    // after P4a
-  float* sKexp = sG;                                 // from P4a
+  float* sY = sA;                                    // P3 merge (Aqk is stored by then)
+  float* sKexp = sG;                                 // from P4a's second part
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hv = blockIdx.y;
