@@ -1,20 +1,14 @@
 # CPU emulation of kda_fwd_intra's P3 (forward substitution + one-warp-per-block merge on
-# m16n8k8 fragments), the Akk store and the P4b w fragments, against numpy's inverse (fp64).
-# Run: python3 scripts/dev/kda_intra_emu_p3.py (numpy only, ~1-2 min).
+# m16n8k8 fragments), the Akk store and the P4b w fragments in the kernel's order (row block bi-1
+# by warps 4-7, a quarter of K each, during merge step bi; row block 3 by all 8 warps), against
+# numpy's inverse (fp64). Asserts every Akk / w element is written exactly once.
+# Run: python3 scripts/dev/kda_intra_emu_p3.py [K] (numpy only, seconds; K defaults to 128, or give 64).
+import sys
+
 import numpy as np
+from kda_emu_common import mma
 rng = np.random.default_rng(1)
-AP = 68; K = 128; KP = K + 4
-def mma(c, a, b0, b1):
-    # c[lane][4], a[lane][4], b0[lane], b1[lane]: m16n8k8 semantics
-    A = np.zeros((16, 8)); B = np.zeros((8, 8))
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4] = a[lane]
-        B[t, g], B[t+4, g] = b0[lane], b1[lane]
-    C = A @ B
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        c[lane] += np.array([C[g, 2*t], C[g, 2*t+1], C[g+8, 2*t], C[g+8, 2*t+1]])
+AP = 68; K = int(sys.argv[1]) if len(sys.argv) > 1 else 128; KP = K + 8
 L = np.tril(rng.standard_normal((64, 64)) * 0.3, -1)
 beta = rng.random(64)
 sL = np.zeros(64 * AP); sX = np.zeros(64 * AP); sY = np.zeros(64 * AP)
@@ -67,34 +61,51 @@ for bi in range(1, 4):
                 ra = 16*bi + g; col = 16*j + 8*nt + 2*t
                 sX[ra*AP+col] = -cx[nt][lane][0]; sX[ra*AP+col+1] = -cx[nt][lane][1]
                 sX[(ra+8)*AP+col] = -cx[nt][lane][2]; sX[(ra+8)*AP+col+1] = -cx[nt][lane][3]
-Akk = np.zeros((64, 64))
-for i in range(64 * 8):
-    r, s0 = i // 8, (i % 8) * 8
-    for e in range(8):
-        Akk[r, s0+e] = 0 if (s0 >> 4) > (r >> 4) else sX[r*AP + s0 + e] * beta[s0+e]
-ref = np.linalg.inv(np.eye(64) + L) * beta[None, :]
-print("Akk max err", np.abs(Akk - ref).max())
-# P4b with kexp
+# Akk store and P4b with kexp, per row block, in the kernel's order (after the merge above, which
+# only ever writes row blocks > the one being stored, so the emulation can run them afterwards)
 kexp = rng.standard_normal((64, K)); sK = np.zeros(64 * KP)
 for r in range(64): sK[r*KP:r*KP+K] = kexp[r]
-w = np.zeros((64, K))
-for warp in range(8):
-    mt, nh = warp & 3, warp >> 2; NT8 = K // 16
-    acc = [np.zeros((32, 4)) for _ in range(NT8)]
+w = np.zeros((64, K)); cw = np.zeros((64, K), int)
+Akk = np.zeros((64, 64)); ca_ = np.zeros((64, 64), int)
+
+
+def store_akk_rows(blk, threads):
+    for i in threads:
+        r, s0 = 16*blk + i // 8, (i % 8) * 8
+        for e in range(8):
+            Akk[r, s0+e] = 0 if (s0 >> 4) > blk else sX[r*AP + s0 + e] * beta[s0+e]
+            ca_[r, s0+e] += 1
+
+
+def w_tile(mt, col0, ntc):
+    acc = [np.zeros((32, 4)) for _ in range(ntc)]
     for kk in range(2 * (mt + 1)):
-        a = []; bs = [([], []) for _ in range(NT8)]
+        a = []; bs = [([], []) for _ in range(ntc)]
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             ra = 16*mt + g; rb = ra + 8; ca = 8*kk + t; cb = ca + 4
             a.append([sX[ra*AP+ca]*beta[ca], sX[rb*AP+ca]*beta[ca], sX[ra*AP+cb]*beta[cb], sX[rb*AP+cb]*beta[cb]])
-            for nt in range(NT8):
-                col = nh*(K//2) + 8*nt + g
+            for nt in range(ntc):
+                col = col0 + 8*nt + g
                 bs[nt][0].append(sK[ca*KP+col]); bs[nt][1].append(sK[cb*KP+col])
-        for nt in range(NT8): mma(acc[nt], a, bs[nt][0], bs[nt][1])
+        for nt in range(ntc): mma(acc[nt], a, bs[nt][0], bs[nt][1])
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         ra = 16*mt + g; rb = ra + 8
-        for nt in range(NT8):
-            col = nh*(K//2) + 8*nt + 2*t
+        for nt in range(ntc):
+            col = col0 + 8*nt + 2*t
             w[ra, col], w[ra, col+1], w[rb, col], w[rb, col+1] = acc[nt][lane]
+            cw[ra, col] += 1; cw[ra, col+1] += 1; cw[rb, col] += 1; cw[rb, col+1] += 1
+
+
+for bi in range(1, 4):
+    for warp in range(4, 8):
+        w_tile(bi - 1, (warp - 4) * (K // 4), K // 32)
+    store_akk_rows(bi - 1, range(0, 128))  # threads 128..255 -> items 0..127
+for warp in range(8):
+    w_tile(3, warp * (K // 8), K // 64)
+store_akk_rows(3, range(0, 128))           # threads 0..127 of 256
+assert (ca_ == 1).all() and (cw == 1).all(), "Akk / w coverage"
+ref = np.linalg.inv(np.eye(64) + L) * beta[None, :]
+print("Akk max err", np.abs(Akk - ref).max())
 print("w max err", np.abs(w - ref @ kexp).max())
