@@ -1,0 +1,190 @@
+// Small kernels that check the emulator itself (tests/test_emu_kda_fwd.py): mma.sync / ldmatrix
+// fragment layouts against a plain matmul, the deferral of cp.async, and the failure reports
+// (divergent collectives, deadlock, smem overflow). They call the same helpers as the KDA kernels
+// (kda_device.cuh), so these checks cover the KF_EMU branches of that header.
+#include "kf_emu.h"
+
+#include <exception>
+#include <string>
+
+#include "kda/device/primitives.cuh"
+
+namespace {
+namespace dev = kernel_fun::kda::dev;
+thread_local std::string g_err;
+
+template <typename F>
+int guarded(F&& f) {
+  g_err.clear();
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    g_err = e.what();
+    return 1;
+  }
+}
+
+constexpr int kP = 24;  // padded smem row (elements)
+
+// D1 = A @ B + C with B read by ldmatrix.trans from a [k][n] tile; D2 = the same with B read by
+// ldmatrix (non-transposed) from its [n][k] transpose. A, B: 16x16 raw 16-bit; C, D: 16x16 fp32.
+template <typename T>
+__global__ void mma16816_kernel(const uint16_t* A, const uint16_t* B, const float* C, float* D1, float* D2) {
+  KF_DYN_SMEM(float4, smem_f4);
+  uint16_t* sA = reinterpret_cast<uint16_t*>(smem_f4);
+  uint16_t* sBkn = sA + 16 * kP;
+  uint16_t* sBnk = sBkn + 16 * kP;
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3, lrow = lane & 7, lmat = lane >> 3;
+  for (int i = lane; i < 256; i += 32) {
+    const int r = i / 16, c = i % 16;
+    sA[r * kP + c] = A[i];
+    sBkn[r * kP + c] = B[i];
+    sBnk[c * kP + r] = B[i];
+  }
+  __syncwarp();
+  uint32_t a[4], bt[4], bn[4];
+  dev::ldsm_x4(a, sA + ((lmat & 1) * 8 + lrow) * kP + (lmat >> 1) * 8);
+  dev::ldsm_x4_t(bt, sBkn + ((lmat & 1) * 8 + lrow) * kP + (lmat >> 1) * 8);
+  dev::ldsm_x4(bn, sBnk + ((lmat >> 1) * 8 + lrow) * kP + (lmat & 1) * 8);
+  for (int nt = 0; nt < 2; ++nt) {
+    float c1[4], c2[4];
+    for (int e = 0; e < 4; ++e) c1[e] = c2[e] = C[(g + 8 * (e >> 1)) * 16 + 8 * nt + 2 * t + (e & 1)];
+    dev::mma_16816<T>(c1, a, bt[2 * nt], bt[2 * nt + 1]);
+    dev::mma_16816<T>(c2, a, bn[2 * nt], bn[2 * nt + 1]);
+    for (int e = 0; e < 4; ++e) {
+      const int idx = (g + 8 * (e >> 1)) * 16 + 8 * nt + 2 * t + (e & 1);
+      D1[idx] = c1[e];
+      D2[idx] = c2[e];
+    }
+  }
+}
+
+// D = tf32(A) @ tf32(B) + C, A 16x8, B 8x8 ([k][n]), C / D 16x8, all fp32 row-major.
+__global__ void mma1688_kernel(const float* A, const float* B, const float* C, float* D) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const uint32_t a[4] = {dev::to_tf32(A[g * 8 + t]), dev::to_tf32(A[(g + 8) * 8 + t]), dev::to_tf32(A[g * 8 + t + 4]),
+                         dev::to_tf32(A[(g + 8) * 8 + t + 4])};
+  float c[4];
+  for (int e = 0; e < 4; ++e) c[e] = C[(g + 8 * (e >> 1)) * 8 + 2 * t + (e & 1)];
+  dev::mma_1688_tf32(c, a, dev::to_tf32(B[t * 8 + g]), dev::to_tf32(B[(t + 4) * 8 + g]));
+  for (int e = 0; e < 4; ++e) D[(g + 8 * (e >> 1)) * 8 + 2 * t + (e & 1)] = c[e];
+}
+
+// Per thread i (32 threads): group 0 copies src[4i .. 4i+3] to sA, group 1 zero-fills sB
+// (src-size 0). out[k * 32 + i] (raw fp32 bits), k = 0: sA before any wait; 1: sB before any wait;
+// 2: sA after wait_group 1; 3: sB after wait_group 1; 4: sB after wait_group 0.
+__global__ void cp_async_kernel(const float* src, uint32_t* out) {
+  KF_DYN_SMEM(float4, smem_f4);
+  float* sA = reinterpret_cast<float*>(smem_f4);
+  float* sB = sA + 128;
+  const int i = threadIdx.x;
+  dev::cp_async16(sA + 4 * i, src + 4 * i, 16);
+  dev::cp_async_commit();
+  dev::cp_async16(sB + 4 * i, src + 4 * i, 0);
+  dev::cp_async_commit();
+  out[0 * 32 + i] = __float_as_uint(sA[4 * i]);
+  out[1 * 32 + i] = __float_as_uint(sB[4 * i]);
+  dev::cp_async_wait<1>();
+  out[2 * 32 + i] = __float_as_uint(sA[4 * i]);
+  out[3 * 32 + i] = __float_as_uint(sB[4 * i]);
+  dev::cp_async_wait<0>();
+  out[4 * 32 + i] = __float_as_uint(sB[4 * i]);
+}
+
+// Bugs the emulator must report: 0 a shuffle in divergent code (half the warp at another
+// collective), 1 a barrier that only half the block reaches while the rest waits in a shuffle
+// (deadlock), 2 a write past the end of the dynamic shared memory, 3 ldmatrix from a misaligned row.
+__global__ void bug_kernel(int which, float* out) {
+  KF_DYN_SMEM(float4, smem_f4);
+  float* s = reinterpret_cast<float*>(smem_f4);
+  const int tid = threadIdx.x;
+  if (which == 0) {
+    float v = 1.f;
+    if (tid < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+    else __syncwarp();
+    out[tid] = v;
+  } else if (which == 1) {
+    if (tid < 48) __syncthreads();
+    else out[tid] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+  } else if (which == 2) {
+    s[tid + 1] = 0.f;  // 64 threads, 64 floats of smem: thread 63 writes one past the end
+  } else {
+    uint32_t r[4];
+    s[tid] = 0.f;
+    __syncthreads();
+    dev::ldsm_x4(r, s + (tid & 31) * 1 + 2);
+    out[tid] = __uint_as_float(r[0]);
+  }
+}
+
+// Shuffles (every mode, with widths), votes and an 8-byte shuffle: 64 threads, out[k * 64 + tid].
+__global__ void warp_ops_kernel(int* out) {
+  const int t = threadIdx.x;
+  const unsigned full = 0xffffffffu;
+  out[0 * 64 + t] = __shfl_sync(full, 10 * t, (t + 3) & 31);
+  out[1 * 64 + t] = __shfl_up_sync(full, t, 3, 8);
+  out[2 * 64 + t] = __shfl_down_sync(full, t, 2, 16);
+  out[3 * 64 + t] = __shfl_xor_sync(full, t, 5);
+  out[4 * 64 + t] = __shfl_xor_sync(full, t, 4, 4);
+  out[5 * 64 + t] = __shfl_sync(full, t, 9, 8);
+  out[6 * 64 + t] = static_cast<int>(__ballot_sync(full, t % 3 == 0));
+  out[7 * 64 + t] = __any_sync(full, t == 40);
+  out[8 * 64 + t] = __all_sync(full, t < 63);
+  out[9 * 64 + t] = static_cast<int>(2.0 * __shfl_xor_sync(full, t + 0.5, 1));
+  out[10 * 64 + t] = static_cast<int>(blockDim.x * 1000 + gridDim.x * 100 + blockIdx.x);
+}
+
+// A static __shared__ variable, atomics on it, and barriers after some threads exited: threads >= 40
+// return at once; the other 40 count themselves. out[blockIdx.x] = 40.
+__global__ void static_smem_kernel(int* out) {
+  __shared__ int count;
+  if (threadIdx.x >= 40) return;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  atomicAdd(&count, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = count;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out: 11 * 64 ints (warp_ops_kernel), then 3 ints (static_smem_kernel over 3 blocks)
+int kf_emu_selftest_warp_ops(int* out) {
+  return guarded([&] {
+    kf_emu::launch(dim3(1), dim3(64), 0, warp_ops_kernel, out);
+    kf_emu::launch(dim3(3), dim3(64), 0, static_smem_kernel, out + 11 * 64);
+  });
+}
+
+const char* kf_emu_selftest_last_error() { return g_err.c_str(); }
+
+// dtype 1: fp16, 2: bf16 (raw 16-bit inputs)
+int kf_emu_selftest_mma16816(int dtype, const uint16_t* A, const uint16_t* B, const float* C, float* D1,
+                             float* D2) {
+  return guarded([&] {
+    const size_t smem = 3 * 16 * kP * sizeof(uint16_t);
+    if (dtype == 1) kf_emu::launch(dim3(1), dim3(32), smem, mma16816_kernel<__half>, A, B, C, D1, D2);
+    else kf_emu::launch(dim3(1), dim3(32), smem, mma16816_kernel<__nv_bfloat16>, A, B, C, D1, D2);
+  });
+}
+
+int kf_emu_selftest_mma1688(const float* A, const float* B, const float* C, float* D) {
+  return guarded([&] { kf_emu::launch(dim3(1), dim3(32), 0, mma1688_kernel, A, B, C, D); });
+}
+
+void kf_emu_selftest_tf32(const float* x, uint32_t* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = kf_emu::cvt_rna_tf32(x[i]);
+}
+
+int kf_emu_selftest_cp_async(const float* src, uint32_t* out) {
+  return guarded([&] { kf_emu::launch(dim3(1), dim3(32), 2 * 128 * sizeof(float), cp_async_kernel, src, out); });
+}
+
+int kf_emu_selftest_bug(int which, float* out) {
+  return guarded([&] { kf_emu::launch(dim3(1), dim3(64), 64 * sizeof(float), bug_kernel, which, out); });
+}
+
+}  // extern "C"

@@ -1,0 +1,285 @@
+// The KDA kernels (csrc/kda/fwd, csrc/kda/bwd), compiled UNMODIFIED for the host emulator
+// (kf_emu.h) and exposed as two C functions for ctypes (tests/emu/kda_emu.py): the forward and the
+// backward stage sequences of kda_forward / kda_backward (csrc/kda/{fwd,bwd}/*.cu), with the same
+// grids, block and shared-memory sizes as the real launchers. The varlen chunk map (a cub kernel on
+// the GPU) is computed here on the host; the scans' V-slice width is the caller's (`bv`).
+#include "kf_emu.h"  // first: the CUDA surface the kernels compile against
+
+#include <cstdio>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/bwd/kda_bwd_dh_scan.cuh"
+#include "kda/bwd/kda_bwd_finish.cuh"
+#include "kda/bwd/kda_bwd_grads.cuh"
+#include "kda/bwd/kda_bwd_prep.cuh"
+#include "kda/fwd/kda_fwd_intra.cuh"
+#include "kda/fwd/kda_fwd_scan.cuh"
+
+namespace {
+namespace kda = kernel_fun::kda;
+using kernel_fun::DType;
+
+thread_local std::string g_last_error;
+
+template <typename F>
+int guarded(F&& f) {
+  g_last_error.clear();
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+    return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Every field is 8 bytes (pointer or int64) so the ctypes mirror has no padding questions. dtypes as
+// in common/cuda_check.h (0 f32, 1 f16, 2 bf16, 3 f64). Null pointers mean "absent", as in the
+// params structs.
+struct KdaEmuArgs {
+  // inputs
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  const float* A_log;
+  const float* dt_bias;
+  const float* h0;
+  const void* cu_seqlens;  // int32 or int64 [N+1], host memory, or null
+  const char* options;     // KdaOptions.encode()
+  // forward outputs
+  void* o;
+  float* ht;
+  void* h_states;
+  // workspace
+  void* w;
+  void* qg;
+  void* kg;
+  void* Aqk;
+  void* Akk;
+  void* M;
+  float* gdecay;
+  int32_t* chunk_offsets;  // [N+1], filled here
+  void* h_ckpt;
+  void* dh_ckpt;
+  float* dqhat;
+  float* dkhat;
+  float* pbias;
+  float* pA;
+  // backward inputs / outputs
+  const void* dout;
+  const float* dht;
+  void* dq;
+  void* dk;
+  void* dv;
+  void* dg;
+  void* dbeta;
+  float* dh0;
+  float* dA_log;
+  float* ddt_bias;
+  float* dbg_dA;
+  float* dbg_dL;
+  int64_t cu_int64;
+  int64_t B, T, H, HV, K, V, N, max_chunks;
+  int64_t dtype, g_dtype, beta_dtype;
+  int64_t bv;  // the scans' V-slice width (64 or 128)
+  int64_t saved_factors;  // backward: Aqk / Akk / M are the forward's (kda_bwd_prep instead of the intra)
+};
+
+int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
+const char* kda_emu_last_error() { return g_last_error.c_str(); }
+
+// threads: worker OS threads (0 = default); stack_kib: per-fiber stack (0 = default); ftz: 0 / 1, or -1
+// to keep the current setting.
+void kf_emu_configure(int threads, int stack_kib, int ftz) {
+  kf_emu::config().workers = threads;
+  if (stack_kib > 0) kf_emu::config().stack_bytes = static_cast<size_t>(stack_kib) * 1024;
+  if (ftz >= 0) kf_emu::config().ftz = ftz != 0;
+}
+
+// schedule: 0 thread order, 1 reverse, 2 random permutation per pass (seeded); warp_greedy: 0 / 1
+// (see kf_emu::Config).
+void kf_emu_set_schedule(int schedule, int warp_greedy, uint64_t seed) {
+  kf_emu::config().schedule = schedule;
+  kf_emu::config().warp_greedy = warp_greedy != 0;
+  kf_emu::config().seed = seed;
+}
+
+}  // extern "C"
+
+namespace {
+
+kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
+  kda::KdaBwdParams p;
+  const std::string err = kda::parse_options(a.options ? a.options : "", p.opt);
+  if (!err.empty()) throw std::invalid_argument(err);
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.g = a.g;
+  p.beta = a.beta;
+  p.A_log = a.A_log;
+  p.dt_bias = a.dt_bias;
+  p.h0 = a.h0;
+  p.cu_seqlens = a.cu_seqlens;
+  p.cu_int64 = a.cu_int64 != 0;
+  p.o = a.o;
+  p.ht = a.ht;
+  p.h_states = a.h_states;
+  p.w = a.w;
+  p.qg = a.qg;
+  p.kg = a.kg;
+  p.Aqk = a.Aqk;
+  p.Akk = a.Akk;
+  p.M = a.M;
+  p.gdecay = a.gdecay;
+  p.h_ckpt = a.h_ckpt;
+  p.dh_ckpt = a.dh_ckpt;
+  p.dqhat = a.dqhat;
+  p.dkhat = a.dkhat;
+  p.pbias = a.pbias;
+  p.pA = a.pA;
+  p.dout = a.dout;
+  p.dht = a.dht;
+  p.dq = a.dq;
+  p.dk = a.dk;
+  p.dv = a.dv;
+  p.dg = a.dg;
+  p.dbeta = a.dbeta;
+  p.dh0 = a.dh0;
+  p.dA_log = a.dA_log;
+  p.ddt_bias = a.ddt_bias;
+  p.dbg_dA = a.dbg_dA;
+  p.dbg_dL = a.dbg_dL;
+  p.B = static_cast<int>(a.B);
+  p.T = static_cast<int>(a.T);
+  p.H = static_cast<int>(a.H);
+  p.HV = static_cast<int>(a.HV);
+  p.K = static_cast<int>(a.K);
+  p.V = static_cast<int>(a.V);
+  p.N = static_cast<int>(a.N);
+  p.max_chunks = static_cast<int>(a.max_chunks);
+  p.dtype = static_cast<DType>(a.dtype);
+  p.g_dtype = static_cast<DType>(a.g_dtype);
+  p.beta_dtype = static_cast<DType>(a.beta_dtype);
+  p.chunk_offsets = a.chunk_offsets;
+  p.saved_factors = a.saved_factors != 0;
+  if (p.cu_seqlens) {  // kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64)
+    p.chunk_offsets[0] = 0;
+    for (int n = 0; n < p.N; ++n) {
+      const int64_t len = a.cu_int64 ? static_cast<const int64_t*>(a.cu_seqlens)[n + 1] -
+                                           static_cast<const int64_t*>(a.cu_seqlens)[n]
+                                     : static_cast<const int32_t*>(a.cu_seqlens)[n + 1] -
+                                           static_cast<const int32_t*>(a.cu_seqlens)[n];
+      p.chunk_offsets[n + 1] = p.chunk_offsets[n] + static_cast<int>((len + kda::kChunk - 1) / kda::kChunk);
+    }
+  }
+  return p;
+}
+
+// ---- the launchers' configurations (fwd/kda_fwd_*.cuh, bwd/kda_bwd_*.cuh, bwd/kda_bwd.cu)
+template <typename WT, int K>
+void intra(const kda::KdaFwdParams& p) {
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kIntraThreads), kda::IntraSmem<K>::kBytes,
+                 kda::kda_fwd_intra_kernel<WT, K>, p);
+}
+
+template <typename WT, int K, int BV>
+void scan(const kda::KdaFwdParams& p) {
+  if (p.N == 0 || p.HV == 0) return;
+  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::scan_threads<BV>()), kda::ScanSmem<WT, K, BV>::kBytes,
+                 kda::kda_fwd_scan_kernel<WT, K, BV>, p);
+}
+
+template <typename WT, int K, int BV>
+void dh_scan(const kda::KdaBwdParams& p) {
+  if (p.N == 0 || p.HV == 0) return;
+  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::dh_scan_threads<BV>()), kda::DhScanSmem<WT, K, BV>::kBytes,
+                 kda::kda_bwd_dh_scan_kernel<WT, K, BV>, p);
+}
+
+template <typename WT, int K>
+void prep(const kda::KdaBwdParams& p) {
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kPrepThreads), kda::PrepSmem<K>::kBytes,
+                 kda::kda_bwd_prep_kernel<WT, K>, p);
+}
+
+template <typename WT, int K>
+void grads(const kda::KdaBwdParams& p) {
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kGradsThreads), kda::GradsSmem<K>::kBytes,
+                 kda::kda_bwd_grads_kernel<WT, K>, p);
+}
+
+template <typename WT>
+void finish(const kda::KdaBwdParams& p) {
+  if (p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias))
+    kf_emu::launch(dim3(p.HV), dim3(128), 0, kda::kda_bwd_gate_params_kernel, p);
+  if (p.HV != p.H) {
+    const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
+    if (items > 0)
+      kf_emu::launch(dim3(static_cast<unsigned>((items + 7) / 8)), dim3(256), 0, kda::kda_bwd_group_sum_kernel<WT>, p);
+  }
+}
+
+template <typename WT, int K, int BV>
+void forward(const kda::KdaBwdParams& p) {
+  intra<WT, K>(p);
+  scan<WT, K, BV>(p);
+}
+
+template <typename WT, int K, int BV>
+void backward(const kda::KdaBwdParams& p) {
+  kda::KdaBwdParams r = p;  // the re-scan: states only
+  r.o = nullptr;
+  r.ht = nullptr;
+  r.h_states = nullptr;
+  if (r.saved_factors) prep<WT, K>(r);
+  else intra<WT, K>(r);
+  scan<WT, K, BV>(r);
+  dh_scan<WT, K, BV>(r);
+  grads<WT, K>(r);
+  finish<WT>(r);
+}
+
+template <typename WT, int K>
+void run(const kda::KdaBwdParams& p, int bv, bool bwd) {
+  if (bv == 128) return bwd ? backward<WT, K, 128>(p) : forward<WT, K, 128>(p);
+  return bwd ? backward<WT, K, 64>(p) : forward<WT, K, 64>(p);
+}
+
+void run_any(const KdaEmuArgs& a, bool bwd) {
+  const kda::KdaBwdParams p = make_params(a);
+  const int bv = static_cast<int>(a.bv);
+  if (bv != 64 && bv != 128) throw std::invalid_argument("kda_emu: bv must be 64 or 128");
+  if (p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
+  const bool bf = p.dtype == DType::kBFloat16;
+  if (!bf && p.dtype != DType::kFloat16) throw std::invalid_argument("kda_emu: dtype must be bfloat16 or float16");
+  if (p.K == 64) return bf ? run<__nv_bfloat16, 64>(p, bv, bwd) : run<__half, 64>(p, bv, bwd);
+  if (p.K == 128) return bf ? run<__nv_bfloat16, 128>(p, bv, bwd) : run<__half, 128>(p, bv, bwd);
+  throw std::invalid_argument("kda_emu: K must be 64 or 128");
+}
+
+}  // namespace
+
+extern "C" {
+
+int kda_emu_forward(const KdaEmuArgs* a) {
+  return guarded([&] { run_any(*a, false); });
+}
+
+int kda_emu_backward(const KdaEmuArgs* a) {
+  return guarded([&] { run_any(*a, true); });
+}
+
+}  // extern "C"

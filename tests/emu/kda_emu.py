@@ -1,0 +1,276 @@
+"""The KDA forward kernels on the host emulator, through ctypes: ``forward_stages`` mirrors
+``kernel_fun.kda._kernel.forward_stages`` (same arguments and outputs, CPU tensors) and runs the
+UNMODIFIED csrc/kda kernels under tests/emu/kf_emu.h; ``backward_stages`` the same for the backward.
+
+Every output and workspace buffer sits inside a guard zone: buffers are poisoned with NaN (so an
+element the kernels never write shows up), and the guard elements around them must be untouched
+afterwards (an out-of-bounds write raises). Inputs are copied into NaN-padded buffers, so an
+out-of-bounds read turns into a NaN in the results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+CHUNK = 64
+GUARD = 256  # elements of guard zone on each side of every buffer
+
+_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_lib = None
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("kf_emu_build", Path(__file__).with_name("build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "options", "o", "ht", "h_states",
+         "w", "qg", "kg", "Aqk", "Akk", "M", "gdecay", "chunk_offsets", "h_ckpt", "dh_ckpt", "dqhat", "dkhat",
+         "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
+         "dbg_dL")
+_INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
+         "saved_factors")
+
+
+class KdaEmuArgs(ctypes.Structure):
+    """Mirror of KdaEmuArgs in kda_emu.cpp (every field 8 bytes)."""
+    _fields_ = [(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS]
+
+
+def lib():
+    """The loaded emulator library (built on first use; see build.py)."""
+    global _lib
+    if _lib is None:
+        path = _build_module().build()
+        L = ctypes.CDLL(str(path))
+        L.kda_emu_args_size.restype = ctypes.c_int
+        L.kda_emu_last_error.restype = ctypes.c_char_p
+        for fn in (L.kda_emu_forward, L.kda_emu_backward):
+            fn.argtypes = [ctypes.POINTER(KdaEmuArgs)]
+            fn.restype = ctypes.c_int
+        L.kf_emu_configure.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        L.kf_emu_configure.restype = None
+        L.kf_emu_set_schedule.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
+        L.kf_emu_set_schedule.restype = None
+        L.kf_emu_selftest_last_error.restype = ctypes.c_char_p
+        vp = ctypes.c_void_p
+        L.kf_emu_selftest_mma16816.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp]
+        L.kf_emu_selftest_mma1688.argtypes = [vp, vp, vp, vp]
+        L.kf_emu_selftest_tf32.argtypes = [vp, vp, ctypes.c_int]
+        L.kf_emu_selftest_tf32.restype = None
+        L.kf_emu_selftest_cp_async.argtypes = [vp, vp]
+        L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
+        L.kf_emu_selftest_warp_ops.argtypes = [vp]
+        if L.kda_emu_args_size() != ctypes.sizeof(KdaEmuArgs):
+            raise RuntimeError("KdaEmuArgs layout differs between kda_emu.cpp and kda_emu.py")
+        _lib = L
+    return _lib
+
+
+def set_schedule(order: str = "forward", warp_greedy: bool = False, seed: int = 0) -> None:
+    """The emulator's fiber schedule: order "forward" (thread order), "reverse" or "random" (a fresh
+    seeded permutation every pass); warp_greedy runs each warp as far as the barriers allow before
+    the next one starts (exposes smem reads of another warp's writes without a barrier between)."""
+    lib().kf_emu_set_schedule({"forward": 0, "reverse": 1, "random": 2}[order], int(warp_greedy), seed)
+
+
+def configure(threads: int = 0, stack_kib: int = 0, ftz: bool | None = None) -> None:
+    """Worker OS threads (0: KF_EMU_THREADS or the core count), per-fiber stack, FTZ (None: keep)."""
+    lib().kf_emu_configure(threads, stack_kib, -1 if ftz is None else int(ftz))
+
+
+def _ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+class _Guarded:
+    """Buffers allocated inside poisoned guard zones; ``check()`` raises on any touched guard."""
+
+    def __init__(self):
+        self.bufs = []  # (name, flat buffer, start, numel, snapshot of the flat buffer)
+
+    def alloc(self, name, shape, dtype, fill=float("nan"), offset=0, init=None):
+        n = math.prod(shape)
+        flat = torch.full((n + 2 * GUARD + offset,), fill, dtype=dtype)
+        view = flat[GUARD + offset:GUARD + offset + n].view(shape)
+        if init is not None:
+            view.copy_(init)
+        self.bufs.append((name, flat, GUARD + offset, n, flat.clone()))
+        return view
+
+    def copy_in(self, name, t, offset=0):
+        """t copied into a NaN-padded buffer (offset elements further in: misaligned on purpose)."""
+        fill = float("nan") if t.is_floating_point() else 0
+        return self.alloc(name, tuple(t.shape), t.dtype, fill=fill, offset=offset, init=t)
+
+    def check(self):
+        for name, flat, start, n, before in self.bufs:
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            for part in (slice(0, start), slice(start + n, None)):
+                if not bool((flat[part].view(bits) == before[part].view(bits)).all()):
+                    raise RuntimeError(f"kf_emu: out-of-bounds write next to {name!r}")
+
+
+def scan_bv(V: int, K: int, HV: int, N: int) -> int:
+    """kda_fwd_scan_bv (kda_fwd.cu): the V-slice width the real launcher picks."""
+    k_sms = 132
+    rows = HV * N
+    kw = K / 128.0
+    best, best_cost = 64, 0.0
+    for bv in (128, 64):
+        if V % bv:
+            continue
+        warps = bv // 16
+        fill_kb = 52.0 * kw + 18.0 + bv / 8.0
+        warp_kb = 48.0 * kw + 12.0
+        per_sm = 2 if 2 * fill_kb <= 110 else 1
+        chunk = max(per_sm * (fill_kb + warps * warp_kb), 190.0 * kw + 60.0)
+        ctas = rows * (V // bv)
+        waves = (ctas + k_sms * per_sm - 1) // (k_sms * per_sm)
+        cost = waves * chunk
+        if best_cost == 0 or cost < best_cost:
+            best, best_cost = bv, cost
+    return best
+
+
+def _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+             lower_bound, A_log, state_v_first):
+    from kernel_fun.kda._options import KdaOptions
+
+    return KdaOptions.from_call(scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound,
+                                A_log=A_log if use_gate_in_kernel else None, state_v_first=state_v_first,
+                                chunk_size=64)
+
+
+def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, backward, saved=None):
+    """Guarded copies of the inputs, the workspace and the common argument fields."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dt = q.dtype
+    if dt not in (torch.bfloat16, torch.float16):
+        raise ValueError("q dtype must be bfloat16 or float16")
+    gz = _Guarded()
+    off = 1 if misalign else 0
+    x = dict(q=gz.copy_in("q", q.contiguous(), off), k=gz.copy_in("k", k.contiguous(), off),
+             v=gz.copy_in("v", v.contiguous()), g=gz.copy_in("g", g.contiguous(), off),
+             beta=gz.copy_in("beta", beta.contiguous()))
+    if cu_seqlens is not None:
+        cu = cu_seqlens.detach().cpu().contiguous()
+        N = cu.numel() - 1
+        max_chunks = T // CHUNK + N
+    else:
+        cu = None
+        N = B
+        max_chunks = B * (-(-T // CHUNK))
+    ws = {
+        "w": gz.alloc("w", (B * T, HV, K), dt),
+        "qg": gz.alloc("qg", (B * T, HV, K), dt),
+        "kg": gz.alloc("kg", (B * T, HV, K), dt),
+        "gdecay": gz.alloc("gdecay", (max_chunks, HV, K), torch.float32),
+        "chunk_offsets": gz.alloc("chunk_offsets", (N + 1,), torch.int32, fill=0),
+    }
+    if saved is not None:  # the forward's factors, as inputs
+        for name, t in zip(("Aqk", "Akk", "M"), saved):
+            ws[name] = gz.copy_in(name, t.contiguous())
+    else:
+        for name in ("Aqk", "Akk", "M"):
+            ws[name] = gz.alloc(name, (B * T, HV, CHUNK), dt)
+    if backward:
+        ws["h_ckpt"] = gz.alloc("h_ckpt", (max_chunks, HV, V, K), dt)
+        ws["dh_ckpt"] = gz.alloc("dh_ckpt", (max_chunks, HV, V, K), dt)
+        if HV != H:
+            ws["dqhat"] = gz.alloc("dqhat", (B * T, HV, K), torch.float32)
+            ws["dkhat"] = gz.alloc("dkhat", (B * T, HV, K), torch.float32)
+        if opts.gate != "precomputed":
+            ws["pbias"] = gz.alloc("pbias", (max_chunks, HV, K), torch.float32)
+            ws["pA"] = gz.alloc("pA", (max_chunks, HV), torch.float32)
+    if initial_state is not None:
+        x["h0"] = gz.copy_in("initial_state", initial_state.detach().to(torch.float32).contiguous())
+    f32 = lambda n, t: None if t is None else gz.copy_in(n, t.detach().reshape(-1).to(torch.float32))  # noqa: E731
+    x["A_log"] = f32("A_log", A_log) if opts.uses_A_log else None
+    x["dt_bias"] = f32("dt_bias", dt_bias) if opts.uses_dt_bias else None
+    enc = ctypes.create_string_buffer(opts.encode().encode())
+    fields = dict(cu_seqlens=_ptr(cu), options=ctypes.cast(enc, ctypes.c_void_p),
+                  cu_int64=int(cu is not None and cu.dtype == torch.int64), B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
+                  max_chunks=max_chunks, dtype=_DTYPE[dt], g_dtype=_DTYPE[g.dtype], beta_dtype=_DTYPE[beta.dtype],
+                  saved_factors=int(saved is not None))
+    for name, t in list(x.items()) + list(ws.items()):
+        fields[name] = _ptr(t)
+    return gz, ws, fields, (cu, enc)
+
+
+def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                   allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+                   A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False):
+    """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
+    bv forces the scan's V-slice (64 or 128; default: the launcher's choice). misalign=True stores
+    q, k and g one element off 16-byte alignment (the intra kernel's fallback load paths)."""
+    opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, A_log, state_v_first)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, False)
+    cu = keep[0]
+    N = f["N"]
+    o = gz.alloc("o", (B, T, HV, V), q.dtype)
+    st_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = gz.alloc("ht", st_shape, torch.float32) if output_final_state else None
+    h_states = None
+    if return_intermediate_states:
+        if cu is None:
+            lead = (B, -(-T // CHUNK))
+        else:
+            lens = (cu[1:] - cu[:-1]).to(torch.int64)
+            lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
+        h_states = gz.alloc("h_states", (*lead, HV, *((V, K) if state_v_first else (K, V))), q.dtype)
+    a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or scan_bv(V, K, HV, N)))
+    L = lib()
+    if L.kda_emu_forward(ctypes.byref(a)):
+        raise RuntimeError(L.kda_emu_last_error().decode())
+    gz.check()
+    return o, ht, h_states, ws
+
+
+def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
+                    dt_bias=None, bv=None, misalign=False, saved=None, **_ignored):
+    """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
+    dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
+    saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra."""
+    opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, A_log, state_v_first)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, True,
+                             saved)
+    dt = q.dtype
+    do_ = gz.copy_in("do", do.to(dt).contiguous())
+    dht_ = gz.copy_in("dht", dht.to(torch.float32).contiguous()) if dht is not None else None
+    grads = dict(dq=gz.alloc("dq", (B, T, H, K), dt), dk=gz.alloc("dk", (B, T, H, K), dt),
+                 dv=gz.alloc("dv", (B, T, HV, V), dt), dg=gz.alloc("dg", tuple(g.shape), g.dtype),
+                 dbeta=gz.alloc("dbeta", tuple(beta.shape), beta.dtype),
+                 dA_log=gz.alloc("dA_log", (HV,), torch.float32) if f["A_log"] else None,
+                 ddt_bias=gz.alloc("ddt_bias", (HV * K,), torch.float32) if f["dt_bias"] else None,
+                 dh0=gz.alloc("dh0", tuple(initial_state.shape), torch.float32) if initial_state is not None else None)
+    st = dict(dA=gz.alloc("dbg_dA", (B * T, HV, CHUNK), torch.float32, fill=0.0),
+              dL=gz.alloc("dbg_dL", (B * T, HV, CHUNK), torch.float32, fill=0.0))
+    a = KdaEmuArgs(**f, dout=_ptr(do_), dht=_ptr(dht_), **{n: _ptr(t) for n, t in grads.items()},
+                   dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or scan_bv(V, K, HV, f["N"])))
+    L = lib()
+    if L.kda_emu_backward(ctypes.byref(a)):
+        raise RuntimeError(L.kda_emu_last_error().decode())
+    gz.check()
+    st.update(ws)
+    return grads, st

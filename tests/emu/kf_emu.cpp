@@ -1,0 +1,788 @@
+// kf_emu runtime: fibers, the block scheduler, barriers, warp rendezvous and the emulations of the
+// warp-collective PTX instructions (mma.sync, ldmatrix) and of cp.async. See kf_emu.h.
+#include "kf_emu.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) && !defined(KF_EMU_FORCE_UCONTEXT)
+#include <xmmintrin.h>
+#else
+#include <ucontext.h>
+#define KF_EMU_UCONTEXT 1  // portable fallback (slower: swapcontext saves the signal mask); no FTZ
+#endif
+
+#if !defined(KF_EMU_UCONTEXT)
+// ---------------------------------------------------------------------------------------------------
+// Context switch (System V x86-64): save the callee-saved registers, MXCSR and the x87 control word on
+// the current stack, store the stack pointer to *save_sp, load load_sp and restore the same from it.
+// A new fiber's stack is laid out so that the first switch "returns" into kf_emu_fiber_trampoline
+// with r12 = the fiber and r13 = its entry function.
+extern "C" void kf_emu_swap_ctx(void** save_sp, void* load_sp);
+extern "C" void kf_emu_fiber_trampoline();
+asm(R"(
+    .text
+    .p2align 4
+    .globl kf_emu_swap_ctx
+    .hidden kf_emu_swap_ctx
+    .type kf_emu_swap_ctx,@function
+kf_emu_swap_ctx:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size kf_emu_swap_ctx, .-kf_emu_swap_ctx
+
+    .p2align 4
+    .globl kf_emu_fiber_trampoline
+    .hidden kf_emu_fiber_trampoline
+    .type kf_emu_fiber_trampoline,@function
+kf_emu_fiber_trampoline:
+    movq %r12, %rdi
+    call *%r13
+    ud2
+    .size kf_emu_fiber_trampoline, .-kf_emu_fiber_trampoline
+)");
+#endif
+
+namespace kf_emu {
+
+namespace {
+Config config_from_env() {
+  Config c;
+  auto env = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return v && *v ? v : nullptr;
+  };
+  if (const char* v = env("KF_EMU_THREADS")) c.workers = std::atoi(v);
+  if (const char* v = env("KF_EMU_STACK_KB")) {
+    if (std::atol(v) > 0) c.stack_bytes = static_cast<size_t>(std::atol(v)) * 1024;
+  }
+  if (const char* v = env("KF_EMU_FTZ")) c.ftz = std::atoi(v) != 0;
+  if (const char* v = env("KF_EMU_SCHEDULE")) {  // forward | reverse | random[:seed], optionally +greedy
+    const std::string s = v;
+    c.schedule = s.rfind("reverse", 0) == 0 ? 1 : (s.rfind("random", 0) == 0 ? 2 : 0);
+    const size_t colon = s.find(':');
+    if (colon != std::string::npos) c.seed = std::strtoull(s.c_str() + colon + 1, nullptr, 10);
+    c.warp_greedy = s.find("greedy") != std::string::npos;
+  }
+  return c;
+}
+}  // namespace
+
+Config& config() {
+  static Config c = config_from_env();
+  return c;
+}
+
+namespace detail {
+
+thread_local Cur t_cur;
+
+namespace {
+
+enum State : int { kReady = 0, kWaitBar, kWaitWarp, kDone };
+
+const char* op_name(int op) {
+  switch (op) {
+    case kOpSyncwarp: return "__syncwarp";
+    case kOpShfl: return "shfl.sync";
+    case kOpVote: return "vote.sync";
+    case kOpMmaBf16: return "mma.sync.m16n8k16.bf16";
+    case kOpMmaF16: return "mma.sync.m16n8k16.f16";
+    case kOpMmaTf32: return "mma.sync.m16n8k8.tf32";
+    case kOpLdsmX4: return "ldmatrix.x4";
+    case kOpLdsmX4T: return "ldmatrix.x4.trans";
+  }
+  return "?";
+}
+
+struct Copy {
+  char* dst;
+  const char* src;
+  int size;
+  int src_size;
+};
+
+struct Worker;
+
+struct Fiber {
+#ifdef KF_EMU_UCONTEXT
+  ucontext_t ctx;
+#else
+  void* sp = nullptr;
+#endif
+  int state = kDone;
+  uint3 tid{};
+  int lane = 0, warp = 0;
+  std::vector<Copy> open;                 // issued cp.async not yet committed
+  std::deque<std::vector<Copy>> groups;   // committed groups, oldest first
+  char* stack_lo = nullptr;
+  Worker* worker = nullptr;
+};
+
+struct Warp {
+  uint32_t live = 0;     // lanes that have not exited
+  uint32_t arrived = 0;  // lanes waiting in the pending collective
+  uint32_t mask = 0;     // its member mask
+  int op = -1;
+  Slot slot[32];
+};
+
+constexpr size_t kGuard = 256;  // canary bytes on each side of the dynamic smem
+constexpr unsigned char kCanaryByte = 0xA5;
+
+void fiber_main(Fiber* f);
+
+struct Worker {
+  size_t stack_bytes = 0, page = 0;
+  char* stacks = nullptr;
+  size_t stacks_len = 0;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  int nthreads = 0, live = 0, bar_arrived = 0;
+  dim3 bdim, gdim;
+  uint3 bid{};
+  unsigned char* smem_buf = nullptr;
+  char* smem = nullptr;
+  size_t smem_bytes = 0;
+  Fiber* cur = nullptr;
+  bool in_fiber = false;
+#ifdef KF_EMU_UCONTEXT
+  ucontext_t sched;
+#else
+  void* sched_sp = nullptr;
+  uint32_t csr = 0;  // MXCSR | x87 control word << 32 for new fibers
+  uint32_t fpucw = 0;
+#endif
+  const KernelRef* kernel = nullptr;
+  std::string error;
+
+  Worker(dim3 block, size_t smem_size, const KernelRef* k) : bdim(block), kernel(k) {
+    nthreads = static_cast<int>(block.x * block.y * block.z);
+    page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    stack_bytes = (std::max<size_t>(config().stack_bytes, 64 * 1024) + page - 1) / page * page;
+    stacks_len = static_cast<size_t>(nthreads) * (stack_bytes + page);
+    void* m = mmap(nullptr, stacks_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) throw std::runtime_error("kf_emu: cannot map fiber stacks");
+    stacks = static_cast<char*>(m);
+    fibers.resize(nthreads);
+    for (int i = 0; i < nthreads; ++i) {
+      char* region = stacks + static_cast<size_t>(i) * (stack_bytes + page);
+      mprotect(region, page, PROT_NONE);  // guard page below the stack: an overflow faults
+      fibers[i].stack_lo = region + page;
+      fibers[i].worker = this;
+    }
+    warps.resize((nthreads + 31) / 32);
+    smem_bytes = smem_size;
+    const size_t total = (kGuard * 2 + smem_bytes + 255) / 256 * 256;
+    smem_buf = static_cast<unsigned char*>(std::aligned_alloc(256, total));
+    if (!smem_buf) throw std::runtime_error("kf_emu: cannot allocate shared memory");
+    smem = reinterpret_cast<char*>(smem_buf + kGuard);
+#ifndef KF_EMU_UCONTEXT
+    csr = _mm_getcsr();
+    if (config().ftz) csr |= 0x8040u;  // FTZ | DAZ
+    uint16_t cw;
+    asm volatile("fnstcw %0" : "=m"(cw));
+    fpucw = cw;
+#endif
+  }
+  ~Worker() {
+    if (stacks) munmap(stacks, stacks_len);
+    std::free(smem_buf);
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void init_fiber(Fiber& f) {
+#ifdef KF_EMU_UCONTEXT
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack_lo;
+    f.ctx.uc_stack.ss_size = stack_bytes;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, reinterpret_cast<void (*)()>(&fiber_entry_uc), 2,
+                static_cast<unsigned>(reinterpret_cast<uintptr_t>(&f) & 0xffffffffu),
+                static_cast<unsigned>(reinterpret_cast<uintptr_t>(&f) >> 32));
+#else
+    char* top = f.stack_lo + stack_bytes;
+    top = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15));
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top - 80);  // after the final `ret`, rsp = top - 16
+    sp[0] = static_cast<uint64_t>(csr) | (static_cast<uint64_t>(fpucw) << 32);
+    sp[1] = 0;                                                  // r15
+    sp[2] = 0;                                                  // r14
+    sp[3] = reinterpret_cast<uint64_t>(&fiber_main);            // r13: entry
+    sp[4] = reinterpret_cast<uint64_t>(&f);                     // r12: argument
+    sp[5] = 0;                                                  // rbx
+    sp[6] = 0;                                                  // rbp
+    sp[7] = reinterpret_cast<uint64_t>(&kf_emu_fiber_trampoline);  // return address
+    f.sp = sp;
+#endif
+  }
+#ifdef KF_EMU_UCONTEXT
+  static void fiber_entry_uc(unsigned lo, unsigned hi) {
+    fiber_main(reinterpret_cast<Fiber*>((static_cast<uintptr_t>(hi) << 32) | lo));
+  }
+#endif
+
+  void resume(Fiber& f) {
+    cur = &f;
+    t_cur.tid = f.tid;
+    in_fiber = true;
+#ifdef KF_EMU_UCONTEXT
+    swapcontext(&sched, &f.ctx);
+#else
+    kf_emu_swap_ctx(&sched_sp, f.sp);
+#endif
+    in_fiber = false;
+    cur = nullptr;
+  }
+  void yield(Fiber& f) {
+#ifdef KF_EMU_UCONTEXT
+    swapcontext(&f.ctx, &sched);
+#else
+    kf_emu_swap_ctx(&f.sp, sched_sp);
+#endif
+  }
+
+  std::string where(const Fiber* f) const {
+    char buf[160];
+    if (f)
+      std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u) [warp %d lane %d]", bid.x, bid.y, bid.z,
+                    f->tid.x, f->tid.y, f->tid.z, f->warp, f->lane);
+    else
+      std::snprintf(buf, sizeof buf, "block (%u,%u,%u)", bid.x, bid.y, bid.z);
+    return buf;
+  }
+
+  void run_block(uint3 b) {
+    bid = b;
+    t_cur.bid = b;
+    t_cur.bdim = bdim;
+    t_cur.gdim = gdim;
+    std::memset(smem_buf, kCanaryByte, kGuard);
+    std::memset(smem + smem_bytes, kCanaryByte, kGuard);
+    std::memset(smem, config().poison_smem ? 0xFF : 0x00, smem_bytes);
+    live = nthreads;
+    bar_arrived = 0;
+    for (size_t w = 0; w < warps.size(); ++w) {
+      const int n = std::min(32, nthreads - static_cast<int>(w) * 32);
+      warps[w].live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
+      warps[w].arrived = 0;
+      warps[w].mask = 0;
+      warps[w].op = -1;
+    }
+    for (int i = 0; i < nthreads; ++i) {
+      Fiber& f = fibers[i];
+      f.tid = uint3{static_cast<unsigned>(i) % bdim.x, (static_cast<unsigned>(i) / bdim.x) % bdim.y,
+                    static_cast<unsigned>(i) / (bdim.x * bdim.y)};
+      f.warp = i / 32;
+      f.lane = i % 32;
+      f.state = kReady;
+      f.open.clear();
+      f.groups.clear();
+      init_fiber(f);
+    }
+    // Scheduling (config().schedule, config().warp_greedy). Each pass resumes every ready fiber in
+    // thread order, in reverse, or in a fresh random permutation; with warp_greedy a warp's lanes
+    // are resumed again and again until none of them can run (all at a barrier or done) before the
+    // next warp starts, so a warp races ahead of the others as far as the barriers allow. A kernel
+    // whose threads only communicate through barriers, warp collectives and waited cp.async gives
+    // bitwise the same result under every schedule; one that reads another warp's smem writes
+    // without a barrier in between reads poison or stale data under some greedy order.
+    const int mode = config().schedule;
+    const bool greedy = config().warp_greedy;
+    const int nwarps = static_cast<int>(warps.size());
+    std::vector<int> order(greedy ? nwarps : nthreads), lanes(32);
+    for (size_t i = 0; i < order.size(); ++i) order[i] = mode == 1 ? static_cast<int>(order.size() - 1 - i) : static_cast<int>(i);
+    for (int i = 0; i < 32; ++i) lanes[i] = mode == 1 ? 31 - i : i;
+    uint64_t rng = config().seed * 0x9E3779B97F4A7C15ull + (static_cast<uint64_t>(b.x) << 40) +
+                   (static_cast<uint64_t>(b.y) << 20) + b.z + 1;
+    auto shuffle = [&](std::vector<int>& v) {  // Fisher-Yates with xorshift64
+      for (int i = static_cast<int>(v.size()) - 1; i > 0; --i) {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::swap(v[i], v[static_cast<int>(rng % static_cast<uint64_t>(i + 1))]);
+      }
+    };
+    while (live > 0) {
+      if (mode == 2) {
+        shuffle(order);
+        if (greedy) shuffle(lanes);
+      }
+      bool ran = false;
+      if (!greedy) {
+        for (int i : order) {
+          if (fibers[i].state != kReady) continue;
+          ran = true;
+          resume(fibers[i]);
+          if (!error.empty()) return;
+        }
+      } else {
+        for (int w : order) {
+          for (bool progress = true; progress;) {
+            progress = false;
+            for (int l : lanes) {
+              const int i = 32 * w + l;
+              if (i >= nthreads || fibers[i].state != kReady) continue;
+              progress = ran = true;
+              resume(fibers[i]);
+              if (!error.empty()) return;
+            }
+          }
+        }
+      }
+      if (!ran) {
+        error = deadlock_report();
+        return;
+      }
+    }
+    for (size_t i = 0; i < kGuard; ++i) {
+      if (smem_buf[i] != kCanaryByte || static_cast<unsigned char>(smem[smem_bytes + i]) != kCanaryByte) {
+        char buf[200];
+        std::snprintf(buf, sizeof buf,
+                      "kf_emu: %s: dynamic shared memory written out of bounds (%zu bytes allocated; a guard "
+                      "byte %s the buffer changed)",
+                      where(nullptr).c_str(), smem_bytes, smem_buf[i] != kCanaryByte ? "before" : "after");
+        error = buf;
+        return;
+      }
+    }
+  }
+
+  std::string deadlock_report() const {
+    std::string s = "kf_emu: " + where(nullptr) + ": deadlock, no thread can proceed (";
+    int at_bar = 0;
+    for (const Fiber& f : fibers) at_bar += f.state == kWaitBar;
+    s += std::to_string(at_bar) + " of " + std::to_string(live) + " live threads wait in __syncthreads";
+    for (size_t w = 0; w < warps.size(); ++w) {
+      const Warp& wp = warps[w];
+      if (!wp.arrived) continue;
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "; warp %zu: lanes 0x%08x wait in %s (mask 0x%08x), lanes 0x%08x never arrive",
+                    w, wp.arrived, op_name(wp.op), wp.mask, (wp.mask & wp.live) & ~wp.arrived);
+      s += buf;
+    }
+    return s + ")";
+  }
+
+  void release_barrier() {
+    bar_arrived = 0;
+    for (Fiber& f : fibers)
+      if (f.state == kWaitBar) f.state = kReady;
+  }
+
+  void perform(const std::vector<Copy>& g) {
+    for (const Copy& c : g) {
+      if (c.src_size > 0) std::memcpy(c.dst, c.src, static_cast<size_t>(c.src_size));
+      if (c.size > c.src_size) std::memset(c.dst + c.src_size, 0, static_cast<size_t>(c.size - c.src_size));
+    }
+  }
+
+  void thread_exit(Fiber& f) {
+    // outstanding cp.async still land (as on the hardware), committed or not
+    while (!f.groups.empty()) {
+      perform(f.groups.front());
+      f.groups.pop_front();
+    }
+    perform(f.open);
+    f.open.clear();
+    f.state = kDone;
+    --live;
+    Warp& wp = warps[f.warp];
+    wp.live &= ~(1u << f.lane);
+    if (wp.arrived && ((wp.mask & wp.live) & ~wp.arrived) == 0) finish_warp(f.warp);
+    if (bar_arrived > 0 && bar_arrived == live) release_barrier();
+  }
+
+  void finish_warp(int wi);
+};
+
+thread_local Worker* t_worker = nullptr;
+
+void fiber_main(Fiber* f) {
+  Worker& w = *f->worker;
+  w.kernel->call(w.kernel->obj);
+  w.thread_exit(*f);
+  w.yield(*f);  // never resumed: its state is kDone
+  std::abort();
+}
+
+Worker& need_fiber(const char* what) {
+  Worker* w = t_worker;
+  if (!w || !w->in_fiber || !w->cur) failf("%s called outside a kernel launched by kf_emu::launch", what);
+  return *w;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// warp collectives
+inline float dec_bf16(uint32_t h) { return u2f((h & 0xffffu) << 16); }
+inline float dec_f16(uint32_t h) {
+  __half_raw r;
+  r.x = static_cast<unsigned short>(h & 0xffffu);
+  return __half2float(__half(r));
+}
+inline float dec_tf32(uint32_t u) { return u2f(u & 0xffffe000u); }
+
+template <float (*Dec)(uint32_t)>
+void mma_16816(Warp& wp) {
+  float A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    const uint32_t* in = wp.slot[l].in;
+    for (int e = 0; e < 2; ++e) {
+      A[g][2 * t + e] = Dec(in[0] >> (16 * e));
+      A[g + 8][2 * t + e] = Dec(in[1] >> (16 * e));
+      A[g][2 * t + 8 + e] = Dec(in[2] >> (16 * e));
+      A[g + 8][2 * t + 8 + e] = Dec(in[3] >> (16 * e));
+      B[2 * t + e][g] = Dec(in[4] >> (16 * e));
+      B[2 * t + 8 + e][g] = Dec(in[5] >> (16 * e));
+      C[g][2 * t + e] = u2f(in[6 + e]);
+      C[g + 8][2 * t + e] = u2f(in[8 + e]);
+    }
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int e = 0; e < 4; ++e) {
+      const int m = g + 8 * (e >> 1), n = 2 * t + (e & 1);
+      float s = 0.f;  // products of 16-bit operands are exact in fp32; fp32 sum in k order
+      for (int k = 0; k < 16; ++k) s += A[m][k] * B[k][n];
+      wp.slot[l].out[e] = f2u(C[m][n] + s);
+    }
+  }
+}
+
+void mma_1688_tf32(Warp& wp) {
+  float A[16][8], B[8][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    const uint32_t* in = wp.slot[l].in;
+    A[g][t] = dec_tf32(in[0]);
+    A[g + 8][t] = dec_tf32(in[1]);
+    A[g][t + 4] = dec_tf32(in[2]);
+    A[g + 8][t + 4] = dec_tf32(in[3]);
+    B[t][g] = dec_tf32(in[4]);
+    B[t + 4][g] = dec_tf32(in[5]);
+    for (int e = 0; e < 2; ++e) {
+      C[g][2 * t + e] = u2f(in[6 + e]);
+      C[g + 8][2 * t + e] = u2f(in[8 + e]);
+    }
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int e = 0; e < 4; ++e) {
+      const int m = g + 8 * (e >> 1), n = 2 * t + (e & 1);
+      float s = 0.f;  // tf32 x tf32 (11-bit significands) is exact in fp32
+      for (int k = 0; k < 8; ++k) s += A[m][k] * B[k][n];
+      wp.slot[l].out[e] = f2u(C[m][n] + s);
+    }
+  }
+}
+
+void Worker::finish_warp(int wi) {
+  Warp& wp = warps[wi];
+  const uint32_t who = wp.arrived;
+  const int op = wp.op;
+  auto need_full = [&]() {
+    if (who != 0xffffffffu)
+      failf("%s in warp %d with lanes 0x%08x only: the .aligned instruction needs all 32 lanes (some exited?)",
+            op_name(op), wi, who);
+  };
+  switch (op) {
+    case kOpSyncwarp: break;
+    case kOpShfl:
+      for (int l = 0; l < 32; ++l) {
+        if (!(who >> l & 1u)) continue;
+        const uint32_t* in = wp.slot[l].in;
+        const int mode = static_cast<int>(in[1]), b = static_cast<int>(in[2]), c = static_cast<int>(in[3]);
+        const int segmask = (c >> 8) & 31;
+        const int min_lane = l & segmask;
+        const int max_lane = min_lane | ((c & 31) & ~segmask);
+        int j = l;
+        bool pval = false;
+        switch (mode) {
+          case 0: j = min_lane | (b & 31 & ~segmask); pval = j <= max_lane; break;
+          case 1: j = l - b; pval = j >= max_lane; break;
+          case 2: j = l + b; pval = j <= max_lane; break;
+          default: j = l ^ b; pval = j <= max_lane; break;
+        }
+        if (!pval) j = l;
+        // a source lane outside the collective: undefined on the GPU, poison here
+        wp.slot[l].out[0] = (j >= 0 && j < 32 && (who >> j & 1u)) ? wp.slot[j].in[0] : 0xffffffffu;
+      }
+      break;
+    case kOpVote: {
+      uint32_t ballot = 0;
+      for (int l = 0; l < 32; ++l)
+        if ((who >> l & 1u) && wp.slot[l].in[0]) ballot |= 1u << l;
+      for (int l = 0; l < 32; ++l) {
+        wp.slot[l].out[0] = ballot;
+        wp.slot[l].out[1] = who;
+      }
+      break;
+    }
+    case kOpMmaBf16: need_full(); mma_16816<dec_bf16>(wp); break;
+    case kOpMmaF16: need_full(); mma_16816<dec_f16>(wp); break;
+    case kOpMmaTf32: need_full(); mma_1688_tf32(wp); break;
+    case kOpLdsmX4:
+    case kOpLdsmX4T: {
+      need_full();
+      const char* row[32];
+      for (int l = 0; l < 32; ++l) {
+        const char* p = static_cast<const char*>(wp.slot[l].ptr);
+        if (p < smem || p + 16 > smem + smem_bytes)
+          failf("%s in warp %d: lane %d's row address %p is outside the dynamic shared memory [%p, +%zu)",
+                op_name(op), wi, l, static_cast<const void*>(p), static_cast<void*>(smem), smem_bytes);
+        if ((p - smem) % 16)
+          failf("%s in warp %d: lane %d's row address (smem offset %td) is not 16-byte aligned", op_name(op), wi, l,
+                p - smem);
+        row[l] = p;
+      }
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; ++i) {
+          uint32_t v;
+          if (op == kOpLdsmX4) {  // row g of matrix i, columns 2t, 2t+1
+            std::memcpy(&v, row[8 * i + g] + 4 * t, 4);
+          } else {  // transposed: rows 2t, 2t+1 of matrix i, column g
+            uint16_t lo, hi;
+            std::memcpy(&lo, row[8 * i + 2 * t] + 2 * g, 2);
+            std::memcpy(&hi, row[8 * i + 2 * t + 1] + 2 * g, 2);
+            v = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+          }
+          wp.slot[l].out[i] = v;
+        }
+      }
+      break;
+    }
+    default: failf("unknown warp collective %d", op);
+  }
+  wp.arrived = 0;
+  wp.mask = 0;
+  wp.op = -1;
+  for (int l = 0; l < 32; ++l) {
+    if (!(who >> l & 1u)) continue;
+    Fiber& f = fibers[wi * 32 + l];
+    if (f.state == kWaitWarp) f.state = kReady;
+  }
+}
+
+}  // namespace
+
+[[noreturn]] void failf(const char* fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  Worker* w = t_worker;
+  if (w && w->in_fiber && w->cur) {
+    Fiber* f = w->cur;
+    w->error = "kf_emu: " + w->where(f) + ": " + msg;
+    f->state = kDone;  // abandoned: the scheduler stops the launch
+    w->yield(*f);
+    std::abort();
+  }
+  throw std::runtime_error(std::string("kf_emu: ") + msg);
+}
+
+Slot& lane_slot() {
+  Worker& w = need_fiber("a warp collective");
+  return w.warps[w.cur->warp].slot[w.cur->lane];
+}
+
+void warp_collective(int op, unsigned mask) {
+  Worker& w = need_fiber(op_name(op));
+  Fiber& f = *w.cur;
+  Warp& wp = w.warps[f.warp];
+  const uint32_t bit = 1u << f.lane;
+  if (!(mask & bit)) failf("%s with member mask 0x%08x that excludes the calling lane %d", op_name(op), mask, f.lane);
+  if (wp.arrived == 0) {
+    wp.op = op;
+    wp.mask = mask;
+  } else if (wp.op != op || wp.mask != mask) {
+    failf("divergent warp collectives in warp %d: lane %d reached %s (mask 0x%08x) while lanes 0x%08x wait in %s "
+          "(mask 0x%08x)",
+          f.warp, f.lane, op_name(op), mask, wp.arrived, op_name(wp.op), wp.mask);
+  }
+  wp.arrived |= bit;
+  if (((wp.mask & wp.live) & ~wp.arrived) == 0) {
+    w.finish_warp(f.warp);
+    return;
+  }
+  f.state = kWaitWarp;
+  w.yield(f);
+}
+
+void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k) {
+  if (t_worker && t_worker->in_fiber) failf("kernel launch from inside a kernel is not supported");
+  const long long nthreads = static_cast<long long>(block.x) * block.y * block.z;
+  if (nthreads < 1 || nthreads > 1024)
+    throw std::runtime_error("kf_emu: invalid block size " + std::to_string(nthreads) + " (1..1024 threads)");
+  if (grid.x < 1 || grid.y < 1 || grid.z < 1 || grid.y > 65535 || grid.z > 65535)
+    throw std::runtime_error("kf_emu: invalid grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
+                             std::to_string(grid.z) + ")");
+  if (smem_bytes > config().max_dyn_smem)
+    throw std::runtime_error("kf_emu: " + std::to_string(smem_bytes) + " bytes of dynamic smem exceed the limit " +
+                             std::to_string(config().max_dyn_smem));
+  const long long nblocks = static_cast<long long>(grid.x) * grid.y * grid.z;
+  int nw = config().workers;
+  if (nw <= 0) nw = std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
+  nw = static_cast<int>(std::max(1LL, std::min<long long>(nw, nblocks)));
+
+  std::atomic<long long> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::string first_error;
+  auto body = [&]() {
+    try {
+      Worker w(block, smem_bytes, &k);
+      w.gdim = grid;
+      Worker* saved = t_worker;
+      t_worker = &w;
+      for (;;) {
+        if (failed.load()) break;
+        const long long b = next.fetch_add(1);
+        if (b >= nblocks) break;
+        const uint3 bid{static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
+                        static_cast<unsigned>(b / (static_cast<long long>(grid.x) * grid.y))};
+        w.run_block(bid);
+        if (!w.error.empty()) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!failed.exchange(true)) first_error = w.error;
+          break;
+        }
+      }
+      t_worker = saved;
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failed.exchange(true)) first_error = e.what();
+    }
+  };
+  if (nw == 1) {
+    body();
+  } else {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < nw; ++i) ts.emplace_back(body);
+    for (auto& t : ts) t.join();
+  }
+  if (failed.load()) throw std::runtime_error(first_error);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------
+using detail::failf;
+using detail::need_fiber;
+
+void* dyn_smem() { return need_fiber("dynamic shared memory").smem; }
+size_t dyn_smem_bytes() { return need_fiber("dynamic shared memory").smem_bytes; }
+
+unsigned shared_offset(const void* p) {
+  detail::Worker& w = need_fiber("__cvta_generic_to_shared");
+  const char* c = static_cast<const char*>(p);
+  if (c < w.smem || c > w.smem + w.smem_bytes)
+    failf("__cvta_generic_to_shared(%p): not in the dynamic shared memory [%p, +%zu)", p,
+          static_cast<void*>(w.smem), w.smem_bytes);
+  return static_cast<unsigned>(c - w.smem);
+}
+
+void syncthreads() {
+  detail::Worker& w = need_fiber("__syncthreads");
+  detail::Fiber& f = *w.cur;
+  if (++w.bar_arrived == w.live) {
+    w.release_barrier();
+    return;
+  }
+  f.state = detail::kWaitBar;
+  w.yield(f);
+}
+
+void cp_async(void* dst, const void* src, int cp_size, int src_size) {
+  detail::Worker& w = need_fiber("cp.async");
+  if (cp_size != 4 && cp_size != 8 && cp_size != 16) failf("cp.async: cp-size %d is not 4, 8 or 16", cp_size);
+  if (src_size < 0 || src_size > cp_size) failf("cp.async: src-size %d outside [0, %d]", src_size, cp_size);
+  char* d = static_cast<char*>(dst);
+  if (d < w.smem || d + cp_size > w.smem + w.smem_bytes)
+    failf("cp.async: destination %p is outside the dynamic shared memory [%p, +%zu)", dst,
+          static_cast<void*>(w.smem), w.smem_bytes);
+  if ((d - w.smem) % cp_size) failf("cp.async: destination smem offset %td is not %d-byte aligned", d - w.smem, cp_size);
+  if (src_size > 0) {
+    if (!src) failf("cp.async: null source with src-size %d", src_size);
+    if (reinterpret_cast<uintptr_t>(src) % static_cast<uintptr_t>(cp_size))
+      failf("cp.async: global source %p is not %d-byte aligned", src, cp_size);
+  }
+  w.cur->open.push_back({d, static_cast<const char*>(src), cp_size, src_size});
+}
+
+void cp_async_commit() {
+  detail::Worker& w = need_fiber("cp.async.commit_group");
+  detail::Fiber& f = *w.cur;
+  f.groups.emplace_back(std::move(f.open));
+  f.open.clear();
+}
+
+void cp_async_wait(int n) {
+  detail::Worker& w = need_fiber("cp.async.wait_group");
+  detail::Fiber& f = *w.cur;
+  while (static_cast<int>(f.groups.size()) > n) {
+    w.perform(f.groups.front());
+    f.groups.pop_front();
+  }
+}
+
+uint32_t shfl32(int mode, unsigned mask, uint32_t v, int b, int c) {
+  detail::Slot& s = detail::lane_slot();
+  s.in[0] = v;
+  s.in[1] = static_cast<uint32_t>(mode);
+  s.in[2] = static_cast<uint32_t>(b);
+  s.in[3] = static_cast<uint32_t>(c);
+  detail::warp_collective(detail::kOpShfl, mask);
+  return detail::lane_slot().out[0];
+}
+
+unsigned ballot(unsigned mask, bool pred, unsigned* participants) {
+  detail::Slot& s = detail::lane_slot();
+  s.in[0] = pred ? 1u : 0u;
+  detail::warp_collective(detail::kOpVote, mask);
+  if (participants) *participants = detail::lane_slot().out[1];
+  return detail::lane_slot().out[0];
+}
+
+void syncwarp(unsigned mask) { detail::warp_collective(detail::kOpSyncwarp, mask); }
+
+unsigned activemask() {
+  detail::Worker& w = need_fiber("__activemask");
+  return w.warps[w.cur->warp].live;  // no divergence tracking: every live lane counts as active
+}
+
+}  // namespace kf_emu

@@ -1,0 +1,338 @@
+"""The KDA forward kernels (csrc/kda), UNMODIFIED, on the host emulator (tests/emu/): o, the
+final state, the per-chunk states and the workspace (w, qg, kg, Aqk, Akk, exp2(G)) against the fp64
+chunked reference, plus checks of the emulator itself (mma.sync / ldmatrix fragment layouts against
+a matmul, cp.async deferral, and the bugs it must report). No GPU needed: g++ and the CUDA headers.
+
+These kernels pass the same comparisons on the H200, so a mismatch here is an emulator bug, a test
+layout bug, or a kernel change that broke them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import rel_rms
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TOL = 1e-2  # rel-RMS; the workspace and o are stored in bf16 / fp16 (their rounding alone is ~3e-3)
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_build = _load("kf_emu_build", HERE / "emu" / "build.py")
+_why = _build.skip_reason()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"kf_emu cannot be built: {_why}")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    mod = _load("kf_emu_kda", HERE / "emu" / "kda_emu.py")
+    mod.lib()  # compile once (cached by source hash)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ref():
+    # this tree's reference (not whatever kernel_fun an environment has installed)
+    return _load("kf_emu_ref_kda", ROOT / "src" / "kernel_fun" / "ref" / "kda.py")
+
+
+# ------------------------------------------------------------------------------------------------ cases
+def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="unbounded", g_dtype=None,
+              l2norm=True, beta_sigmoid=True, neg_eig=False, h0=False, state_v_first=False, cu=None,
+              cu_dtype=torch.int32, scale=None, extreme=0.0, seed=0):
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    if not l2norm:  # the delta rule needs unit keys
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    beta_raw = torch.randn(B, T, HV, generator=gen)
+    kw = dict(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
+              state_v_first=state_v_first, output_final_state=True, scale=scale)
+    beta = beta_raw if beta_sigmoid else torch.sigmoid(beta_raw)
+    if gate == "unbounded":
+        g = torch.randn(B, T, HV, K, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)),
+                  dt_bias=0.5 * torch.randn(HV * K, generator=gen))
+    elif gate == "bounded":
+        g = torch.randn(B, T, HV, K, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)),
+                  dt_bias=0.5 * torch.randn(HV * K, generator=gen), lower_bound=-5.0)
+    elif gate == "bounded_noalog":
+        g = torch.randn(B, T, HV, K, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=None, lower_bound=-3.0)
+    elif gate == "precomputed":
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, generator=gen) + 2)
+        kw.update(use_gate_in_kernel=False)
+    else:
+        raise ValueError(gate)
+    if extreme:  # a fraction of the per-step gates at -1000 (fla's varlen tests)
+        mask = torch.rand(g.shape, generator=gen) < extreme
+        g = torch.where(mask, torch.full_like(g, -1000.0), g)
+    N = B
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=cu_dtype)
+        N = len(cu) - 1
+    if h0:
+        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        kw["initial_state"] = 0.1 * torch.randn(shape, generator=gen)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    return (q, k, v, g.to(g_dtype or torch.float32), beta.to(dtype)), kw
+
+
+CASES = {
+    "T1-B2": dict(B=2, T=1),
+    "T63-B2-K128-h0": dict(B=2, T=63, K=128, h0=True),
+    "T64-fp16-V128": dict(T=64, dtype=torch.float16, V=128),
+    "T130-K128-V128-h0": dict(T=130, K=128, V=128, h0=True),
+    "T130-V128-bv64": dict(T=130, V=128, h0=True, bv=64),
+    "GVA-1-2": dict(T=130, H=1, HV=2, h0=True),
+    "GVA-1-2-K128-fp16": dict(T=70, H=1, HV=2, K=128, dtype=torch.float16),
+    "bounded-fp16-K128": dict(T=100, K=128, gate="bounded", dtype=torch.float16, h0=True),
+    "bounded-noalog": dict(T=70, gate="bounded_noalog"),
+    "precomputed-nol2-nosigmoid": dict(T=130, gate="precomputed", l2norm=False, beta_sigmoid=False),
+    "neg-eigval-scale": dict(T=90, neg_eig=True, scale=0.3, h0=True),
+    "state-v-first": dict(T=100, K=128, h0=True, state_v_first=True),
+    "g-bf16": dict(T=80, g_dtype=torch.bfloat16),
+    "g-fp16-misaligned": dict(T=80, g_dtype=torch.float16, misalign=True),
+    "misaligned-K128": dict(T=66, K=128, misalign=True),
+    "extreme-1000": dict(T=130, gate="precomputed", extreme=0.5, h0=True),
+    "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
+    "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,
+                                        dtype=torch.float16, h0=True),
+}
+
+
+def _last_rows(cu, B, T):
+    """Flattened row of the last valid token of every chunk, in global chunk order."""
+    segs = [(b * T, b * T + T) for b in range(B)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    return [min(c0 + 64, e) - 1 for s, e in segs for c0 in range(s, e, 64)]
+
+
+def _reference(ref, inputs, kw):
+    q, k, v, g, beta = (x.double() for x in inputs)
+    rk = {n: kw.get(n) for n in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+                                 "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "cu_seqlens")}
+    rk = {n: x for n, x in rk.items() if x is not None}
+    if rk.get("initial_state") is not None:
+        rk["initial_state"] = rk["initial_state"].double()
+    use_gate = kw.get("use_gate_in_kernel", False)
+    A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
+    return ref.chunk_kda_reference(
+        q, k, v, g, beta, **rk, use_gate_in_kernel=use_gate, lower_bound=kw.get("lower_bound"),
+        A_log=A_log.double() if (use_gate and A_log is not None) else None,
+        dt_bias=dt_bias.double() if (use_gate and dt_bias is not None) else None, return_stages=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_stages_match_fp64_reference(name, emu, ref):
+    case = dict(CASES[name])
+    bv, misalign = case.pop("bv", None), case.pop("misalign", False)
+    inputs, kw = make_case(**case)
+    o, ht, hs, ws = emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv, misalign=misalign)
+    o_ref, ht_ref, st = _reference(ref, inputs, kw)
+    B, T = inputs[0].shape[:2]
+    K = inputs[0].shape[3]
+    scale = kw.get("scale") or K ** -0.5
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    rows = _last_rows(case.get("cu"), B, T)
+    checks = {
+        "o": (o_ref, o),
+        "ht": (ht_ref, ht),
+        "h": (st["h"], hs.transpose(-1, -2) if kw.get("state_v_first") else hs),
+        "qg": (flat(st["qg"]) * scale, ws["qg"]),
+        "kg": (flat(st["kg"]), ws["kg"]),
+        "w": (flat(st["w"]), ws["w"]),
+        "Aqk": (flat(st["Aqk"]), ws["Aqk"]),
+        "Akk": (flat(st["Akk"]), ws["Akk"]),
+        "exp2(G)": (torch.exp2(flat(st["g2"])[rows]), ws["gdecay"][: len(rows)]),
+    }
+    if case.get("cu") is not None:
+        cu = case["cu"]
+        want = [0]
+        for s, e in zip(cu[:-1], cu[1:]):
+            want.append(want[-1] + -(-(e - s) // 64))
+        assert ws["chunk_offsets"].tolist() == want
+    bad = {}
+    for key, (r, got) in checks.items():
+        if r.numel() == 0:
+            continue
+        err = rel_rms(r, got)
+        if not err <= TOL:
+            bad[key] = err
+    assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
+    if kw.get("initial_state") is not None and case.get("cu") == [0, 0, 1, 65, 130]:
+        # an empty sequence passes its initial state through untouched
+        assert torch.equal(ht[0], kw["initial_state"][0])
+
+
+def test_deterministic(emu):
+    inputs, kw = make_case(T=130, H=1, HV=2, cu=[0, 10, 130], h0=True)
+    a = emu.forward_stages(*inputs, **kw)
+    b = emu.forward_stages(*inputs, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for key in ("w", "qg", "kg", "Aqk", "Akk", "gdecay"):  # bitwise, NaN (never written) included
+        assert torch.equal(_bits(a[3][key]), _bits(b[3][key])), key
+
+
+def _bits(x):
+    return x.view({4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+@pytest.mark.parametrize("name", ["T130-K128-V128-h0", "varlen-empty-onetoken", "GVA-1-2-K128-fp16"])
+def test_results_do_not_depend_on_the_thread_schedule(emu, name):
+    # Under warp-greedy schedules a warp runs ahead of the others up to the next barrier, so a
+    # missing __syncthreads between one warp's smem writes and another's reads shows up as poison
+    # or stale data; correct kernels give bitwise the default schedule's results.
+    case = dict(CASES[name])
+    bv, misalign = case.pop("bv", None), case.pop("misalign", False)
+    inputs, kw = make_case(**case)
+    run = lambda: emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv)  # noqa: E731
+    base = run()
+    try:
+        for order, greedy, seed in [("reverse", False, 0), ("forward", True, 0), ("reverse", True, 0),
+                                    ("random", True, 1)]:
+            emu.set_schedule(order, greedy, seed)
+            got = run()
+            outs = {"o": (base[0], got[0]), "ht": (base[1], got[1]), "h": (base[2], got[2])}
+            outs.update({k: (base[3][k], got[3][k]) for k in base[3]})
+            diff = [k for k, (a, b) in outs.items() if not torch.equal(_bits(a), _bits(b))]
+            assert not diff, f"schedule {order}{'+greedy' if greedy else ''}: {diff} differ"
+    finally:
+        emu.set_schedule()
+
+
+# ------------------------------------------------------------------------------------------------ emulator
+def _p(a: np.ndarray):
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _tf32_rna(x: np.ndarray) -> np.ndarray:
+    """cvt.rna.tf32.f32 in numpy: round half away from zero to 10 mantissa bits."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return r.view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_mma_ldmatrix_match_matmul(emu, dtype):
+    gen = torch.Generator().manual_seed(1)
+    A = torch.randn(16, 16, generator=gen).to(dtype)
+    B = torch.randn(16, 16, generator=gen).to(dtype)
+    C = torch.randn(16, 16, generator=gen).numpy().astype(np.float32)
+    a16 = np.ascontiguousarray(A.view(torch.int16).numpy().view(np.uint16))
+    b16 = np.ascontiguousarray(B.view(torch.int16).numpy().view(np.uint16))
+    D1, D2 = np.zeros((16, 16), np.float32), np.zeros((16, 16), np.float32)
+    L = emu.lib()
+    rc = L.kf_emu_selftest_mma16816(1 if dtype == torch.float16 else 2, _p(a16), _p(b16), _p(C), _p(D1), _p(D2))
+    assert rc == 0, L.kf_emu_selftest_last_error().decode()
+    want = A.double().numpy() @ B.double().numpy() + C
+    np.testing.assert_allclose(D1, want, rtol=1e-5, atol=1e-5)  # ldmatrix.trans B
+    np.testing.assert_allclose(D2, want, rtol=1e-5, atol=1e-5)  # ldmatrix B^T
+
+
+def test_emulated_tf32_mma_and_cvt(emu):
+    rng = np.random.default_rng(2)
+    A = rng.standard_normal((16, 8)).astype(np.float32)
+    B = rng.standard_normal((8, 8)).astype(np.float32)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    D = np.zeros((16, 8), np.float32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_mma1688(_p(A), _p(B), _p(C), _p(D)) == 0, L.kf_emu_selftest_last_error().decode()
+    want = _tf32_rna(A).astype(np.float64) @ _tf32_rna(B).astype(np.float64) + C
+    np.testing.assert_allclose(D, want, rtol=1e-5, atol=1e-5)
+    # cvt.rna: ties away from zero, 13 low bits cleared, inf kept, NaN canonical
+    x = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-30, 30, 1000),
+                        [1 + 2 ** -11, -(1 + 2 ** -11), 1 + 2 ** -12, 3.4e38, 0.0, -0.0]]).astype(np.float32)
+    out = np.zeros(x.size, np.uint32)
+    L.kf_emu_selftest_tf32(_p(x), _p(out), x.size)
+    np.testing.assert_array_equal(out, _tf32_rna(x).view(np.uint32))
+    assert _tf32_rna(np.array([1 + 2 ** -11], np.float32))[0] == np.float32(1 + 2 ** -10)  # tie -> away
+    sp = np.array([np.inf, -np.inf, np.nan], np.float32)
+    out = np.zeros(3, np.uint32)
+    L.kf_emu_selftest_tf32(_p(sp), _p(out), 3)
+    assert out.tolist() == [0x7F800000, 0xFF800000, 0x7FFFFFFF]
+
+
+def test_cp_async_is_deferred_until_wait_group(emu):
+    src = np.arange(128, dtype=np.float32) + 1
+    out = np.zeros((5, 32), np.uint32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_cp_async(_p(src), _p(out)) == 0, L.kf_emu_selftest_last_error().decode()
+    poison = 0xFFFFFFFF
+    assert (out[0] == poison).all(), "read before wait_group saw the copied data: cp.async is not deferred"
+    assert (out[1] == poison).all()
+    np.testing.assert_array_equal(out[2].view(np.float32), src[::4])  # wait_group 1: group 0 landed
+    assert (out[3] == poison).all(), "wait_group 1 also performed the most recent group"
+    assert (out[4] == 0).all(), "src-size 0 must zero-fill"
+
+
+def test_emulated_shuffles_votes_and_static_smem(emu):
+    out = np.zeros(11 * 64 + 3, np.int32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_warp_ops(_p(out)) == 0, L.kf_emu_selftest_last_error().decode()
+    r = out[:11 * 64].reshape(11, 64)
+    t = np.arange(64)
+    lane, base = t % 32, t - t % 32
+
+    def seg(j, ok):  # PTX shfl: a source outside the lane's segment gives the lane its own value
+        return np.where(ok, base + j, t)
+
+    np.testing.assert_array_equal(r[0], 10 * (base + (lane + 3) % 32))
+    np.testing.assert_array_equal(r[1], seg(lane - 3, lane % 8 >= 3))
+    np.testing.assert_array_equal(r[2], seg(lane + 2, lane % 16 + 2 < 16))
+    np.testing.assert_array_equal(r[3], base + (lane ^ 5))
+    # xor beyond the segment: a later segment is out of reach (own value), an earlier one is not
+    np.testing.assert_array_equal(r[4], seg(lane ^ 4, (lane ^ 4) <= (lane & ~3) + 3))
+    np.testing.assert_array_equal(r[5], base + (lane & ~7) + 1)
+    ballot = [sum(1 << l for l in range(32) if (w * 32 + l) % 3 == 0) for w in range(2)]
+    np.testing.assert_array_equal(r[6].astype(np.uint32), np.repeat(np.array(ballot, np.uint32), 32))
+    np.testing.assert_array_equal(r[7], np.repeat([0, 1], 32))
+    np.testing.assert_array_equal(r[8], np.repeat([1, 0], 32))
+    np.testing.assert_array_equal(r[9], 2 * (base + (lane ^ 1)) + 1)
+    np.testing.assert_array_equal(r[10], np.full(64, 64 * 1000 + 100))
+    assert out[11 * 64:].tolist() == [40, 40, 40]
+
+
+@pytest.mark.parametrize("which, message", [(0, "divergent warp collectives"), (1, "deadlock"),
+                                            (2, "out of bounds"), (3, "not 16-byte aligned")])
+def test_emulator_reports_kernel_bugs(emu, which, message):
+    out = np.zeros(64, np.float32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_bug(which, _p(out)) != 0
+    err = L.kf_emu_selftest_last_error().decode()
+    assert message in err, err
+
+
+def test_out_of_bounds_global_write_is_caught(emu):
+    # the guard zones of kda_emu.forward_stages: a workspace buffer one row short must be reported
+    inputs, kw = make_case(T=64)
+    orig = emu._Guarded.alloc
+
+    def short_w(self, name, shape, dtype, **k):
+        if name == "w":
+            shape = (shape[0] - 1, *shape[1:])
+        return orig(self, name, shape, dtype, **k)
+
+    emu._Guarded.alloc = short_w
+    try:
+        with pytest.raises(RuntimeError, match="out-of-bounds write next to 'w'"):
+            emu.forward_stages(*inputs, **kw)
+    finally:
+        emu._Guarded.alloc = orig
+
