@@ -36,8 +36,9 @@ def make(B, T, H, K, V, cu):
     beta = torch.randn(B, T, H, device="cuda", generator=gen).bfloat16()
     A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
     dt_bias = 0.5 * torch.randn(H * K, device="cuda", generator=gen)
-    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    from kernel_fun.kda._options import KdaOptions
+    opts = KdaOptions(scale=K ** -0.5, gate="unbounded", l2norm=True, beta_sigmoid=1)
+    kw = dict(opts=opts, output_final_state=True, A_log=A_log, dt_bias=dt_bias)
     if cu is not None:
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
     return (q, k, v, g, beta), kw

@@ -27,6 +27,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+# fla's Triton kernels: compiled kernels and autotune results (FLA_CACHE_RESULTS=1) land in
+# .triton-cache/ in the tree; KF_SAVE_TRITON_CACHE=1 brings them back as triton-cache.tgz, which a
+# later call can carry (unpacked to .triton-cache/) to skip fla's minutes of compile and autotune.
+export TRITON_CACHE_DIR=$PWD/.triton-cache
+export FLA_TILELANG=0  # fla 0.5.2's Triton backward, not its optional TileLang one (docs/benchmark.md)
 
 if [ "${KF_NO_BUILD:-0}" != "1" ]; then
   stamp "building the extension"
@@ -69,6 +74,9 @@ if [ "${KF_BENCH:-}" != "none" ]; then
   stamp "benchmark"
   # shellcheck disable=SC2086
   python3 -m kernel_fun.bench --out "$out" ${KF_BENCH:-} 2>&1 | tee "$out/bench.log" | tail -60
+fi
+if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then
+  tar czf "$out/triton-cache.tgz" .triton-cache && stamp "triton cache: $(du -sh "$out/triton-cache.tgz" | cut -f1)"
 fi
 stamp "done (tests rc=$rc)"
 exit $rc

@@ -1,8 +1,9 @@
-"""Per-kernel times of the KDA forward on the benchmark's cases (the numbers docs/kda-forward.md
-quotes): each of our kernels' CUDA time per call (torch profiler, mean of --iters calls after 2
-warm-ups) and the whole call's median by CUDA events. Ours only; fla is timed by the benchmark.
+"""Per-kernel times of the KDA forward and backward on the benchmark's cases (the numbers
+docs/kda-forward.md and docs/kda-backward.md quote): each of our kernels' CUDA time per call (torch
+profiler, mean of --iters calls after 2 warm-ups), the whole call's median by CUDA events, and the
+peak memory above the inputs. Ours only; fla is timed by the benchmark.
 
-    PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [CASE ...]   (default: every KDA case)
+    PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [--pass fwd|fwd+bwd|all] [CASE ...]
 """
 from __future__ import annotations
 
@@ -16,36 +17,54 @@ from kernel_fun.bench.run import make_inputs, time_calls
 from kernel_fun.kda import chunk_kda
 
 
+def _per_kernel(prof, iters: int) -> dict:
+    per = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and "kda_" in e.key:
+            name = e.key.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")
+            per[name] = per.get(name, 0.0) + e.device_time_total / iters / 1000
+    return per
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="*")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--pass", dest="pass_", choices=("fwd", "fwd+bwd", "all"), default="all")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time")
         return
+    passes = ("fwd", "fwd+bwd") if args.pass_ == "all" else (args.pass_,)
     for case in [c for c in select("kda", args.cases or None) if isinstance(c, KdaCase)]:
         inp = make_inputs(case, torch, "cuda", 0)
+        for pass_ in passes:
+            grad = pass_ == "fwd+bwd"
+            for t in inp["leaves"]:
+                t.requires_grad_(grad)
+            do = torch.randn(inp["out_shape"], dtype=torch.bfloat16, device="cuda") if grad else None
 
-        def call():
-            return chunk_kda(*inp["args"], **inp["kwargs"])
+            def call():
+                o = chunk_kda(*inp["args"], **inp["kwargs"])[0]
+                if grad:
+                    torch.autograd.backward(o, do)
+                    for t in inp["leaves"]:
+                        t.grad = None
 
-        with torch.no_grad():
-            for _ in range(2):
-                call()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.iters):
+            with torch.set_grad_enabled(grad):
+                for _ in range(2):
                     call()
                 torch.cuda.synchronize()
-            total = time_calls(torch, call, warmup=1, iters=10)["ms"]
-        per = {}
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" and "kda_fwd" in e.key:
-                name = e.key.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")
-                per[name] = per.get(name, 0.0) + e.device_time_total / args.iters / 1000
-        stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items()))
-        print(f"{case.name:14s} total {total:7.3f} ms   {stages}", flush=True)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.iters):
+                        call()
+                    torch.cuda.synchronize()
+                res = time_calls(torch, call, warmup=1, iters=10)
+            per = _per_kernel(prof, args.iters)
+            stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+            print(f"{case.name:14s} {pass_:8s} total {res['ms']:7.3f} ms  peak {res['peak_mem_gib']:6.2f} GiB   "
+                  f"{stages}", flush=True)
+            del do
         del inp
         torch.cuda.empty_cache()
 

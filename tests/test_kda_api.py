@@ -123,19 +123,25 @@ def _big_views(B, T, H=1, HV=1, K=64, V=64, dtype=torch.bfloat16):
 
 @pytest.mark.skipif(not _ext.available(), reason="extension not built: C++ support check unavailable")
 def test_support_guards_grid_and_token_limits():
-    # kda_fwd_support reads metadata only (CompositeExplicitAutograd), so CPU views exercise it.
-    support = _ext.ops().kda_fwd_support
-    assert support(*_big_views(65535, 1), None, 64) == ""
+    # kda_support reads metadata only (CompositeExplicitAutograd), so CPU views exercise it.
+    from kernel_fun.kda._options import KdaOptions
+
+    opts = KdaOptions(scale=0.125).encode()
+    support = _ext.ops().kda_support
+    assert support(*_big_views(65535, 1), None, opts) == ""
     # Fixed length: the scan grid's z dimension is B (<= 65535), even with T == 0.
-    assert "65535" in support(*_big_views(65536, 1), None, 64)
-    assert "65535" in support(*_big_views(65536, 0), None, 64)
+    assert "B=65536 > 65535" in support(*_big_views(65536, 1), None, opts)
+    assert "B=65536 > 65535" in support(*_big_views(65536, 0), None, opts)
     # Varlen: N = len(cu_seqlens) - 1 is the z dimension.
     cu = torch.zeros(65537, dtype=torch.int32)
-    assert "65535" in support(*_big_views(1, 64), cu, 64)
+    assert support(*_big_views(1, 64), cu, opts) == "more than 65535 varlen sequences"
     # Tokens: B * T <= 2^30.
-    assert support(*_big_views(2 ** 15, 2 ** 15), None, 64) == ""
-    assert "2^30" in support(*_big_views(2 ** 15, 2 ** 15 + 1), None, 64)
-    assert "2^30" in support(*_big_views(1, 2 ** 30 + 1), None, 64)
+    assert support(*_big_views(2 ** 15, 2 ** 15), None, opts) == ""
+    assert support(*_big_views(2 ** 15, 2 ** 15 + 1), None, opts) == "more than 2^30 tokens"
+    assert support(*_big_views(1, 2 ** 30 + 1), None, opts) == "more than 2^30 tokens"
+    # The options string is parsed strictly: a bad one is a reason naming the key.
+    assert "unknown key 'bogus'" in support(*_big_views(1, 1), None, opts + ";bogus=1")
+    assert "missing key 'scale'" in support(*_big_views(1, 1), None, opts.replace(opts.split(";")[0] + ";", ""))
 
 
 def test_env_flags_parse_and_warn(monkeypatch, caplog):
@@ -161,12 +167,19 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     """chunk_kda and is_supported hand our kernel layer the same, complete keyword set (meta tensors
     reach the kernel path; the kernel layer is replaced by a recorder)."""
     from kernel_fun import _dispatch, _ext
-    from kernel_fun.kda import _kernel
+    from kernel_fun.kda import _kernel, _plan
 
     seen = []
+
+    class Ops:  # the C++ support check, recorded: it sees meta tensors of the call's shapes
+        @staticmethod
+        def kda_support(q, k, v, g, beta, cu, options):
+            seen.append(("support", (q.device.type, tuple(q.shape), tuple(v.shape), cu is not None, options)))
+            return ""
+
     monkeypatch.setattr(_ext, "status", lambda: (True, "stub"))
+    monkeypatch.setattr(_ext, "ops", lambda: Ops)
     monkeypatch.setattr(_dispatch, "fla_function", lambda module, name: None)  # as without fla
-    monkeypatch.setattr(_kernel, "support_reason", lambda *a, **kw: seen.append(("support", kw)) or None)
     monkeypatch.setattr(_kernel, "forward", lambda *a, **kw: seen.append(("forward", kw)) or ("o", None))
     dev = torch.device("meta")
     q = torch.empty(1, 70, 2, 16, device=dev)
@@ -181,9 +194,11 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     with torch.no_grad():
         assert chunk_kda(q, q, v, g, beta, **kw) == ("o", None)
     (k1, support1), (k2, fwd) = seen
-    assert (k1, k2) == ("support", "forward") and support1 == fwd
-    assert fwd["scale"] == 16 ** -0.5 and fwd["lower_bound"] == -5.0 and fwd["A_log"] is A_log
-    assert fwd["chunk_size"] == 64 and fwd["output_final_state"] and fwd["cu_seqlens"] is cu
+    assert (k1, k2) == ("support", "forward")
+    assert support1 == ("meta", (1, 70, 2, 16), (1, 70, 4, 24), True, fwd["options"])  # one options string
+    opts = _kernel._decode(fwd["options"])
+    assert opts.scale == 16 ** -0.5 and opts.lower_bound == -5.0 and opts.gate == "bounded" and fwd["A_log"] is A_log
+    assert opts.chunk_size == 64 and opts.l2norm and fwd["output_final_state"] and fwd["cu_seqlens"] is cu
     assert torch.equal(fwd["cu_seqlens_cpu"], cu_cpu.long())
     # an unknown flag is a routing reason (fla is not installed here, so the fallback raises it)
     with pytest.raises(RuntimeError, match="unrecognized argument no_such_flag"), torch.no_grad():

@@ -98,16 +98,28 @@ def reference(inputs, kw, return_stages=False):
         return_stages=return_stages)
 
 
+def options(inputs, kw):
+    """The KdaOptions of a case (what chunk_kda builds from the same arguments)."""
+    from kernel_fun.kda._options import KdaOptions
+    q = inputs[0]
+    scale = kw.get("scale")
+    return KdaOptions.from_call(
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
+        use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+        use_beta_sigmoid_in_kernel=kw.get("use_beta_sigmoid_in_kernel", False),
+        allow_neg_eigval=kw.get("allow_neg_eigval", False), lower_bound=kw.get("lower_bound"),
+        A_log=kw.get("A_log") if kw.get("use_gate_in_kernel") else None,
+        state_v_first=kw.get("state_v_first", False), chunk_size=64)
+
+
 def run_ours(inputs, kw, **extra):
+    """(o, final_state, h_states, ws) from our kernels (kernel_fun.kda._kernel.forward_stages)."""
     q, k, v, g, beta = inputs
-    args = dict(scale=kw.get("scale"), initial_state=kw.get("initial_state"),
-                output_final_state=kw.get("output_final_state", False),
-                use_qk_l2norm_in_kernel=kw.get("use_qk_l2norm_in_kernel", False),
-                use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
-                use_beta_sigmoid_in_kernel=kw.get("use_beta_sigmoid_in_kernel", False),
-                allow_neg_eigval=kw.get("allow_neg_eigval", False), lower_bound=kw.get("lower_bound"),
-                state_v_first=kw.get("state_v_first", False), cu_seqlens=kw.get("cu_seqlens"),
-                cu_seqlens_cpu=None, A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"))
+    args = dict(opts=options(inputs, kw), initial_state=kw.get("initial_state"),
+                output_final_state=kw.get("output_final_state", False), cu_seqlens=kw.get("cu_seqlens"),
+                A_log=kw.get("A_log") if kw.get("use_gate_in_kernel") else None,
+                dt_bias=kw.get("dt_bias") if kw.get("use_gate_in_kernel") else None)
     args.update(extra)
     return _kernel().forward_stages(q, k, v, g, beta, **args)
 
@@ -245,38 +257,40 @@ def test_empty_sequence_passes_initial_state_through():
 
 # ------------------------------------------------------------------------------------------------
 def test_support_reasons():
+    from kernel_fun.kda._options import KdaOptions
     kern = _kernel()
-    base = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                A_log=None, dt_bias=None, chunk_size=64, return_intermediate_states=False, disable_recompute=False)
 
-    def reason(K=128, V=128, dtype=torch.bfloat16, **kw):
+    def reason(K=128, V=128, dtype=torch.bfloat16, chunk_size=64):
         q = torch.empty(1, 8, 2, K, dtype=dtype, device="cuda")
         v = torch.empty(1, 8, 2, V, dtype=dtype, device="cuda")
         g = torch.empty(1, 8, 2, K, device="cuda")
         b = torch.empty(1, 8, 2, dtype=dtype, device="cuda")
-        return kern.support_reason(q, q, v, g, b, **{**base, **kw})
+        return kern.support_reason(q, q, v, g, b, KdaOptions(scale=0.1, l2norm=True, chunk_size=chunk_size))
 
     assert reason() is None
     assert reason(K=64, V=512) is None
-    assert "K=96" in reason(K=96)
-    assert "V=100" in reason(V=100)
-    assert "V=576" in reason(V=576)
-    assert "float32" in reason(dtype=torch.float32)
-    assert "chunk_size=32" in reason(chunk_size=32)
+    assert reason(K=96) == "K=96 (kernels support K in {64, 128})"
+    assert reason(V=100) == "V=100 (kernels support V a multiple of 64 up to 512)"
+    assert reason(V=576) == "V=576 (kernels support V a multiple of 64 up to 512)"
+    assert reason(dtype=torch.float32) == "q dtype float32 (kernels take bfloat16 or float16)"
+    assert reason(chunk_size=32).startswith("chunk_size=32 ")
+
+
+def _raw_fwd_args(inputs, kw, o, ht):
+    q, k, v, g, beta = inputs
+    from kernel_fun.kda._kernel import gate_params
+    opts = options(inputs, kw)
+    A, D = gate_params(opts, kw.get("A_log"), kw.get("dt_bias"))
+    return [q, k, v, g, beta, A, D, kw.get("initial_state"), kw.get("cu_seqlens"), opts.encode(), o, ht, None,
+            None, None, None]
 
 
 def test_opcheck():
     inputs, kw = make_case(T=70, H=1, K=64, V=64, h0=True)
-    q, k, v, g, beta = inputs
-    _, _, _, ws = run_ours(inputs, kw)
+    q = inputs[0]
     o = torch.empty(1, 70, 1, 64, dtype=q.dtype, device="cuda")
     ht = torch.empty(1, 1, 64, 64, device="cuda")
-    args = (q, k, v, g, beta, kw["A_log"], kw["dt_bias"], kw["initial_state"], None, 0.125, True, True, True,
-            False, None, False, o, ht, None, ws["w"], ws["qg"], ws["kg"], ws["Aqk"], ws["Akk"], ws["gdecay"],
-            ws["chunk_offsets"])
-    torch.library.opcheck(torch.ops.kernel_fun.kda_fwd.default, args,
+    torch.library.opcheck(torch.ops.kernel_fun.kda_fwd.default, _raw_fwd_args(inputs, kw, o, ht),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -422,22 +436,37 @@ def test_intra_deterministic():
 
 
 # last in the file: an error path that crashed the interpreter would otherwise hide the rest
-BAD_ARGS = ["k", "v", "beta", "o", "final_state", "w", "gdecay", "A_log"]
+BAD_ARGS = {  # argument index in kda_fwd's schema -> (bad value maker, the message's start)
+    "k": (1, lambda t: t[:, :-1], "kernel_fun.kda: k must have shape"),
+    "v": (2, lambda t: t.float(), "kernel_fun.kda: unsupported configuration: v dtype differs"),
+    "beta": (4, lambda t: t[:, :-1], "kernel_fun.kda: beta must have shape"),
+    "A_log": (5, lambda t: torch.zeros(2, device="cuda"), "kernel_fun.kda: A_log must have shape"),
+    "options": (9, lambda t: t + ";x=1", "kernel_fun.kda: options: unknown key 'x'"),
+    "o": (10, lambda t: t.float(), "kernel_fun.kda: o must be bfloat16"),
+    "final_state": (11, lambda t: t[..., :-1], "kernel_fun.kda: final_state must have shape"),
+}
 
 
-@pytest.mark.parametrize("arg", BAD_ARGS)
+@pytest.mark.parametrize("arg", list(BAD_ARGS))
 def test_bad_inputs_name_the_argument(arg):
     inputs, kw = make_case(T=70, H=1, K=64, V=64)
-    o, ht, _, ws = run_ours(inputs, kw)
-    q, k, v, g, beta = inputs
-    ops = __import__("kernel_fun")._ext.ops()
-    a = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=kw["A_log"], dt_bias=kw["dt_bias"], h0=None, cu=None,
-             o=o, final_state=ht, w=ws["w"], qg=ws["qg"], kg=ws["kg"], Aqk=ws["Aqk"], Akk=ws["Akk"],
-             gdecay=ws["gdecay"], co=ws["chunk_offsets"])
-    bad = {"k": k[:, :-1], "v": v.float(), "beta": beta[:, :-1], "o": o.float(), "final_state": ht[..., :-1],
-           "w": ws["w"][:-1], "gdecay": ws["gdecay"].half(), "A_log": torch.zeros(2, device="cuda")}[arg]
-    a[arg] = bad
-    msg = ops.kda_fwd_check(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["h0"], a["cu"], 0.125,
-                    True, True, True, False, None, False, a["o"], a["final_state"], None, a["w"], a["qg"], a["kg"],
-                    a["Aqk"], a["Akk"], a["gdecay"], a["co"])
-    assert arg in msg, msg
+    q = inputs[0]
+    o = torch.empty(1, 70, 1, 64, dtype=q.dtype, device="cuda")
+    ht = torch.empty(1, 1, 64, 64, device="cuda")
+    args = _raw_fwd_args(inputs, kw, o, ht)
+    idx, bad, msg = BAD_ARGS[arg]
+    args[idx] = bad(args[idx])
+    with pytest.raises((ValueError, RuntimeError)) as ei:
+        torch.ops.kernel_fun.kda_fwd(*args)
+    assert msg in str(ei.value), str(ei.value)
+
+
+def test_raw_op_rejects_short_varlen_states():
+    """h_states with cu_seqlens must have room for every chunk the grid can address (T // 64 + N)."""
+    inputs, kw = make_case(T=200, cu=[0, 100, 200])
+    q = inputs[0]
+    o = torch.empty(1, 200, 2, 128, dtype=q.dtype, device="cuda")
+    args = _raw_fwd_args(inputs, kw, o, None)
+    args[12] = torch.empty(1, 4, 2, 128, 128, dtype=q.dtype, device="cuda")  # 4 < 200 // 64 + 2
+    with pytest.raises((ValueError, RuntimeError), match="h_states must hold 5 or more"):
+        torch.ops.kernel_fun.kda_fwd(*args)

@@ -1,72 +1,53 @@
-// Torch binding of the KDA forward kernels (csrc/kda/sm90/). Validation and the support decision
-// live here; the kernels see plain pointers and sizes (KdaFwdParams).
+// Torch binding of the KDA kernels (csrc/kda/). Validation and the support decision live here; the
+// kernels see plain pointers and sizes (kda_problem.h). Every op takes the call's options as ONE
+// string (kernel_fun.kda._options.KdaOptions.encode(), parsed by kda::parse_options).
 //
-//   kda_fwd_support(...) -> str   "" when our kernels serve the call, else the reason
-//   kda_fwd_check(...)  -> str    "" when kda_fwd's arguments are valid, else the message
-//   kda_fwd(...)        -> ()     writes o, final_state, h_states and the workspace tensors
+//   kda_support(...) -> str       "" when our kernels serve the call, else the reason (metadata only:
+//                                 any device, meta tensors included)
+//   kda_fwd(...) -> ()            writes o (+ final_state, h_states, and for training the factors the
+//                                 backward reads: Aqk, Akk, M); allocates the rest of its workspace
+//   kda_bwd(...) -> ()            writes dq, dk, dv, dg, dbeta (+ dA_log, ddt_bias, dh0); with the
+//                                 forward's Aqk / Akk / M it skips recomputing them
+//   kda_fwd_stages / kda_bwd_stages(...) -> Tensor[]   the same launches, returning the outputs AND
+//                                 the workspace, for the per-stage tests
+// The launch ops validate everything they read or write and throw std::invalid_argument (Python
+// ValueError) naming the argument; the Python front validates the contract first, so they only
+// throw for direct calls of the raw ops. Launches go to torch's current stream on q's device.
+#include <cstdint>
+#include <limits>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
+
+#include <torch/csrc/stable/ops.h>
 
 #include "api/stable_utils.h"
-#include "kda/sm90/kda_fwd.h"
+#include "kda/kda_launch.h"
+#include "kda/kda_problem.h"
 
 namespace kernel_fun::api {
 
 namespace {
 
 using kda::GateMode;
+using kda::KdaBwdParams;
 using kda::KdaFwdParams;
+using kda::KdaOptions;
+using kda::KdaProblem;
 using kda::kChunk;
+using kda::WorkBuffer;
+using OptT = std::optional<Tensor>;
 
-constexpr const char* kOp = "kernel_fun.kda_fwd: ";
+constexpr const char* kOp = "kernel_fun.kda: ";
 
 bool is_half_like(ScalarType t) { return t == ScalarType::BFloat16 || t == ScalarType::Half; }
 bool is_float_like(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16 || t == ScalarType::Double;
 }
 
-// Why the kernels cannot run this configuration ("" = they can). Shapes are the contract's.
-std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, const Tensor& beta,
-                           const std::optional<Tensor>& cu_seqlens, int64_t chunk_size) {
-  const ScalarType dt = q.scalar_type();
-  if (!is_half_like(dt)) return std::string("q dtype ") + scalar_type_name(dt) + " (kernels take bfloat16 or float16)";
-  if (v.scalar_type() != dt) return "v dtype differs from q's";
-  if (!is_float_like(g.scalar_type())) return "g dtype is not a float type";
-  if (!is_float_like(beta.scalar_type())) return "beta dtype is not a float type";
-  const int64_t K = q.size(3), V = v.size(3);
-  if (K != 64 && K != 128) return "K=" + std::to_string(K) + " (kernels support K in {64, 128})";
-  if (V % 64 != 0 || V > 512 || V == 0)
-    return "V=" + std::to_string(V) + " (kernels support V a multiple of 64 up to 512)";
-  if (chunk_size != kChunk)
-    return "chunk_size=" + std::to_string(chunk_size) + " (kernels use 64-token chunks; 32 is not implemented)";
-  if (v.size(2) > 65535) return "HV > 65535";
-  if (cu_seqlens) {
-    const int64_t N = cu_seqlens->numel() - 1;
-    if (N > 65535) return "more than 65535 varlen sequences";
-    const ScalarType ct = cu_seqlens->scalar_type();
-    if (ct != ScalarType::Int && ct != ScalarType::Long) return "cu_seqlens must be int32 or int64";
-  } else if (q.size(0) > 65535) {
-    // The scan's grid is (V / BV, HV, N) and gridDim.z <= 65535; without cu_seqlens N = B (also
-    // when T == 0: the scan still runs to carry initial_state to final_state).
-    return "B=" + std::to_string(q.size(0)) + " > 65535 sequences (the scan grid's z dimension)";
-  }
-  // B * T > 2^30, without forming the product (an empty q may have huge B and T).
-  const int64_t B = q.size(0), T = q.size(1);
-  if (T > 0 && B > (int64_t{1} << 30) / T) return "more than 2^30 tokens";
-  return "";
-}
-
-std::string kda_fwd_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
-                            std::optional<Tensor> cu_seqlens, int64_t chunk_size) {
-  (void)k;
-  return support_reason(q, v, g, beta, cu_seqlens, chunk_size);
-}
-
-// Messages are built by plain std::string concatenation and RETURNED, never thrown from the
-// validation: on the H200 box (torch 2.11 + the extension's toolchain) both a std::ostringstream
-// in this library and an exception thrown through a stable-ABI kernel crashed the interpreter
-// (2026-11-29), so the check path uses neither.
+// Messages by plain std::string concatenation (no iostreams: see stable_utils.h).
 inline void app(std::string& s, const std::string& x) { s += x; }
 inline void app(std::string& s, const char* x) { s += x; }
 template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
@@ -82,33 +63,28 @@ std::string dims(const Tensor& t) {
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(static_cast<long long>(t.size(i)));
   return s + "]";
 }
-std::string dims(std::initializer_list<int64_t> shape) {
+std::string dims(const std::vector<int64_t>& shape) {
   std::string s = "[";
-  int i = 0;
-  for (int64_t d : shape) s += (i++ ? ", " : "") + std::to_string(static_cast<long long>(d));
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(static_cast<long long>(shape[i]));
   return s + "]";
 }
-// Returns the message from the enclosing function when cond fails.
-#define KDA_REQUIRE(cond, ...) \
-  do {                         \
+#define KDA_REQUIRE(cond, ...)            \
+  do {                                    \
     if (!(cond)) return cat(__VA_ARGS__); \
   } while (0)
-#define KDA_TRY(expr)                      \
-  do {                                     \
-    std::string kda_err_ = (expr);         \
+#define KDA_TRY(expr)                       \
+  do {                                      \
+    std::string kda_err_ = (expr);          \
     if (!kda_err_.empty()) return kda_err_; \
   } while (0)
 
-std::string check_tensor(const Tensor& t, const Tensor& ref, const char* name, std::initializer_list<int64_t> shape) {
+std::string check_tensor(const Tensor& t, const Tensor& ref, const char* name, const std::vector<int64_t>& shape) {
   KDA_REQUIRE(t.is_cuda(), name, " must be a CUDA tensor");
   KDA_REQUIRE(t.get_device_index() == ref.get_device_index(), name, " must be on q's CUDA device");
-  KDA_REQUIRE(t.is_contiguous(), name, " must be contiguous");
   bool ok = t.dim() == static_cast<int64_t>(shape.size());
-  if (ok) {
-    int i = 0;
-    for (int64_t s : shape) ok = ok && t.size(i++) == s;
-  }
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.size(static_cast<int64_t>(i)) == shape[i];
   KDA_REQUIRE(ok, name, " must have shape ", dims(shape), ", got ", dims(t));
+  KDA_REQUIRE(t.is_contiguous(), name, " must be contiguous");
   return "";
 }
 
@@ -118,26 +94,61 @@ std::string check_dtype(const Tensor& t, ScalarType want, const char* name) {
   return "";
 }
 
-#define KF_KDA_FWD_ARGS                                                                                    \
-  Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, std::optional<Tensor> A_log,                       \
-      std::optional<Tensor> dt_bias, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens, \
-      double scale, bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, \
-      bool allow_neg_eigval, std::optional<double> lower_bound, bool state_v_first, Tensor o,              \
-      std::optional<Tensor> final_state, std::optional<Tensor> h_states, Tensor w, Tensor qg, Tensor kg,    \
-      Tensor Aqk, Tensor Akk, Tensor gdecay, Tensor chunk_offsets
-#define KF_KDA_FWD_NAMES                                                                                  \
-  q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel,          \
-      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, o,   \
-      final_state, h_states, w, qg, kg, Aqk, Akk, gdecay, chunk_offsets
+std::string state_check(const Tensor& t, const Tensor& q, const char* name, const KdaProblem& p) {
+  const std::vector<int64_t> shape = p.opt.state_v_first
+                                         ? std::vector<int64_t>{p.N, p.HV, p.V, p.K}
+                                         : std::vector<int64_t>{p.N, p.HV, p.K, p.V};
+  KDA_TRY(check_tensor(t, q, name, shape));
+  KDA_TRY(check_dtype(t, ScalarType::Float, name));
+  return "";
+}
 
-// Validates every argument and fills the params; returns "" or a message naming the argument.
-std::string prepare(KdaFwdParams& p, bool with_pointers, KF_KDA_FWD_ARGS) {
+// Why the kernels cannot run this configuration ("" = they can). Shapes are the contract's.
+std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, const Tensor& beta,
+                           const OptT& cu_seqlens, const KdaOptions& o) {
+  const ScalarType dt = q.scalar_type();
+  if (!is_half_like(dt)) return std::string("q dtype ") + scalar_type_name(dt) + " (kernels take bfloat16 or float16)";
+  if (v.scalar_type() != dt) return "v dtype differs from q's";
+  if (!is_float_like(g.scalar_type())) return "g dtype is not a float type";
+  if (!is_float_like(beta.scalar_type())) return "beta dtype is not a float type";
+  if (q.dim() != 4 || v.dim() != 4) return "q and v must be 4-D";
+  const int64_t K = q.size(3), V = v.size(3);
+  if (K != 64 && K != 128) return "K=" + std::to_string(K) + " (kernels support K in {64, 128})";
+  if (V % 64 != 0 || V > 512 || V == 0)
+    return "V=" + std::to_string(V) + " (kernels support V a multiple of 64 up to 512)";
+  if (o.chunk_size != kChunk)
+    return "chunk_size=" + std::to_string(o.chunk_size) + " (kernels use 64-token chunks; 32 is not implemented)";
+  if (v.size(2) > 65535) return "HV > 65535";
+  if (cu_seqlens) {
+    const int64_t N = cu_seqlens->numel() - 1;
+    if (N > 65535) return "more than 65535 varlen sequences";
+    const ScalarType ct = cu_seqlens->scalar_type();
+    if (ct != ScalarType::Int && ct != ScalarType::Long) return "cu_seqlens must be int32 or int64";
+  } else if (q.size(0) > 65535) {
+    // The scans' grid is (V / BV, HV, N) and gridDim.z <= 65535; without cu_seqlens N = B (also
+    // when T == 0: the scan still runs to carry initial_state to final_state).
+    return "B=" + std::to_string(q.size(0)) + " > 65535 sequences (the scan grid's z dimension)";
+  }
+  // B * T > 2^30, without forming the product (an empty q may have huge B and T).
+  const int64_t B = q.size(0), T = q.size(1);
+  if (T > 0 && B > (int64_t{1} << 30) / T) return "more than 2^30 tokens";
+  return "";
+}
+
+// Validates the inputs and fills the problem; "" or a message naming the argument.
+std::string fill_problem(KdaProblem& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                         const Tensor& beta, const OptT& A_log, const OptT& dt_bias, const OptT& initial_state,
+                         const OptT& cu_seqlens, const std::string& options) {
+  {
+    const std::string e = kda::parse_options(options, p.opt);
+    KDA_REQUIRE(e.empty(), e);
+  }
   KDA_REQUIRE(q.dim() == 4, "q must be [B, T, H, K], got ", dims(q));
   KDA_REQUIRE(v.dim() == 4, "v must be [B, T, HV, V], got ", dims(v));
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
   const int64_t HV = v.size(2), V = v.size(3);
   KDA_REQUIRE(H > 0 && HV % H == 0, "v's head count HV=", HV, " must be a multiple of q's H=", H);
-  const std::string why = support_reason(q, v, g, beta, cu_seqlens, kChunk);
+  const std::string why = support_reason(q, v, g, beta, cu_seqlens, p.opt);
   KDA_REQUIRE(why.empty(), "unsupported configuration: ", why);
   KDA_TRY(check_tensor(q, q, "q", {B, T, H, K}));
   KDA_TRY(check_tensor(k, q, "k", {B, T, H, K}));
@@ -145,23 +156,22 @@ std::string prepare(KdaFwdParams& p, bool with_pointers, KF_KDA_FWD_ARGS) {
   KDA_TRY(check_tensor(v, q, "v", {B, T, HV, V}));
   KDA_TRY(check_tensor(g, q, "g", {B, T, HV, K}));
   KDA_TRY(check_tensor(beta, q, "beta", {B, T, HV}));
-  KDA_REQUIRE(!allow_neg_eigval || use_beta_sigmoid_in_kernel,
-               "allow_neg_eigval requires use_beta_sigmoid_in_kernel");
-
+  // the scans and the backward copy rows of v (and q, k, do in the backward) with 16-byte cp.async
+  KDA_REQUIRE(reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0, "v must start 16-byte aligned");
   int64_t N = B;
   if (cu_seqlens) {
     KDA_REQUIRE(B == 1, "cu_seqlens requires B == 1, got B=", B);
     KDA_REQUIRE(cu_seqlens->dim() == 1 && cu_seqlens->numel() >= 2,
-                 "cu_seqlens must be 1-D with N+1 >= 2 entries, got ", dims(*cu_seqlens));
+                "cu_seqlens must be 1-D with N+1 >= 2 entries, got ", dims(*cu_seqlens));
     KDA_TRY(check_tensor(*cu_seqlens, q, "cu_seqlens", {cu_seqlens->numel()}));
     N = cu_seqlens->numel() - 1;
   }
-  const int64_t nts = (T + kChunk - 1) / kChunk;
-  const int64_t max_chunks = cu_seqlens ? T / kChunk + N : B * nts;
-
-  if (use_gate_in_kernel) {
-    KDA_REQUIRE(A_log || lower_bound, "use_gate_in_kernel needs A_log (or lower_bound)");
-    if (A_log) {
+  const GateMode mode = p.opt.gate_mode;
+  if (mode == GateMode::kUnbounded || mode == GateMode::kBounded) {
+    KDA_REQUIRE(A_log.has_value(), "A_log is required by the in-kernel gate");
+  }
+  if (mode != GateMode::kPrecomputed) {
+    if (A_log && mode != GateMode::kBoundedNoALog) {
       KDA_TRY(check_tensor(*A_log, q, "A_log", {HV}));
       KDA_TRY(check_dtype(*A_log, ScalarType::Float, "A_log"));
     }
@@ -170,63 +180,6 @@ std::string prepare(KdaFwdParams& p, bool with_pointers, KF_KDA_FWD_ARGS) {
       KDA_TRY(check_dtype(*dt_bias, ScalarType::Float, "dt_bias"));
     }
   }
-  if (initial_state) {
-    if (state_v_first) KDA_TRY(check_tensor(*initial_state, q, "initial_state", {N, HV, V, K}));
-    else KDA_TRY(check_tensor(*initial_state, q, "initial_state", {N, HV, K, V}));
-    KDA_TRY(check_dtype(*initial_state, ScalarType::Float, "initial_state"));
-  }
-  KDA_TRY(check_tensor(o, q, "o", {B, T, HV, V}));
-  KDA_TRY(check_dtype(o, q.scalar_type(), "o"));
-  if (final_state) {
-    if (state_v_first) KDA_TRY(check_tensor(*final_state, q, "final_state", {N, HV, V, K}));
-    else KDA_TRY(check_tensor(*final_state, q, "final_state", {N, HV, K, V}));
-    KDA_TRY(check_dtype(*final_state, ScalarType::Float, "final_state"));
-  }
-  if (h_states) {
-    KDA_REQUIRE(h_states->dim() == 5 && h_states->size(2) == HV &&
-                     h_states->size(3) == (state_v_first ? V : K) && h_states->size(4) == (state_v_first ? K : V),
-                 "h_states must be [B, NT, HV, ", (state_v_first ? "V, K" : "K, V"), "], got "
-                    , dims(*h_states));
-    const int64_t have = h_states->size(0) * h_states->size(1);
-    KDA_REQUIRE(cu_seqlens ? have >= 0 : have == B * nts,
-                 "h_states must hold one state per chunk, got ", dims(*h_states));
-    KDA_TRY(check_tensor(*h_states, q, "h_states", {h_states->size(0), h_states->size(1), HV, h_states->size(3),
-                                             h_states->size(4)}));
-    KDA_TRY(check_dtype(*h_states, q.scalar_type(), "h_states"));
-  }
-  for (auto [t, name, inner] : {std::tuple<Tensor*, const char*, int64_t>{&w, "w", K}, {&qg, "qg", K}, {&kg, "kg", K},
-                                {&Aqk, "Aqk", kChunk}, {&Akk, "Akk", kChunk}}) {
-    KDA_TRY(check_tensor(*t, q, name, {B * T, HV, inner}));
-    KDA_TRY(check_dtype(*t, q.scalar_type(), name));
-  }
-  KDA_TRY(check_tensor(gdecay, q, "gdecay", {max_chunks, HV, K}));
-  KDA_TRY(check_dtype(gdecay, ScalarType::Float, "gdecay"));
-  KDA_TRY(check_tensor(chunk_offsets, q, "chunk_offsets", {N + 1}));
-  KDA_TRY(check_dtype(chunk_offsets, ScalarType::Int, "chunk_offsets"));
-
-  // (no data pointers during validation alone: it also runs on fake tensors under torch.compile)
-  if (with_pointers) {
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.g = g.data_ptr();
-    p.beta = beta.data_ptr();
-    p.A_log = use_gate_in_kernel && A_log ? static_cast<const float*>(A_log->data_ptr()) : nullptr;
-    p.dt_bias = use_gate_in_kernel && dt_bias ? static_cast<const float*>(dt_bias->data_ptr()) : nullptr;
-    p.h0 = initial_state ? static_cast<const float*>(initial_state->data_ptr()) : nullptr;
-    p.cu_seqlens = cptr(cu_seqlens);
-    p.cu_int64 = cu_seqlens && cu_seqlens->scalar_type() == ScalarType::Long;
-    p.o = o.data_ptr();
-    p.ht = final_state ? static_cast<float*>(final_state->data_ptr()) : nullptr;
-    p.h_states = mptr(h_states);
-    p.w = w.data_ptr();
-    p.qg = qg.data_ptr();
-    p.kg = kg.data_ptr();
-    p.Aqk = Aqk.data_ptr();
-    p.Akk = Akk.data_ptr();
-    p.gdecay = static_cast<float*>(gdecay.data_ptr());
-    p.chunk_offsets = static_cast<int*>(chunk_offsets.data_ptr());
-  }
   p.B = static_cast<int>(B);
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
@@ -234,37 +187,290 @@ std::string prepare(KdaFwdParams& p, bool with_pointers, KF_KDA_FWD_ARGS) {
   p.K = static_cast<int>(K);
   p.V = static_cast<int>(V);
   p.N = static_cast<int>(N);
-  p.max_chunks = static_cast<int>(max_chunks);
-  p.scale = static_cast<float>(scale);
-  if (!use_gate_in_kernel) p.gate_mode = GateMode::kPrecomputed;
-  else if (!lower_bound) p.gate_mode = GateMode::kUnbounded;
-  else p.gate_mode = A_log ? GateMode::kBounded : GateMode::kBoundedNoALog;
-  p.lower_bound = lower_bound ? static_cast<float>(*lower_bound) : 0.f;
-  p.l2norm = use_qk_l2norm_in_kernel;
-  p.beta_sigmoid_scale = use_beta_sigmoid_in_kernel ? (allow_neg_eigval ? 2.f : 1.f) : 0.f;
-  p.state_v_first = state_v_first;
+  p.max_chunks = static_cast<int>(cu_seqlens ? T / kChunk + N : B * ((T + kChunk - 1) / kChunk));
   p.dtype = *to_dtype(q.scalar_type());
   p.g_dtype = *to_dtype(g.scalar_type());
   p.beta_dtype = *to_dtype(beta.scalar_type());
+  if (initial_state) KDA_TRY(state_check(*initial_state, q, "initial_state", p));
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.g = g.data_ptr();
+  p.beta = beta.data_ptr();
+  const bool use_alog = mode == GateMode::kUnbounded || mode == GateMode::kBounded;
+  p.A_log = use_alog ? static_cast<const float*>(A_log->data_ptr()) : nullptr;
+  p.dt_bias = mode != GateMode::kPrecomputed && dt_bias ? static_cast<const float*>(dt_bias->data_ptr()) : nullptr;
+  p.h0 = initial_state ? static_cast<const float*>(initial_state->data_ptr()) : nullptr;
+  p.cu_seqlens = cptr(cu_seqlens);
+  p.cu_int64 = cu_seqlens && cu_seqlens->scalar_type() == ScalarType::Long;
   return "";
 }
 
-// The validation alone, as a message ("" = valid). The Python entry calls this first and raises
-// ValueError itself (see the note on the helpers above).
-std::string kda_fwd_check(KF_KDA_FWD_ARGS) {
-  KdaFwdParams p;
-  return prepare(p, false, KF_KDA_FWD_NAMES);
+// Allocates every workspace buffer of kda::workspace() on q's device and points p at them.
+std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backward) {
+  std::vector<Tensor> out;
+  for (const WorkBuffer& b : kda::workspace(p, backward, p.saved_factors)) {
+    const ScalarType st = b.is_int ? ScalarType::Int
+                                   : (b.dtype == DType::kFloat32 ? ScalarType::Float : q.scalar_type());
+    Tensor t = torch::stable::new_empty(q, b.shape, st);
+    void* ptr = t.data_ptr();
+    switch (b.id) {
+      case WorkBuffer::kW: p.w = ptr; break;
+      case WorkBuffer::kQg: p.qg = ptr; break;
+      case WorkBuffer::kKg: p.kg = ptr; break;
+      case WorkBuffer::kAqk: p.Aqk = ptr; break;
+      case WorkBuffer::kAkk: p.Akk = ptr; break;
+      case WorkBuffer::kM: p.M = ptr; break;
+      case WorkBuffer::kGdecay: p.gdecay = static_cast<float*>(ptr); break;
+      case WorkBuffer::kChunkOffsets: p.chunk_offsets = static_cast<int*>(ptr); break;
+      case WorkBuffer::kHCkpt: p.h_ckpt = ptr; break;
+      case WorkBuffer::kDhCkpt: p.dh_ckpt = ptr; break;
+      case WorkBuffer::kDqhat: p.dqhat = static_cast<float*>(ptr); break;
+      case WorkBuffer::kDkhat: p.dkhat = static_cast<float*>(ptr); break;
+      case WorkBuffer::kPbias: p.pbias = static_cast<float*>(ptr); break;
+      case WorkBuffer::kPA: p.pA = static_cast<float*>(ptr); break;
+      case WorkBuffer::kCount: break;
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
 }
 
-void kda_fwd(KF_KDA_FWD_ARGS) {
-  KdaFwdParams p;
-  const std::string err = prepare(p, true, KF_KDA_FWD_NAMES);
-  // Only reached with bad arguments when kda_fwd_check was skipped (the Python entry never does).
+// Tests: NaN in every floating-point buffer the stage ops allocate, so an element a kernel never
+// writes shows up (workspace buffers included).
+void poison(std::vector<Tensor>& ts) {
+  for (Tensor& t : ts)
+    if (t.numel() > 0 && (t.scalar_type() == ScalarType::Float || is_half_like(t.scalar_type())))
+      torch::stable::fill_(t, std::numeric_limits<double>::quiet_NaN());
+}
+
+void raise_if(const std::string& err) {
   if (!err.empty()) throw std::invalid_argument(err);
-  const cudaStream_t stream = current_stream(q);
-  kda::kda_fwd_chunk_map(p, stream);
-  kda::kda_fwd_intra(p, stream);
-  kda::kda_fwd_scan(p, stream);
+}
+
+// The forward's factors saved for the backward (Aqk, Akk, M: [B*T, HV, 64] in q's dtype): all
+// three or none. Sets p.Aqk / p.Akk / p.M and p.saved_factors.
+std::string factor_check(KdaBwdParams& p, const Tensor& q, const OptT& Aqk, const OptT& Akk, const OptT& M,
+                         const char* role) {
+  const int n = (Aqk ? 1 : 0) + (Akk ? 1 : 0) + (M ? 1 : 0);
+  KDA_REQUIRE(n == 0 || n == 3, "Aqk, Akk and M ", role, " come together (all three or none)");
+  if (n == 0) return "";
+  const std::vector<int64_t> shape = {int64_t{p.B} * p.T, p.HV, kChunk};
+  for (auto [t, name] : {std::pair<const OptT*, const char*>{&Aqk, "Aqk"}, {&Akk, "Akk"}, {&M, "M"}}) {
+    KDA_TRY(check_tensor(**t, q, name, shape));
+    KDA_TRY(check_dtype(**t, q.scalar_type(), name));
+    KDA_REQUIRE(reinterpret_cast<uintptr_t>((*t)->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
+  }
+  p.Aqk = Aqk->data_ptr();
+  p.Akk = Akk->data_ptr();
+  p.M = M->data_ptr();
+  p.saved_factors = true;
+  return "";
+}
+
+// ---------------------------------------------------------------- forward
+std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const OptT& final_state,
+                        const OptT& h_states) {
+  KDA_TRY(check_tensor(o, q, "o", {p.B, p.T, p.HV, p.V}));
+  KDA_TRY(check_dtype(o, q.scalar_type(), "o"));
+  if (final_state) KDA_TRY(state_check(*final_state, q, "final_state", p));
+  if (h_states) {
+    // One state per chunk: B * ceil(T / 64) without cu_seqlens; with it, at least as many as the
+    // grid can address (the chunk map's total is only known on the device).
+    const int64_t nts = (p.T + kChunk - 1) / kChunk;
+    const int64_t want_lead = p.cu_seqlens ? 1 : p.B;
+    KDA_REQUIRE(h_states->dim() == 5 && h_states->size(0) == want_lead && h_states->size(2) == p.HV &&
+                    h_states->size(3) == (p.opt.state_v_first ? p.V : p.K) &&
+                    h_states->size(4) == (p.opt.state_v_first ? p.K : p.V),
+                "h_states must be [", want_lead, ", NT, HV, ", (p.opt.state_v_first ? "V, K" : "K, V"), "], got ",
+                dims(*h_states));
+    const int64_t have = h_states->size(1);
+    KDA_REQUIRE(p.cu_seqlens ? have >= p.max_chunks : have == nts, "h_states must hold ",
+                (p.cu_seqlens ? p.max_chunks : nts), (p.cu_seqlens ? " or more" : ""),
+                " states per sequence row, got ", dims(*h_states));
+    KDA_TRY(check_tensor(*h_states, q, "h_states",
+                         {h_states->size(0), h_states->size(1), p.HV, h_states->size(3), h_states->size(4)}));
+    KDA_TRY(check_dtype(*h_states, q.scalar_type(), "h_states"));
+  }
+  p.o = o.data_ptr();
+  p.ht = final_state ? static_cast<float*>(final_state->data_ptr()) : nullptr;
+  p.h_states = mptr(h_states);
+  return "";
+}
+
+#define KF_KDA_IN                                                                                     \
+  Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, OptT A_log, OptT dt_bias, OptT initial_state, \
+      OptT cu_seqlens
+#define KF_KDA_IN_NAMES q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
+
+std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor& o, const OptT& final_state,
+                            const OptT& h_states, const OptT& Aqk, const OptT& Akk, const OptT& M,
+                            bool poison_ws = false) {
+  KdaBwdParams p;  // forward fields only; the rest stay null
+  raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
+  raise_if(fwd_outputs(p, q, o, final_state, h_states));
+  raise_if(factor_check(p, q, Aqk, Akk, M, "(outputs saved for the backward)"));
+  std::vector<Tensor> ws = alloc_workspace(q, p, false);
+  if (poison_ws) poison(ws);
+  kda::kda_forward(p, current_stream(q));
+  return ws;
+}
+
+std::string kda_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, OptT cu_seqlens, std::string options) {
+  (void)k;
+  KdaOptions o;
+  const std::string err = kda::parse_options(options, o);
+  if (!err.empty()) return "invalid options: " + err;
+  return support_reason(q, v, g, beta, cu_seqlens, o);
+}
+
+void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_states, OptT Aqk, OptT Akk,
+             OptT M) {
+  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M);
+}
+
+// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets]
+std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_final_state, OptT h_states,
+                                   bool poison_outputs) {
+  KdaOptions opt;
+  {
+    const std::string e = kda::parse_options(options, opt);
+    if (!e.empty()) raise_if(cat(e));
+  }
+  const int64_t N = cu_seqlens ? cu_seqlens->numel() - 1 : q.size(0);
+  Tensor o = torch::stable::new_empty(q, {q.size(0), q.size(1), v.size(2), v.size(3)});
+  Tensor ht = output_final_state
+                  ? torch::stable::new_empty(q, opt.state_v_first ? std::vector<int64_t>{N, v.size(2), v.size(3), q.size(3)}
+                                                                  : std::vector<int64_t>{N, v.size(2), q.size(3), v.size(3)},
+                                             ScalarType::Float)
+                  : torch::stable::new_empty(q, {0}, ScalarType::Float);
+  OptT ht_opt = output_final_state ? OptT(ht) : std::nullopt;
+  const std::vector<int64_t> fshape = {q.size(0) * q.size(1), v.size(2), kChunk};
+  Tensor Aqk = torch::stable::new_empty(q, fshape), Akk = torch::stable::new_empty(q, fshape),
+         M = torch::stable::new_empty(q, fshape);
+  if (poison_outputs) {
+    std::vector<Tensor> outs = {o, ht, Aqk, Akk, M};
+    if (h_states) outs.push_back(*h_states);
+    poison(outs);
+  }
+  std::vector<Tensor> ws = run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, poison_outputs);
+  std::vector<Tensor> out = {o, ht, Aqk, Akk, M};
+  for (auto& t : ws) out.push_back(t);
+  return out;
+}
+
+// ---------------------------------------------------------------- backward
+std::string bwd_outputs(KdaBwdParams& p, const Tensor& q, const Tensor& g, const Tensor& beta, const Tensor& dout,
+                        const OptT& dht, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dg,
+                        const Tensor& dbeta, const OptT& dA_log, const OptT& ddt_bias, const OptT& dh0) {
+  KDA_TRY(check_tensor(dout, q, "do", {p.B, p.T, p.HV, p.V}));
+  KDA_TRY(check_dtype(dout, q.scalar_type(), "do"));
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&dout, "do"}})
+    KDA_REQUIRE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
+  KDA_REQUIRE(reinterpret_cast<uintptr_t>(p.k) % 16 == 0, "k must start 16-byte aligned");
+  if (dht) KDA_TRY(state_check(*dht, q, "dht", p));
+  KDA_TRY(check_tensor(dq, q, "dq", {p.B, p.T, p.H, p.K}));
+  KDA_TRY(check_dtype(dq, q.scalar_type(), "dq"));
+  KDA_TRY(check_tensor(dk, q, "dk", {p.B, p.T, p.H, p.K}));
+  KDA_TRY(check_dtype(dk, q.scalar_type(), "dk"));
+  KDA_TRY(check_tensor(dv, q, "dv", {p.B, p.T, p.HV, p.V}));
+  KDA_TRY(check_dtype(dv, q.scalar_type(), "dv"));
+  KDA_TRY(check_tensor(dg, q, "dg", {p.B, p.T, p.HV, p.K}));
+  KDA_TRY(check_dtype(dg, g.scalar_type(), "dg"));
+  KDA_TRY(check_tensor(dbeta, q, "dbeta", {p.B, p.T, p.HV}));
+  KDA_TRY(check_dtype(dbeta, beta.scalar_type(), "dbeta"));
+  if (dA_log) {
+    KDA_REQUIRE(p.A_log != nullptr, "dA_log requested but the gate has no A_log");
+    KDA_TRY(check_tensor(*dA_log, q, "dA_log", {p.HV}));
+    KDA_TRY(check_dtype(*dA_log, ScalarType::Float, "dA_log"));
+  }
+  if (ddt_bias) {
+    KDA_REQUIRE(p.dt_bias != nullptr, "ddt_bias requested but the gate has no dt_bias");
+    KDA_TRY(check_tensor(*ddt_bias, q, "ddt_bias", {int64_t{p.HV} * p.K}));
+    KDA_TRY(check_dtype(*ddt_bias, ScalarType::Float, "ddt_bias"));
+  }
+  if (dh0) {
+    KDA_REQUIRE(p.h0 != nullptr, "dh0 requested without initial_state");
+    KDA_TRY(state_check(*dh0, q, "dh0", p));
+  }
+  p.dout = dout.data_ptr();
+  p.dht = dht ? static_cast<const float*>(dht->data_ptr()) : nullptr;
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dg = dg.data_ptr();
+  p.dbeta = dbeta.data_ptr();
+  p.dA_log = dA_log ? static_cast<float*>(dA_log->data_ptr()) : nullptr;
+  p.ddt_bias = ddt_bias ? static_cast<float*>(ddt_bias->data_ptr()) : nullptr;
+  p.dh0 = dh0 ? static_cast<float*>(dh0->data_ptr()) : nullptr;
+  return "";
+}
+
+#define KF_KDA_GRADS                                                                                     \
+  Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, OptT dA_log, OptT ddt_bias, OptT dh0
+#define KF_KDA_GRAD_NAMES dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, const OptT& Aqk, const OptT& Akk,
+                            const OptT& M, const std::string& options, KF_KDA_GRADS, float* dbg_dA, float* dbg_dL,
+                            bool poison_ws = false, bool profile = false) {
+  KdaBwdParams p;
+  raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
+  raise_if(bwd_outputs(p, q, g, beta, dout, dht, KF_KDA_GRAD_NAMES));
+  raise_if(factor_check(p, q, Aqk, Akk, M, "(saved by the forward)"));
+  std::vector<Tensor> ws = alloc_workspace(q, p, true);
+  if (poison_ws) poison(ws);
+  if (profile) {  // kda_bwd_grads' phase clocks, [max_chunks * HV][16] int64, appended last
+    ws.push_back(torch::stable::new_zeros(q, {int64_t{p.max_chunks} * p.HV * 16}, ScalarType::Long));
+    p.dbg_clock = static_cast<long long*>(ws.back().data_ptr());
+  }
+  p.dbg_dA = dbg_dA;
+  p.dbg_dL = dbg_dL;
+  kda::kda_backward(p, current_stream(q));
+  return ws;
+}
+
+void kda_bwd(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, std::string options, KF_KDA_GRADS) {
+  run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, options, KF_KDA_GRAD_NAMES, nullptr, nullptr);
+}
+
+// [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (each empty when not applicable),
+//  dA (scale * dAqk, [B*T, HV, 64] fp32), dL ([B*T, HV, 64] fp32), then the workspace in
+//  kda::workspace() order (w, qg, kg, Aqk, Akk, gdecay, chunk_offsets, M, h_ckpt, dh_ckpt, ...),
+//  then with profile kda_bwd_grads' phase clocks ([max_chunks * HV][16] int64)]
+std::vector<Tensor> kda_bwd_stages(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, std::string options,
+                                   bool poison_outputs, bool profile) {
+  KdaOptions opt;
+  {
+    const std::string e = kda::parse_options(options, opt);
+    if (!e.empty()) raise_if(cat(e));
+  }
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), HV = v.size(2), V = v.size(3);
+  Tensor dq = torch::stable::new_empty(q, {B, T, H, K});
+  Tensor dk = torch::stable::new_empty(q, {B, T, H, K});
+  Tensor dv = torch::stable::new_empty(q, {B, T, HV, V});
+  Tensor dg = torch::stable::new_empty(g, {B, T, HV, K});
+  Tensor dbeta = torch::stable::new_empty(beta, {B, T, HV});
+  const bool has_alog = A_log && (opt.gate_mode == GateMode::kUnbounded || opt.gate_mode == GateMode::kBounded);
+  const bool has_bias = dt_bias && opt.gate_mode != GateMode::kPrecomputed;
+  Tensor dA_log = torch::stable::new_empty(q, {has_alog ? HV : 0}, ScalarType::Float);
+  Tensor ddt = torch::stable::new_empty(q, {has_bias ? HV * K : 0}, ScalarType::Float);
+  Tensor dh0 = initial_state ? torch::stable::new_empty(*initial_state, {initial_state->size(0), initial_state->size(1),
+                                                                         initial_state->size(2), initial_state->size(3)})
+                             : torch::stable::new_empty(q, {0}, ScalarType::Float);
+  Tensor dA = torch::stable::new_zeros(q, {B * T, HV, kChunk}, ScalarType::Float);
+  Tensor dL = torch::stable::new_zeros(q, {B * T, HV, kChunk}, ScalarType::Float);
+  if (poison_outputs) {
+    std::vector<Tensor> outs = {dq, dk, dv, dg, dbeta, dA_log, ddt, dh0};
+    poison(outs);
+  }
+  std::vector<Tensor> ws =
+      run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, options, dq, dk, dv, dg, dbeta,
+              has_alog ? OptT(dA_log) : std::nullopt,
+              has_bias ? OptT(ddt) : std::nullopt, initial_state ? OptT(dh0) : std::nullopt,
+              static_cast<float*>(dA.data_ptr()), static_cast<float*>(dL.data_ptr()), poison_outputs, profile);
+  std::vector<Tensor> out = {dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, dA, dL};
+  for (auto& t : ws) out.push_back(t);
+  return out;
 }
 
 }  // namespace
@@ -272,29 +478,34 @@ void kda_fwd(KF_KDA_FWD_ARGS) {
 }  // namespace kernel_fun::api
 
 STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
-  m.def(
-      "kda_fwd_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? cu_seqlens, "
-      "int chunk_size) -> str");
+  m.def("kda_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? cu_seqlens, str options) -> str");
   m.def(
       "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
-      "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool use_qk_l2norm_in_kernel, "
-      "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound, "
-      "bool state_v_first, Tensor(a!) o, Tensor(b!)? final_state, Tensor(c!)? h_states, Tensor(d!) w, "
-      "Tensor(e!) qg, Tensor(f!) kg, Tensor(g!) Aqk, Tensor(h!) Akk, Tensor(i!) gdecay, "
-      "Tensor(j!) chunk_offsets) -> ()");
+      "Tensor? initial_state, Tensor? cu_seqlens, str options, Tensor(a!) o, Tensor(b!)? final_state, "
+      "Tensor(c!)? h_states, Tensor(d!)? Aqk, Tensor(e!)? Akk, Tensor(f!)? M) -> ()");
   m.def(
-      "kda_fwd_check(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
-      "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool use_qk_l2norm_in_kernel, "
-      "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound, "
-      "bool state_v_first, Tensor o, Tensor? final_state, Tensor? h_states, Tensor w, "
-      "Tensor qg, Tensor kg, Tensor Aqk, Tensor Akk, Tensor gdecay, Tensor chunk_offsets) -> str");
+      "kda_fwd_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, str options, bool output_final_state, Tensor(a!)? h_states, "
+      "bool poison) -> Tensor[]");
+  m.def(
+      "kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dht, Tensor? Aqk, Tensor? Akk, Tensor? M, "
+      "str options, Tensor(a!) dq, "
+      "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dg, Tensor(e!) dbeta, Tensor(f!)? dA_log, Tensor(g!)? ddt_bias, "
+      "Tensor(h!)? dh0) -> ()");
+  m.def(
+      "kda_bwd_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dht, Tensor? Aqk, Tensor? Akk, Tensor? M, "
+      "str options, bool poison, bool profile) -> Tensor[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CUDA, m) {
   m.impl("kda_fwd", TORCH_BOX(&kernel_fun::api::kda_fwd));
+  m.impl("kda_fwd_stages", TORCH_BOX(&kernel_fun::api::kda_fwd_stages));
+  m.impl("kda_bwd", TORCH_BOX(&kernel_fun::api::kda_bwd));
+  m.impl("kda_bwd_stages", TORCH_BOX(&kernel_fun::api::kda_bwd_stages));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CompositeExplicitAutograd, m) {
-  m.impl("kda_fwd_support", TORCH_BOX(&kernel_fun::api::kda_fwd_support));
-  m.impl("kda_fwd_check", TORCH_BOX(&kernel_fun::api::kda_fwd_check));
+  m.impl("kda_support", TORCH_BOX(&kernel_fun::api::kda_support));
 }

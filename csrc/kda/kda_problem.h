@@ -1,18 +1,16 @@
-// KDA (Kimi Delta Attention) forward on sm_90a: torch-free parameters and launchers.
+// KDA (Kimi Delta Attention) on sm_90a: the problem description every KDA kernel reads, the one
+// options object, and the forward / backward parameter structs built on them (as FA3's
+// Flash_bwd_params extends Flash_fwd_params). Torch-free: csrc/api fills these from tensors.
 //
-// Two kernels (docs/kda-forward.md has the stage table, the workspace layout and the smem plan):
-//   kda_fwd_intra  one CTA per (chunk of 64 tokens, value head): gate + chunk-local cumsum (base 2),
-//                  q/k l2norm, beta sigmoid, Aqk, Akk = (I + L)^-1 diag(beta), w, qg, kg, exp2(G).
-//   kda_fwd_scan   one CTA per (V-slice, value head, sequence): the serial chunk recurrence with the
-//                  state h [K, BV] in fp32 registers (transposed: each warp owns 16 value columns);
-//                  u = Akk v, v' = u - w h, o = qg h + Aqk v', h <- exp2(G) h + kg^T v'.
-// A third, tiny kernel builds the varlen chunk map (chunk offsets per sequence) on the device, so no
-// call ever synchronises with the host.
+// docs/kda.md has the stage table: which kernel computes which stage of the math, its fp64
+// reference (src/kernel_fun/ref/) and its tests.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "common/cuda_check.h"
 
@@ -28,58 +26,137 @@ enum class GateMode : int {
   kBoundedNoALog = 3,    // lower_bound * sigmoid(g + dt_bias[h, :])
 };
 
-struct KdaFwdParams {
-  // ---- inputs (all contiguous; q/k [B,T,H,K], v [B,T,HV,V], g [B,T,HV,K], beta [B,T,HV]) ----
+// The options of one chunk_kda call. Built once in Python (kernel_fun.kda._options.KdaOptions),
+// passed to every op as one string and parsed here; nothing else restates the list.
+struct KdaOptions {
+  float scale = 1.f;
+  GateMode gate_mode = GateMode::kPrecomputed;
+  float lower_bound = 0.f;
+  bool l2norm = false;
+  float beta_sigmoid_scale = 0.f;  // 0: beta used as given; 1, or 2 with allow_neg_eigval: s * sigmoid(beta)
+  bool state_v_first = false;      // states (h0, ht, dh0, dht, h_states) are [.., V, K]
+  int chunk_size = kChunk;
+};
+
+// Parses KdaOptions.encode()'s "key=value;..." text. Returns "" on success, else a message naming
+// the offending key. Every key must be present exactly once; unknown keys are errors.
+std::string parse_options(const std::string& text, KdaOptions& out);
+
+// Shapes, dtypes, the sequence map and the inputs: what the forward and the backward share.
+// Layouts (all contiguous): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
+// A_log [HV] fp32; dt_bias [HV * K] fp32; h0 [N, HV, K, V] ([N, HV, V, K] with state_v_first) fp32.
+struct KdaProblem {
+  int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+  int N = 0;           // sequences: B, or len(cu_seqlens) - 1
+  int max_chunks = 0;  // grid bound of the per-chunk kernels: B * ceil(T / 64), or T / 64 + N with varlen
+
+  const void* cu_seqlens = nullptr;  // [N + 1] int32 or int64 on the device, or null (fixed length)
+  bool cu_int64 = false;
+  int* chunk_offsets = nullptr;      // [N + 1] first global chunk of each sequence (built on the device)
+
+  DType dtype = DType::kBFloat16;  // q, k, v, o and the 16-bit workspace (WT)
+  DType g_dtype = DType::kFloat32;
+  DType beta_dtype = DType::kFloat32;
+  KdaOptions opt;
+
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
   const void* g = nullptr;
   const void* beta = nullptr;
-  const float* A_log = nullptr;    // [HV] fp32 (converted by the caller), or null
-  const float* dt_bias = nullptr;  // [HV*K] fp32, or null
-  const float* h0 = nullptr;       // [N,HV,K,V] ([N,HV,V,K] if state_v_first) fp32, or null
-  const void* cu_seqlens = nullptr;  // [N+1] int32 or int64, or null (fixed length)
-  bool cu_int64 = false;
+  const float* A_log = nullptr;    // null unless the in-kernel gate uses it
+  const float* dt_bias = nullptr;  // null when absent
+  const float* h0 = nullptr;
+};
 
-  // ---- outputs ----
-  void* o = nullptr;         // [B,T,HV,V], dtype of q
+// Forward: the two kernels' outputs and the workspace between them (dtype WT unless noted;
+// token-indexed rows, so sequences never mix).
+struct KdaFwdParams : KdaProblem {
+  void* o = nullptr;         // [B, T, HV, V]; null in the backward's re-scan (only states wanted)
   float* ht = nullptr;       // final state, layout of h0, or null
-  void* h_states = nullptr;  // [total chunks, HV, K, V] ([.., V, K] if state_v_first), dtype of q, or null
+  void* h_states = nullptr;  // [chunks, HV, K, V] ([.., V, K] if state_v_first), or null
 
-  // ---- workspace (dtype WT = the input dtype; token-indexed rows, so sequences never mix) ----
   void* w = nullptr;         // [B*T, HV, K]   Akk @ (exp2(g2) * k)
   void* qg = nullptr;        // [B*T, HV, K]   scale * q * exp2(g2)
   void* kg = nullptr;        // [B*T, HV, K]   k * exp2(G - g2)
   void* Aqk = nullptr;       // [B*T, HV, 64]  scale * q_i k_j exp2(g2_i - g2_j), j <= i (row i's chunk)
   void* Akk = nullptr;       // [B*T, HV, 64]  (I + L)^-1 diag(beta)
+  void* M = nullptr;         // [B*T, HV, 64]  (I + L)^-1 (backward only), or null
   float* gdecay = nullptr;   // [max_chunks, HV, K]  exp2(G) per chunk (G = g2 of its last valid row)
-  int* chunk_offsets = nullptr;  // [N+1] first global chunk of each sequence (varlen only)
-
-  // ---- sizes ----
-  int B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
-  int N = 0;           // sequences: B, or len(cu_seqlens) - 1
-  int max_chunks = 0;  // grid bound of the intra kernel: B*ceil(T/64), or T/64 + N with varlen
-
-  // ---- options ----
-  float scale = 1.f;
-  GateMode gate_mode = GateMode::kPrecomputed;
-  float lower_bound = 0.f;
-  bool l2norm = false;
-  float beta_sigmoid_scale = 0.f;  // 0: beta used as given; 1 or 2: beta = s * sigmoid(beta)
-  bool state_v_first = false;
-
-  DType dtype = DType::kBFloat16;       // q, k, v, o and the workspace
-  DType g_dtype = DType::kFloat32;
-  DType beta_dtype = DType::kFloat32;
+  void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk (backward re-scan), or null
 };
 
-// Launchers: enqueue on `stream`, throw std::runtime_error on launch failure.
-void kda_fwd_chunk_map(const KdaFwdParams& p, cudaStream_t stream);  // varlen only
-void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream);
-void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
+// Backward: gradients, the reverse scan's checkpoints and the per-chunk partial sums.
+struct KdaBwdParams : KdaFwdParams {
+  // Aqk, Akk and M come from the forward (saved for the backward): kda_bwd_prep rebuilds only w, qg,
+  // kg and gdecay; otherwise kda_fwd_intra recomputes all of them.
+  bool saved_factors = false;
+  const void* dout = nullptr;  // do [B, T, HV, V], dtype WT
+  const float* dht = nullptr;  // gradient of the final state (layout of h0), or null
 
-// The V-slice width the scan uses for this problem (64 or 128): wider slices re-read the shared
-// per-chunk tiles fewer times; narrower ones give more CTAs when B*HV is small.
-int kda_fwd_scan_bv(const KdaFwdParams& p);
+  void* dq = nullptr;          // [B, T, H, K] WT
+  void* dk = nullptr;          // [B, T, H, K] WT
+  void* dv = nullptr;          // [B, T, HV, V] WT
+  void* dg = nullptr;          // [B, T, HV, K] g_dtype
+  void* dbeta = nullptr;       // [B, T, HV] beta_dtype
+  float* dh0 = nullptr;        // layout of h0, or null
+
+  void* dh_ckpt = nullptr;     // [max_chunks, HV, V, K] WT: dh_{c+1}, the state gradient chunk c reads
+  float* dqhat = nullptr;      // [B*T, HV, K] fp32: d(normalised q) per value head (GVA), or null
+  float* dkhat = nullptr;      // [B*T, HV, K] fp32
+  float* pbias = nullptr;      // [max_chunks, HV, K] per-chunk sums of d(g + dt_bias), or null
+  float* pA = nullptr;         // [max_chunks, HV] per-chunk sums of dgate * d(gate)/d(A_log), or null
+  float* dA_log = nullptr;     // [HV] fp32, or null
+  float* ddt_bias = nullptr;   // [HV * K] fp32, or null
+  float* dbg_dA = nullptr;     // optional stage dumps for tests: [B*T, HV, 64] fp32 dAqk (scaled),
+  float* dbg_dL = nullptr;     //   and dL = -(M^T dM M^T) (strictly lower)
+  long long* dbg_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_bwd_grads (profiling)
+};
+
+// ---------------------------------------------------------------- workspace
+// Every buffer the launches need beyond the op's own inputs and outputs, with its size: the one
+// place the workspace is described (csrc/api allocates from this list).
+struct WorkBuffer {
+  enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
+                  kPbias, kPA, kCount };
+  Id id;
+  const char* name;
+  std::vector<int64_t> shape;
+  DType dtype;       // kFloat32 for fp32 buffers, the problem's dtype for 16-bit ones
+  bool is_int = false;  // chunk_offsets (int32)
+};
+
+// The forward (backward == false) or the whole backward's workspace. Buffers not needed for this
+// problem (GVA sums when HV == H, gate partials without an in-kernel gate, the factors the forward
+// saved: saved_factors) are absent.
+inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false) {
+  const int64_t rows = static_cast<int64_t>(p.B) * p.T;
+  const int64_t HV = p.HV, K = p.K, V = p.V, C = p.max_chunks;
+  const DType wt = p.dtype, f32 = DType::kFloat32;
+  std::vector<WorkBuffer> b = {
+      {WorkBuffer::kW, "w", {rows, HV, K}, wt},
+      {WorkBuffer::kQg, "qg", {rows, HV, K}, wt},
+      {WorkBuffer::kKg, "kg", {rows, HV, K}, wt},
+  };
+  if (!saved_factors) {
+    b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, kChunk}, wt});
+    b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
+  }
+  b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
+  b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {int64_t{p.N} + 1}, f32, true});
+  if (!backward) return b;
+  if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
+  b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
+  b.push_back({WorkBuffer::kDhCkpt, "dh_ckpt", {C, HV, V, K}, wt});
+  if (p.HV != p.H) {
+    b.push_back({WorkBuffer::kDqhat, "dqhat", {rows, HV, K}, f32});
+    b.push_back({WorkBuffer::kDkhat, "dkhat", {rows, HV, K}, f32});
+  }
+  if (p.opt.gate_mode != GateMode::kPrecomputed) {
+    b.push_back({WorkBuffer::kPbias, "pbias", {C, HV, K}, f32});
+    b.push_back({WorkBuffer::kPA, "pA", {C, HV}, f32});
+  }
+  return b;
+}
 
 }  // namespace kernel_fun::kda

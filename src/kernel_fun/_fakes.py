@@ -18,6 +18,7 @@ OUT_PARAM_OPS: tuple[str, ...] = (
     "cconv_update",
     # kda family (csrc/api/kda_ops.cpp)
     "kda_fwd",
+    "kda_bwd",
 )
 
 

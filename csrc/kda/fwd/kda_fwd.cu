@@ -1,4 +1,5 @@
-// KDA forward: dispatch over (dtype, K, V-slice) and the varlen chunk map.
+// KDA forward: dispatch over (dtype, K, V-slice), the varlen chunk map, and the forward's stage
+// sequence.
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -6,8 +7,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "kda/sm90/kda_device.cuh"
-#include "kda/sm90/kda_fwd_launch.h"
+#include "kda/device/sequence.cuh"
+#include "kda/fwd/kda_fwd_launch.h"
+#include "kda/kda_launch.h"
 
 namespace kernel_fun::kda {
 
@@ -17,7 +19,7 @@ constexpr int kMapThreads = 1024;
 
 // chunk_offsets[n] = sum_{m < n} ceil(len_m / 64): the first global chunk of sequence n. One CTA,
 // so no host round trip is ever needed (cu_seqlens stays on the device, int32 or int64).
-__global__ void __launch_bounds__(kMapThreads) kda_fwd_chunk_map_kernel(const KdaFwdParams p) {
+__global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
   using Scan = cub::BlockScan<int, kMapThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int carry;
@@ -43,9 +45,9 @@ __global__ void __launch_bounds__(kMapThreads) kda_fwd_chunk_map_kernel(const Kd
 
 }  // namespace
 
-void kda_fwd_chunk_map(const KdaFwdParams& p, cudaStream_t stream) {
+void kda_chunk_map(const KdaProblem& p, cudaStream_t stream) {
   if (!p.cu_seqlens) return;
-  kda_fwd_chunk_map_kernel<<<1, kMapThreads, 0, stream>>>(p);
+  kda_chunk_map_kernel<<<1, kMapThreads, 0, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 
@@ -119,6 +121,12 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
     case DType::kFloat16: return scan_k<__half>(p, stream);
     default: throw std::invalid_argument("kda_fwd_scan: dtype must be bfloat16 or float16");
   }
+}
+
+void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
+  kda_chunk_map(p, stream);
+  kda_fwd_intra(p, stream);
+  kda_fwd_scan(p, stream);
 }
 
 }  // namespace kernel_fun::kda

@@ -20,6 +20,7 @@
 //       produce row block bi-1 of P4b w = Akk @ kexp (tf32 tensor cores) and of Akk = X diag(beta)
 //       -> workspace                                                                         | x3
 //   P4b row block 3 (all warps)
+// In the backward (p.M set) the same kernel also stores M = (I + L)^-1 beside Akk.
 //
 // P2 split (every decay factor is exp2 of a difference <= 0, a decay between j and i, never exp2
 // of a positive number: THE NUMERICS LAW of kernel-fun-ALGORITHM.md holds at any gate magnitude;
@@ -49,8 +50,10 @@
 
 #include <cstdint>
 
-#include "kda/sm90/kda_device.cuh"
-#include "kda/sm90/kda_fwd_launch.h"
+#include "kda/device/gate.cuh"
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+#include "kda/fwd/kda_fwd_launch.h"
 
 namespace kernel_fun::kda {
 
@@ -104,33 +107,6 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
   dev::mma_1688_tf32(c, ah, bh0, bh1);
 }
 
-// Gate activations without the libm log1pf / expf / IEEE division (a libm softplus is ~70
-// instructions per element, which made the gate the costliest part of the kernel):
-//   softplus(x) = max(x, 0) + ln2 * log2(1 + u), u = exp(-|x|) in (0, 1]: one ex2 and one lg2 on
-//   the SFU. lg2.approx's absolute error on [1, 2] is ~2^-22 and 1 + u rounds to 2^-24, so the
-//   absolute error is ~2e-7 at any x (the relative error grows only where softplus(x) < ~1e-6,
-//   i.e. x < -14, where the step's whole contribution to the cumsum is below that). The cumsum
-//   it feeds rounds at 6e-8 * |cumsum|; the fp64 reference tests bound the end-to-end effect.
-//   sigmoid(x) = 1 / (1 + exp(-x)) with ex2.approx and the approximate division (~2 ulp; exp(-x) =
-//   inf gives 0, the correct limit).
-__device__ __forceinline__ float softplus_fast(float x) {
-  if (x > 20.f) return x;  // torch / fla: threshold 20 returns x itself
-  const float u = dev::fast_exp2(-1.4426950408889634f * fabsf(x));
-  return fmaxf(x, 0.f) + 0.6931471805599453f * dev::fast_lg2(1.f + u);
-}
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
-
-// 8 consecutive floats (16-byte aligned) between smem and registers.
-__device__ __forceinline__ void intra_ld8(float (&v)[8], const float* p) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-__device__ __forceinline__ void intra_st8(float* p, const float (&v)[8]) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
 template <typename WT, int K>
 __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
   using S = IntraSmem<K>;
@@ -139,8 +115,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   constexpr int KQ = S::KQ;
   constexpr int AP = S::AP;
   constexpr int NTH = kIntraThreads;
-  constexpr float kRcpLn2 = 1.4426950408889634f;
-  extern __shared__ float4 smem_f4[];
+    KF_DYN_SMEM(float4, smem_f4);
   char* sm = reinterpret_cast<char*>(smem_f4);
   float* sG = reinterpret_cast<float*>(sm + S::oG);
   WT* sQ = reinterpret_cast<WT*>(sm + S::oQ);
@@ -165,20 +140,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
 
   // ---- which sequence / chunk this CTA owns
   int n, c;
-  if (p.cu_seqlens) {
-    if (x >= p.chunk_offsets[p.N]) return;
-    int lo = 0, hi = p.N - 1;  // largest n with chunk_offsets[n] <= x
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.chunk_offsets[mid] <= x) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-    c = x - p.chunk_offsets[n];
-  } else {
-    const int nts = (p.T + kChunk - 1) / kChunk;
-    n = x / nts;
-    c = x % nts;
-  }
+  if (!dev::chunk_of(p, x, n, c)) return;
   const dev::SeqInfo seq = dev::seq_info(p, n);
   const int64_t tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
   const int len = min(kChunk, seq.len - c * kChunk);
@@ -215,160 +177,17 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   }
 
   // ---------------------------------------------------------------- P1: gate + cumsum, beta
-  // Thread = (16-row block, group of 8 columns, sub-group of RPT rows): 16-byte g loads, the gate
-  // on RPT x 8 elements, a running sum over the thread's rows, then the prefix over the SUBS
-  // sub-groups of the block by shuffles (adjacent lanes). The cumsum is block-local (restarts at
-  // every 16-row block), so no sums cross threads of different blocks.
-  {
-    constexpr int CG = K / 8;
-    constexpr int SUBS = NTH / (4 * CG);  // 4 at K = 128, 8 at K = 64
-    constexpr int RPT = 16 / SUBS;        // rows per thread
-    static_assert(SUBS * RPT == 16 && 32 % SUBS == 0, "sub-groups of one block are adjacent lanes");
-    const int sub = tid % SUBS, cg = (tid / SUBS) % CG, blk = tid / (SUBS * CG);
-    const int d0 = 8 * cg, row0 = 16 * blk + RPT * sub;
-    float a_exp = 1.f, bias[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) bias[e] = 0.f;
-    if (p.gate_mode != GateMode::kPrecomputed) {
-      if (p.A_log) a_exp = expf(p.A_log[hv]);
-      if (p.dt_bias) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + d0 + e];
-      }
-    }
-    // dtype switch outside the per-row loop (RPT 16-byte loads in flight)
-    float xr[RPT][8];
-    const bool gal16 = (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
-    auto goff = [&](int j) { return ((tok0 + row0 + j) * HV + hv) * K + d0; };
-    if (gal16 && p.g_dtype == DType::kFloat32) {
-#pragma unroll
-      for (int j = 0; j < RPT; ++j) {
-        float4 u0 = make_float4(0.f, 0.f, 0.f, 0.f), u1 = u0;
-        if (row0 + j < len) {
-          const float4* gp = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.g) + goff(j));
-          u0 = gp[0];
-          u1 = gp[1];
-        }
-        xr[j][0] = u0.x; xr[j][1] = u0.y; xr[j][2] = u0.z; xr[j][3] = u0.w;
-        xr[j][4] = u1.x; xr[j][5] = u1.y; xr[j][6] = u1.z; xr[j][7] = u1.w;
-      }
-    } else if (gal16 && (p.g_dtype == DType::kBFloat16 || p.g_dtype == DType::kFloat16)) {
-      const bool bf = p.g_dtype == DType::kBFloat16;
-#pragma unroll
-      for (int j = 0; j < RPT; ++j) {
-        uint4 u = make_uint4(0u, 0u, 0u, 0u);
-        if (row0 + j < len) u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.g) + goff(j));
-        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f2 = bf ? dev::Elem<__nv_bfloat16>::to_float2(w4[e]) : dev::Elem<__half>::to_float2(w4[e]);
-          xr[j][2 * e] = f2.x;
-          xr[j][2 * e + 1] = f2.y;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < RPT; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xr[j][e] = row0 + j < len ? dev::load_any(p.g, goff(j) + e, p.g_dtype) : 0.f;
-    }
-    if (tid < kChunk) {
-      float b = 0.f;
-      if (tid < len) {
-        b = dev::load_any(p.beta, (tok0 + tid) * HV + hv, p.beta_dtype);
-        if (p.beta_sigmoid_scale != 0.f) b = p.beta_sigmoid_scale * sigmoid_f(b);
-      }
-      sBeta[tid] = b;
-    }
-    // gate activation; rows past the end: gate 0
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      const bool ok = row0 + j < len;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float x = xr[j][e] + bias[e];
-        float y = xr[j][e];
-        switch (p.gate_mode) {
-          case GateMode::kPrecomputed: break;
-          case GateMode::kUnbounded: y = -a_exp * softplus_fast(x); break;
-          case GateMode::kBounded: y = p.lower_bound * sigmoid_fast(a_exp * x); break;
-          case GateMode::kBoundedNoALog: y = p.lower_bound * sigmoid_fast(x); break;
-        }
-        xr[j][e] = ok ? y : 0.f;
-      }
-    }
-    // block-local inclusive cumsum: the thread's rows, then the exclusive prefix of the sub-groups
-    // before it in the block (shuffles within the block's SUBS lanes)
-#pragma unroll
-    for (int j = 1; j < RPT; ++j)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xr[j][e] += xr[j - 1][e];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float incl = xr[RPT - 1][e];  // inclusive prefix of the sub-group totals
-#pragma unroll
-      for (int o = 1; o < SUBS; o <<= 1) {
-        const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
-        if (sub >= o) incl += v;
-      }
-      const float excl = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
-#pragma unroll
-      for (int j = 0; j < RPT; ++j) xr[j][e] = (sub == 0 ? xr[j][e] : excl + xr[j][e]) * kRcpLn2;
-    }
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) intra_st8(sG + (row0 + j) * KP + d0, xr[j]);
-    // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
-    if (sub == SUBS - 1) intra_st8(sBT + blk * K + d0, xr[RPT - 1]);
-    for (int i = tid; i < 2 * kChunk * AP / 4; i += NTH)  // sA and sL are adjacent
-      reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (tid == 0) *sWork = 0;
-  }
+  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, hv, sG, sBT, sBeta);
+  for (int i = tid; i < 2 * kChunk * AP / 4; i += NTH)  // sA and sL are adjacent
+    reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (tid == 0) *sWork = 0;
   dev::cp_async_wait<0>();
   __syncthreads();
 
-  // ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G
-  if (tid < K) {
-    const float b0 = sBT[tid], b1 = sBT[K + tid], b2 = sBT[2 * K + tid], b3 = sBT[3 * K + tid];
-    const float o2 = b0 + b1, o3 = o2 + b2;
-    const float s2 = b3, s1 = b2 + s2, s0 = b1 + s1;
-    sBO[tid] = 0.f;
-    sBO[K + tid] = b0;
-    sBO[2 * K + tid] = o2;
-    sBO[3 * K + tid] = o3;
-    sBS[tid] = s0;
-    sBS[K + tid] = s1;
-    sBS[2 * K + tid] = s2;
-    sBS[3 * K + tid] = 0.f;
-    sGt[tid] = o3 + b3;  // G
-  }
-  // ---- l2norm rstd per row (1 when off): VPR lanes per row, 8 elements each (16-byte loads), a
-  // shuffle tree over the row's lanes (aligned groups of VPR lanes of one warp; uniform trip count)
-  {
-    constexpr int VPR = K / 8;
-    static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
-    for (int i = tid; i < kChunk * VPR; i += NTH) {
-      const int r = i / VPR, d0 = (i % VPR) * 8;
-      const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
-      const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-      const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
-      float sq = 0.f, sk = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 a = E::to_float2(wq[e]), b = E::to_float2(wk[e]);
-        sq = fmaf(a.x, a.x, fmaf(a.y, a.y, sq));
-        sk = fmaf(b.x, b.x, fmaf(b.y, b.y, sk));
-      }
-#pragma unroll
-      for (int o = VPR / 2; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
-      if (i % VPR == 0) {
-        sRq[r] = p.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
-        sRk[r] = p.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
-      }
-    }
-  }
+  // ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G; the
+  // l2norm row factors (1 when off)
+  dev::block_offsets<K>(sBT, sBO, sBS, sGt);
+  dev::row_rstd<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, sRq, sRk);
   __syncthreads();
 
   auto Qf = [&](int r, int d) { return E::to_float(sQ[r * KQ + d]); };
@@ -381,7 +200,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   // Write one entry of Aqk (q row) or L (k row) from an un-normalised, un-scaled dot product.
   auto put = [&](bool is_k, int r, int s, float v) {
     if (is_k) sL[r * AP + s] = sBeta[r] * sRk[r] * sRk[s] * v;
-    else sA[r * AP + s] = p.scale * sRq[r] * sRk[s] * v;
+    else sA[r * AP + s] = p.opt.scale * sRq[r] * sRk[s] * v;
   };
   if (warp < 2) {
     // SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds mod 4); lanes
@@ -621,34 +440,8 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
         const int i = unit * 64 + half * 32 + lane;
         const int r = i / VPR, d0 = (i % VPR) * 8;
         if (r >= len) continue;  // rows past the end are never written
-        const float fq = p.scale * sRq[r], fk = sRk[r];
-        // 16-byte smem accesses: 8 consecutive d of row r
-        // g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks after):
-        // sums of terms <= 0, so both exponents are <= 0 and free of cancellation across blocks
-        float g2v[8], Gv[8];
-        {
-          const int b = r >> 4;
-          float ov[8], tv[8], sv[8];
-          intra_ld8(g2v, sG + r * KP + d0);
-          intra_ld8(ov, sBO + b * K + d0);
-          intra_ld8(tv, sBT + b * K + d0);
-          intra_ld8(sv, sBS + b * K + d0);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            Gv[e] = (tv[e] - g2v[e]) + sv[e];  // G - g2
-            g2v[e] = ov[e] + g2v[e];           // g2
-          }
-        }
-        const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
-        const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-        const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
         uint32_t pq[4], pk[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 qv = E::to_float2(wq[e]), kv = E::to_float2(wk[e]);
-          pq[e] = E::pack2(fq * qv.x * dev::fast_exp2(g2v[2 * e]), fq * qv.y * dev::fast_exp2(g2v[2 * e + 1]));
-          pk[e] = E::pack2(fk * kv.x * dev::fast_exp2(Gv[2 * e]), fk * kv.y * dev::fast_exp2(Gv[2 * e + 1]));
-        }
+        dev::gated_vec8<WT, K, KP, KQ>(sG, sBO, sBT, sBS, sQ, sK, p.opt.scale * sRq[r], sRk[r], r, d0, pq, pk, nullptr);
         const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
         *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
         *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
@@ -684,8 +477,8 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       const int r = i / VPR, d0 = (i % VPR) * 8;
       const float fk = sRk[r];
       float lv[8], ov[8], kx[8];
-      intra_ld8(lv, sG + r * KP + d0);
-      intra_ld8(ov, sBO + (r >> 4) * K + d0);
+      dev::ld8(lv, sG + r * KP + d0);
+      dev::ld8(ov, sBO + (r >> 4) * K + d0);
       const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
       const uint32_t wk[4] = {uk.x, uk.y, uk.z, uk.w};
 #pragma unroll
@@ -695,7 +488,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
         kx[2 * e + 1] = fk * kv.y * dev::fast_exp2(ov[2 * e + 1] + lv[2 * e + 1]);
       }
       // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
-      intra_st8(sKexp + r * KP + d0, kx);
+      dev::st8(sKexp + r * KP + d0, kx);
     }
     for (int i = t2; i < kChunk * 8; i += NT2) {
       const int r = i / 8, s0 = (i % 8) * 8;
@@ -712,23 +505,28 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   __syncthreads();
   // Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
   // blocks), threads [t0, t0 + nthr) of the CTA
+  // (and, for the backward, M = X itself: the backward needs (I + L)^-1 without beta folded in)
   auto store_akk_rows = [&](int blk, int t0, int nthr) {
     WT* Akk = reinterpret_cast<WT*>(p.Akk);
+    WT* Mo = reinterpret_cast<WT*>(p.M);
     for (int i = tid - t0; i < 16 * 8; i += nthr) {
       const int r = 16 * blk + i / 8, s0 = (i % 8) * 8;
       if (r < len) {
-        uint32_t pa[4];
+        const int64_t off = ((tok0 + r) * HV + hv) * kChunk + s0;
+        uint32_t pa[4], pm[4];
         if ((s0 >> 4) > blk) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pa[e] = E::pack2(0.f, 0.f);
+          for (int e = 0; e < 4; ++e) pa[e] = pm[e] = E::pack2(0.f, 0.f);
         } else {
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            pa[e] = E::pack2(sX[r * AP + s0 + 2 * e] * sBeta[s0 + 2 * e],
-                             sX[r * AP + s0 + 2 * e + 1] * sBeta[s0 + 2 * e + 1]);
+          for (int e = 0; e < 4; ++e) {
+            const float x0 = sX[r * AP + s0 + 2 * e], x1 = sX[r * AP + s0 + 2 * e + 1];
+            pa[e] = E::pack2(x0 * sBeta[s0 + 2 * e], x1 * sBeta[s0 + 2 * e + 1]);
+            pm[e] = E::pack2(x0, x1);
+          }
         }
-        *reinterpret_cast<uint4*>(Akk + ((tok0 + r) * HV + hv) * kChunk + s0) =
-            make_uint4(pa[0], pa[1], pa[2], pa[3]);
+        *reinterpret_cast<uint4*>(Akk + off) = make_uint4(pa[0], pa[1], pa[2], pa[3]);
+        if (Mo) *reinterpret_cast<uint4*>(Mo + off) = make_uint4(pm[0], pm[1], pm[2], pm[3]);
       }
     }
   };
@@ -832,6 +630,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   store_akk_rows(3, 0, NTH);
 }
 
+#ifndef KF_EMU
 template <typename WT, int K>
 void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
   constexpr size_t smem = IntraSmem<K>::kBytes;
@@ -843,5 +642,6 @@ void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
   kern<<<dim3(p.max_chunks, p.HV), kIntraThreads, smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
+#endif
 
 }  // namespace kernel_fun::kda

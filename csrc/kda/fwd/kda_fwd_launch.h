@@ -1,9 +1,10 @@
 // Launchers of the KDA forward kernels, defined next to their kernels (kda_fwd_intra.cuh,
 // kda_fwd_scan.cuh) and explicitly instantiated one variant per file under instantiations/, so the
-// variants compile in parallel. Only kda_fwd.cu calls these.
+// variants compile in parallel. Only kda_fwd.cu calls these (the public entry points are in
+// kda/kda_launch.h).
 #pragma once
 
-#include "kda/sm90/kda_fwd.h"
+#include "kda/kda_problem.h"
 
 namespace kernel_fun::kda {
 

@@ -15,6 +15,8 @@
 //   D   hT = hT * exp2(G)[k] + v'T @ kg       B = kg [token][k] (ldmatrix.trans)
 // scale lives inside qg and Aqk (kda_fwd_intra), so it is never applied twice. h and v' are rounded
 // to WT as MMA operands; accumulation is fp32 everywhere.
+// The backward's re-scan runs this kernel with o = null (no qg loads, no OT products, no o stores)
+// and h_ckpt set: the state before every chunk, [chunk][HV][V][K] in WT, for kda_bwd_grads.
 //
 // Shared memory plan (WT elements; rows padded by 8 so ldmatrix rows hit distinct banks):
 //   stage s in {0,1}: sW, sQg, sKg [64][K+8]; sAqk, sAkk [64][72] (16x16 blocks above the diagonal
@@ -23,8 +25,9 @@
 //   barrier per chunk hands the stage over.
 #pragma once
 
-#include "kda/sm90/kda_device.cuh"
-#include "kda/sm90/kda_fwd_launch.h"
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+#include "kda/fwd/kda_fwd_launch.h"
 
 namespace kernel_fun::kda {
 
@@ -61,7 +64,7 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
 
-  extern __shared__ float4 smem_f4[];
+  KF_DYN_SMEM(float4, smem_f4);
   WT* sm = reinterpret_cast<WT*>(smem_f4);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -80,13 +83,14 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
   auto state_index = [&](int j, int e) -> int64_t {
     const int k = 8 * j + 2 * t + (e & 1);
     const int col = v0 + vw + g + 8 * (e >> 1);
-    return p.state_v_first ? static_cast<int64_t>(col) * K + k : static_cast<int64_t>(k) * V + col;
+    return p.opt.state_v_first ? static_cast<int64_t>(col) * K + k : static_cast<int64_t>(k) * V + col;
   };
 #pragma unroll
   for (int j = 0; j < NK; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) hT[j][e] = p.h0 ? p.h0[sbase + state_index(j, e)] : 0.f;
 
+  const bool with_o = p.o != nullptr;  // uniform: the backward's re-scan wants only the states
   const WT* gw = reinterpret_cast<const WT*>(p.w);
   const WT* gqg = reinterpret_cast<const WT*>(p.qg);
   const WT* gkg = reinterpret_cast<const WT*>(p.kg);
@@ -108,7 +112,7 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
       const int nb = ok ? 16 : 0;
       const int so = r * KP + c8;
       dev::cp_async16(base + S::kW + so, gw + off, nb);
-      dev::cp_async16(base + S::kQg + so, gqg + off, nb);
+      if (with_o) dev::cp_async16(base + S::kQg + so, gqg + off, nb);
       dev::cp_async16(base + S::kKg + so, gkg + off, nb);
     }
     for (int i = tid; i < kChunk * 8; i += NT) {
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
       const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8;
       const int nb = ok ? 16 : 0;
       const int so = r * AP + c8;
-      dev::cp_async16(base + S::kAqk + so, gAqk + off, nb);
+      if (with_o) dev::cp_async16(base + S::kAqk + so, gAqk + off, nb);
       dev::cp_async16(base + S::kAkk + so, gAkk + off, nb);
     }
     constexpr int BV8 = BV / 8;
@@ -156,6 +160,17 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
     const WT* sV = base + S::kV;
     const float* sDec = reinterpret_cast<const float*>(base + S::kDec);
 
+    if (p.h_ckpt) {  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k], k pairs
+      WT* hc = reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K;
+#pragma unroll
+      for (int j = 0; j < NK; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int col = v0 + vw + g + 8 * hh;
+          *reinterpret_cast<uint32_t*>(hc + static_cast<int64_t>(col) * K + 8 * j + 2 * t) =
+              E::pack2(hT[j][2 * hh], hT[j][2 * hh + 1]);
+        }
+    }
     if (hst) {  // the state read by chunk c (fla's h), in the output dtype
       const int64_t hb = (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V;
 #pragma unroll
@@ -181,13 +196,16 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
       for (int pp = 0; pp < 4; ++pp) {
         // B[k][n = token] = w[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
         const int off = (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8;
-        uint32_t bw[4], bq[4];
+        uint32_t bw[4];
         dev::ldsm_x4(bw, sW + off);
-        dev::ldsm_x4(bq, sQg + off);
         dev::mma_16816<WT>(whT[2 * pp], a, bw[0], bw[1]);
         dev::mma_16816<WT>(whT[2 * pp + 1], a, bw[2], bw[3]);
-        dev::mma_16816<WT>(oT[2 * pp], a, bq[0], bq[1]);
-        dev::mma_16816<WT>(oT[2 * pp + 1], a, bq[2], bq[3]);
+        if (with_o) {
+          uint32_t bq[4];
+          dev::ldsm_x4(bq, sQg + off);
+          dev::mma_16816<WT>(oT[2 * pp], a, bq[0], bq[1]);
+          dev::mma_16816<WT>(oT[2 * pp + 1], a, bq[2], bq[3]);
+        }
       }
     }
 
@@ -221,6 +239,7 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
     }
 
     // ---------------- C: OT += v'T @ Aqk^T -> o
+    if (with_o) {
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
@@ -249,6 +268,7 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
           if (tok < rows) *reinterpret_cast<uint32_t*>(o + ((tok0 + tok) * HV + hv) * V + col) = pk;
         }
     }
+    }  // with_o
 
     // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg
 #pragma unroll
@@ -282,6 +302,7 @@ __global__ void __launch_bounds__(scan_threads<BV>(), 1) kda_fwd_scan_kernel(con
   }
 }
 
+#ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
   constexpr size_t smem = ScanSmem<WT, K, BV>::kBytes;
@@ -291,5 +312,6 @@ void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
   kern<<<dim3(p.V / BV, p.HV, p.N), scan_threads<BV>(), smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
+#endif
 
 }  // namespace kernel_fun::kda

@@ -94,8 +94,14 @@ def main(argv=None) -> int:
     from kernel_fun.bench import report
     from kernel_fun.bench.run import Config, gather_meta, run
 
+    # fla 0.5.2 swaps a TileLang kernel into its KDA backward when tilelang is installed (and HV == H);
+    # unless the caller chose otherwise, time its default Triton backward, and say which ran.
+    os.environ.setdefault("FLA_TILELANG", "0")
     t0 = time.time()
     meta = gather_meta(torch)
+    if isinstance(meta.get("versions"), dict):  # copied into every row, so merged pages keep it
+        meta["versions"]["fla_backend"] = (f"FLA_TILELANG={os.environ['FLA_TILELANG']}: Triton backward"
+                                           f"{'' if os.environ['FLA_TILELANG'] == '0' else ' unless tilelang is installed'}")
     meta.update(iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush)
     print(f"kernel-fun bench on {meta['device_name']} ({meta['gpu']}): "
           f"{len(cases)} case(s) x {len(pass_list)} pass(es); versions {meta['versions']}", flush=True)

@@ -136,7 +136,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "|---|---|",
         f"| GPU | {meta.get('device_name', '?')} (`{meta.get('gpu', '?')}`) |",
     ]
-    for key in ("kernel_fun", "extension", "torch", "cuda", "triton", "fla"):
+    for key in ("kernel_fun", "extension", "torch", "cuda", "triton", "fla", "fla_backend"):
         if key in v:
             lines.append(f"| {key} | {_md_cell(str(v[key]))} |")
     ct = meta.get("copy_tbps")

@@ -9,7 +9,8 @@
 3. CUDA tensors run our kernels when the call is supported (see ``is_supported``), else fla with
    the caller's original arguments (reason logged once at WARNING), else a clear error.
 
-Until the KDA backward lands, a call that needs gradients is routed wholly to fla.
+Calls that need gradients run our backward too (kernel_fun::kda_backward, registered as the
+autograd formula of kernel_fun::kda_forward), under the same support rules.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import torch
 
 from kernel_fun import _dispatch, _ext
+from kernel_fun.kda._options import KdaOptions
 
 __all__ = ["chunk_kda", "is_supported", "warmup"]
 
@@ -137,36 +139,47 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _kernel_kwargs(scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                   use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
-                   return_intermediate_states, state_v_first, cu_seqlens, host_cu, kwargs) -> dict:
-    """The keyword arguments of kda._kernel.support_reason and .forward, built once per call."""
-    return dict(
-        scale=float(scale), initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=host_cu, A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"),
-        chunk_size=kwargs.get("chunk_size", 64), return_intermediate_states=return_intermediate_states,
-        disable_recompute=disable_recompute,
-    )
+def _call_meta(q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context,
+               kwargs) -> tuple:
+    """Everything the routing decision depends on, as Python constants (shapes, dtypes, flags), so
+    that ``_plan`` can run once at trace time under torch.compile (assume_constant_result)."""
+    return (tuple(q.shape), q.dtype, tuple(v.shape), v.dtype, g.dtype, beta.dtype,
+            None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape[0]),
+            None if initial_state is None else initial_state.dtype, tuple(sorted(kwargs)), cp_context is not None,
+            float(scale), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
+            bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
+            use_gate_in_kernel and kwargs.get("A_log") is not None, int(kwargs.get("chunk_size", 64)))
 
 
-def _reason(q, k, v, g, beta, kk: dict, cp_context, kwargs) -> str | None:
-    """Why our kernels cannot serve this (valid, CUDA) call, or None when they can."""
-    why = _dispatch.common_reason(FAMILY, kwargs, _KNOWN_KWARGS, cp_context)
-    if why:
-        return why
-    ok, why = _ext.status()
-    if not ok:
-        return why
-    if _needs_grad(q, k, v, g, beta, kk["initial_state"], kk["A_log"], kk["dt_bias"]):
-        return "gradients requested and the kernel-fun KDA backward is not implemented yet"
-    try:
-        from kernel_fun.kda import _kernel
-    except ImportError as e:
-        return f"KDA kernels are not available in this build ({e})"
-    return _kernel.support_reason(q, k, v, g, beta, **kk)
+@torch.compiler.assume_constant_result
+def _plan(meta: tuple) -> tuple:
+    """(reason, options, uses_A_log, uses_dt_bias) for a valid CUDA call described by
+    ``_call_meta``: reason is None when our kernels serve it, else why not; options is the call's
+    encoded KdaOptions. The one routing decision (the environment switches, the extension, the C++
+    support check on meta tensors of the call's shapes), the same eagerly and at trace time."""
+    (q_shape, q_dtype, v_shape, v_dtype, g_dtype, beta_dtype, cu, h0_dtype, kw_names, has_cp, scale, l2norm,
+     gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first, has_A_log, chunk_size) = meta
+    opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
+                                use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
+                                lower_bound=lower_bound, A_log=True if has_A_log else None,
+                                state_v_first=state_v_first, chunk_size=chunk_size)
+    plan = (None, opts.encode(), opts.uses_A_log, opts.uses_dt_bias)
+    why = _dispatch.common_reason(FAMILY, dict.fromkeys(kw_names), _KNOWN_KWARGS, True if has_cp else None)
+    if why is None:
+        ok, why = _ext.status()
+        why = None if ok else why
+    if why is None and h0_dtype is not None and h0_dtype != torch.float32:
+        why = f"initial_state dtype {h0_dtype} (kernels take float32)"
+    if why is None:
+        meta_t = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+        B, T, H, K = q_shape
+        HV = v_shape[2]
+        cu_t = None if cu is None else meta_t((cu[1],), cu[0])
+        why = _ext.ops().kda_support(meta_t(q_shape, q_dtype), meta_t(q_shape, q_dtype), meta_t(v_shape, v_dtype),
+                                     meta_t((B, T, HV, K), g_dtype), meta_t((B, T, HV), beta_dtype), cu_t,
+                                     plan[1]) or None
+    return (why,) + plan[1:]
 
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -240,20 +253,24 @@ def chunk_kda(
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)
 
-    kk = _kernel_kwargs(scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
-                        return_intermediate_states, state_v_first, cu_seqlens, host_cu, kwargs)
-    reason = _reason(q, k, v, g, beta, kk, cp_context, kwargs)
+    reason, options, uses_A_log, uses_dt_bias = _plan(_call_meta(
+        q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs))
     if reason is not None:
         return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
 
     from kernel_fun.kda import _kernel
 
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _dispatch.log_engaged(FAMILY, f"B={B} T={T} H={H} HV={HV} K={K} V={V} dtype={q.dtype} "
-                                  f"varlen={cu_seqlens is not None}")
-    return _kernel.forward(q, k, v, g, beta, **kk)
+    if not torch.compiler.is_compiling():
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        _dispatch.log_engaged(FAMILY, f"B={B} T={T} H={H} HV={HV} K={K} V={V} dtype={q.dtype} "
+                                      f"varlen={cu_seqlens is not None} grad={_needs_grad(q, k, v, g, beta)}")
+    A_log = kwargs.get("A_log") if uses_A_log else None
+    dt_bias = kwargs.get("dt_bias") if uses_dt_bias else None
+    return _kernel.forward(q, k, v, g, beta, options=options, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=host_cu,
+                           A_log=A_log, dt_bias=dt_bias, return_intermediate_states=return_intermediate_states)
 
 
 def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str | None]:
@@ -277,19 +294,17 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
     a = bound.arguments
     extra = a.pop("kwargs")
     try:
-        host_cu = _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
-                            a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
-                            a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra)
+        _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
+                  a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
+                  a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra)
     except (ValueError, TypeError) as e:
         return False, f"invalid input: {e}"
     if q.device.type != "cuda":
         return False, f"tensors on {q.device} run the torch reference, not our kernels"
-    kk = _kernel_kwargs(a["scale"] if a["scale"] is not None else K ** -0.5, a["initial_state"],
-                        a["output_final_state"], a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"],
-                        a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"], a["lower_bound"],
-                        a["disable_recompute"], a["return_intermediate_states"], a["state_v_first"],
-                        a["cu_seqlens"], host_cu, extra)
-    reason = _reason(q, k, v, g, beta, kk, a["cp_context"], extra)
+    reason = _plan(_call_meta(q, v, g, beta, a["scale"] if a["scale"] is not None else K ** -0.5, a["initial_state"],
+                              a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
+                              a["allow_neg_eigval"], a["lower_bound"], a["state_v_first"], a["cu_seqlens"],
+                              a["cp_context"], extra))[0]
     return (reason is None), reason
 
 

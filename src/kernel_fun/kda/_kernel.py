@@ -1,126 +1,267 @@
-"""The KDA forward on our sm_90a kernels (csrc/kda/sm90/, docs/kda-forward.md).
+"""The KDA forward and backward on our sm_90a kernels (csrc/kda/, docs/kda.md).
 
 ``support_reason`` says whether the kernels can serve a (validated, CUDA) call; ``forward`` runs
-them (no autograd: the front routes calls that need gradients to fla); ``forward_stages`` also
-returns the workspace (w, qg, kg, Aqk, Akk, exp2(G)) for per-stage tests.
+them. Gradients flow through two functional custom ops, ``kernel_fun::kda_forward`` and
+``kernel_fun::kda_backward`` (the latter registered as the former's autograd formula), so a
+``torch.compile(fullgraph=True)`` training step sees our ops as single nodes with no graph break.
+``forward_stages`` / ``backward_stages`` also return the workspace, for per-stage tests.
 
-Two launches (plus a one-CTA chunk map for varlen), no host synchronisation: cu_seqlens is read
-natively (int32 or int64) on the device; cu_seqlens_cpu is used only to size the optional
-intermediate-states output (the front always supplies it).
+No call synchronises with the host: cu_seqlens is read natively (int32 or int64) on the device;
+cu_seqlens_cpu is used only to size the optional intermediate-states output.
+
+What the forward saves for the backward: its inputs only (q, k, v, g, beta, A_log, dt_bias,
+initial_state, cu_seqlens; no copies). The backward recomputes the forward's workspace and the
+per-chunk states itself (kda_backward in csrc/kda/bwd/kda_bwd.cu).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import torch
 
 from kernel_fun import _ext
+from kernel_fun.kda._options import KdaOptions
 
 CHUNK = 64
 
+# Invocations of the two custom ops (their eager implementations, which compiled graphs call too):
+# tests count these to prove our kernels ran, not fla's.
+CALLS: collections.Counter = collections.Counter()
 
-def support_reason(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                   state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, chunk_size,
-                   return_intermediate_states, disable_recompute) -> str | None:
-    """None when our kernels can run this call, else why not (the C++ op decides)."""
+
+@functools.lru_cache(maxsize=256)
+def _decode(options: str) -> KdaOptions:
+    """The KdaOptions behind an encoded string (the custom ops receive the string)."""
+    kv = dict(item.split("=", 1) for item in options.split(";") if item)
+    return KdaOptions(scale=float.fromhex(kv["scale"]), gate=kv["gate"], lower_bound=float.fromhex(kv["lower_bound"]),
+                      l2norm=kv["l2norm"] == "1", beta_sigmoid=int(kv["beta_sigmoid"]),
+                      state_v_first=kv["state_v_first"] == "1", chunk_size=int(kv["chunk_size"]))
+
+
+def support_reason(q, k, v, g, beta, opts: KdaOptions, cu_seqlens=None, initial_state=None) -> str | None:
+    """None when our kernels can run this call, else why not (the C++ op decides; metadata only)."""
     if initial_state is not None and initial_state.dtype != torch.float32:
         return f"initial_state dtype {initial_state.dtype} (kernels take float32)"
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        return "the unbounded gate needs A_log"
-    reason = _ext.ops().kda_fwd_support(q, k, v, g, beta, cu_seqlens, int(chunk_size))
+    reason = _ext.ops().kda_support(q, k, v, g, beta, cu_seqlens, opts.encode())
     return reason or None
 
 
-def _f32_flat(t):
-    return None if t is None else t.detach().reshape(-1).to(torch.float32).contiguous()
+def _state_shape(N, HV, K, V, state_v_first):
+    return (N, HV, V, K) if state_v_first else (N, HV, K, V)
 
 
-def _run(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-         cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, return_intermediate_states, poison=False):
+def _aligned(t):
+    """Contiguous with a 16-byte aligned start (the kernels copy rows with 16-byte cp.async)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def gate_params(opts: KdaOptions, A_log, dt_bias):
+    """A_log / dt_bias as the ops take them (flat fp32, None when the gate does not read them).
+    Done outside the custom ops, so autograd maps their gradients back to the caller's shape and
+    dtype (A_log in any shape with HV elements, dt_bias in any float dtype)."""
+    A = A_log.reshape(-1).to(torch.float32) if (opts.uses_A_log and A_log is not None) else None
+    D = dt_bias.reshape(-1).to(torch.float32) if (opts.uses_dt_bias and dt_bias is not None) else None
+    return A, D
+
+
+# ---------------------------------------------------------------- the functional custom ops
+@torch.library.custom_op("kernel_fun::kda_forward", mutates_args=())
+def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None, options: str, output_final_state: bool,
+                save_factors: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, final_state, Aqk, Akk, M). final_state is an empty tensor unless output_final_state;
+    Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead of recomputing the
+    forward intra) are empty tensors unless save_factors."""
+    CALLS["kda_forward"] += 1
+    o, ht, Aqk, Akk, M = _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors)
+    _ext.ops().kda_fwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A_log, dt_bias,
+                       None if initial_state is None else initial_state.contiguous(), cu_seqlens, options, o,
+                       ht if output_final_state else None, None, *((Aqk, Akk, M) if save_factors else (None,) * 3))
+    return o, ht, Aqk, Akk, M
+
+
+def _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors):
+    opts = _decode(options)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    dev, dt = q.device, q.dtype
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if v.data_ptr() % 16:  # the scan copies v rows with 16-byte cp.async
-        v = v.clone()
-    nts = -(-T // CHUNK)
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.contiguous()
-        N = cu_seqlens.numel() - 1
-        max_chunks = T // CHUNK + N
-    else:
-        N = B
-        max_chunks = B * nts
-    if scale is None:
-        scale = K ** -0.5
-    o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-    ws = {
-        "w": torch.empty(B * T, HV, K, dtype=dt, device=dev),
-        "qg": torch.empty(B * T, HV, K, dtype=dt, device=dev),
-        "kg": torch.empty(B * T, HV, K, dtype=dt, device=dev),
-        "Aqk": torch.empty(B * T, HV, CHUNK, dtype=dt, device=dev),
-        "Akk": torch.empty(B * T, HV, CHUNK, dtype=dt, device=dev),
-        "gdecay": torch.empty(max_chunks, HV, K, dtype=torch.float32, device=dev),
-        "chunk_offsets": torch.zeros(N + 1, dtype=torch.int32, device=dev),
-    }
-    st_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    ht = torch.empty(st_shape, dtype=torch.float32, device=dev) if output_final_state else None
-    h_states = None
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = q.new_empty(B, T, HV, V)
+    ht = q.new_empty(_state_shape(N, HV, K, V, opts.state_v_first) if output_final_state else (0,),
+                     dtype=torch.float32)
+    fshape = (B * T, HV, CHUNK) if save_factors else (0,)
+    return o, ht, q.new_empty(fshape), q.new_empty(fshape), q.new_empty(fshape)
+
+
+@kda_forward.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, options, output_final_state, save_factors):
+    return _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors)
+
+
+@torch.library.custom_op("kernel_fun::kda_backward", mutates_args=())
+def kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, Aqk: torch.Tensor | None,
+                 Akk: torch.Tensor | None, M: torch.Tensor | None,
+                 options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0): dg / dbeta in g's / beta's dtypes; dA_log,
+    ddt_bias (fp32, flat) and dh0 (fp32) are empty tensors when A_log / dt_bias / initial_state is
+    None. Aqk / Akk / M: the forward's saved factors (all three), or None to recompute them."""
+    CALLS["kda_backward"] += 1
+    dq, dk, dv, dg, dbeta, dA, dD, dh0 = _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state)
+    _ext.ops().kda_bwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A_log, dt_bias,
+                       None if initial_state is None else initial_state.contiguous(), cu_seqlens, _aligned(do),
+                       None if dht is None else dht.contiguous(), Aqk, Akk, M, options, dq, dk, dv, dg, dbeta,
+                       dA if A_log is not None else None, dD if dt_bias is not None else None,
+                       dh0 if initial_state is not None else None)
+    return dq, dk, dv, dg, dbeta, dA, dD, dh0
+
+
+def _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state):
+    f32 = torch.float32
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            torch.empty_like(g, memory_format=torch.contiguous_format),
+            torch.empty_like(beta, memory_format=torch.contiguous_format),
+            q.new_empty((A_log.numel(),) if A_log is not None else (0,), dtype=f32),
+            q.new_empty((dt_bias.numel(),) if dt_bias is not None else (0,), dtype=f32),
+            (torch.empty_like(initial_state, memory_format=torch.contiguous_format)
+             if initial_state is not None else q.new_empty((0,), dtype=f32)))
+
+
+@kda_backward.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, Aqk, Akk, M, options):
+    return _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, options, output_final_state, save_factors = inputs
+    _, _, Aqk, Akk, M = output
+    if not save_factors:  # (autograd recorded the op, so the front asked for the factors: never here)
+        Aqk = Akk = M = None
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk, M)
+    ctx.options = options
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht, *_factor_grads):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk, M = ctx.saved_tensors
+    if do is None:  # only the final state was used
+        do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
+    if not ctx.output_final_state:
+        dht = None
+    dq, dk, dv, dg, dbeta, dA, dD, dh0 = kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                                       do, dht, Aqk, Akk, M, ctx.options)
+    return (dq, dk, dv, dg, dbeta, dA if A_log is not None else None, dD if dt_bias is not None else None,
+            dh0 if initial_state is not None else None, None, None, None, None)
+
+
+kda_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- entry points
+def forward(q, k, v, g, beta, *, options: str, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+            A_log, dt_bias, return_intermediate_states):
+    """(o, final_state), or (o, final_state, h) with return_intermediate_states (inference only).
+    Differentiable (through kernel_fun::kda_forward's registered backward). options: the call's
+    encoded KdaOptions; A_log / dt_bias: the caller's tensors, or None when the gate does not use them.
+    Traceable by torch.compile: the custom op is the only thing that touches data."""
+    A = None if A_log is None else A_log.reshape(-1).to(torch.float32)
+    D = None if dt_bias is None else dt_bias.reshape(-1).to(torch.float32)
     if return_intermediate_states:
-        if cu_seqlens is None:
-            lead = (B, nts)
-        else:
-            host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()  # one D2H read
-            lens = (host[1:] - host[:-1]).to(torch.int64)
-            lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
-        h_states = torch.empty(*lead, HV, *((V, K) if state_v_first else (K, V)), dtype=dt, device=dev)
-    if poison:  # tests: NaN everywhere the kernels are supposed to write
-        for t in (o, ht, h_states, *ws.values()):
-            if t is not None and t.is_floating_point():
-                t.fill_(float("nan"))
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    args = (q, k, v, g, beta, _f32_flat(A_log) if use_gate_in_kernel else None,
-            _f32_flat(dt_bias) if use_gate_in_kernel else None, h0, cu_seqlens, float(scale),
-            bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
-            bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
-            o, ht, h_states, ws["w"], ws["qg"], ws["kg"], ws["Aqk"], ws["Akk"], ws["gdecay"], ws["chunk_offsets"])
-    ops = _ext.ops()
-    err = ops.kda_fwd_check(*args)  # validation in C++, raised here (see kda_ops.cpp)
-    if err:
-        raise ValueError(err)
-    ops.kda_fwd(*args)
-    return o, ht, h_states, ws
+        return _forward_with_states(q, k, v, g, beta, _decode(options), initial_state, output_final_state,
+                                    cu_seqlens, cu_seqlens_cpu, A, D)
+    # the factors the backward reads are kept only when autograd will need them
+    save = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, A, D, initial_state))
+    o, ht, _, _, _ = kda_forward(q, k, v, g, beta, A, D, initial_state, cu_seqlens, options,
+                                 bool(output_final_state), save)
+    return o, (ht if output_final_state else None)
 
 
-def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-            state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, chunk_size,
-            return_intermediate_states, disable_recompute):
-    """(o, final_state), or (o, final_state, h) with return_intermediate_states. No autograd.
-    safe_gate, chunk_size (64 only) and disable_recompute do not change what the forward computes."""
-    o, ht, h_states, _ = _run(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
-        return_intermediate_states=return_intermediate_states)
-    if return_intermediate_states:
-        return o, ht, h_states
-    return o, ht
+def _state_buffer(q, v, opts, cu_seqlens, cu_seqlens_cpu):
+    """(h_states buffer for the raw op, number of chunks the caller sees). Without cu_seqlens one
+    state per chunk of each sequence row; with it the raw op wants room for every chunk the grid can
+    address (T // 64 + N), while the caller sees exactly the chunks that exist (counted from the host
+    copy of cu_seqlens)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    inner = (V, K) if opts.state_v_first else (K, V)
+    if cu_seqlens is None:
+        hs = q.new_empty(B, -(-T // CHUNK), HV, *inner)
+        return hs, hs.shape[1]
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    lens = (host[1:] - host[:-1]).to(torch.int64)
+    total = int(((lens + CHUNK - 1) // CHUNK).sum())
+    return q.new_empty(1, T // CHUNK + cu_seqlens.numel() - 1, HV, *inner), total
 
 
-def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                   allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                   cu_seqlens_cpu=None, A_log=None, dt_bias=None, return_intermediate_states=False, poison=False):
-    """Like forward, plus the workspace, for per-stage tests: returns (o, final_state, h_states, ws)
-    with ws = {w, qg, kg: [B*T, HV, K]; Aqk, Akk: [B*T, HV, 64]; gdecay: [max_chunks, HV, K] fp32;
-    chunk_offsets: [N+1] int32}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta)."""
-    return _run(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
-                return_intermediate_states=return_intermediate_states, poison=poison)
+def _forward_with_states(q, k, v, g, beta, opts, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, A, D):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = q.new_empty(B, T, HV, V)
+    ht = q.new_empty(_state_shape(N, HV, K, V, opts.state_v_first), dtype=torch.float32) if output_final_state else None
+    hs, total = _state_buffer(q, v, opts, cu_seqlens, cu_seqlens_cpu)
+    _ext.ops().kda_fwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D,
+                       None if initial_state is None else initial_state.contiguous(), cu_seqlens, opts.encode(), o, ht,
+                       hs, None, None, None)
+    return o, ht, hs[:, :total]
+
+
+def forward_stages(q, k, v, g, beta, *, opts: KdaOptions, initial_state=None, output_final_state=False,
+                   cu_seqlens=None, A_log=None, dt_bias=None, return_intermediate_states=False, poison=False):
+    """The forward plus its workspace, for per-stage tests: (o, final_state, h_states, ws) with
+    ws = {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 64]; gdecay: [max_chunks, HV, K] fp32;
+    chunk_offsets: [N+1] int32}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta); M = (I + L)^-1
+    (the three factors a training forward saves). With poison, every output and workspace buffer
+    starts as NaN."""
+    A, D = gate_params(opts, A_log, dt_bias)
+    hs, total = (_state_buffer(q, v, opts, cu_seqlens, None) if return_intermediate_states else (None, 0))
+    out = _ext.ops().kda_fwd_stages(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D,
+                                    None if initial_state is None else initial_state.contiguous(), cu_seqlens,
+                                    opts.encode(), bool(output_final_state), hs, bool(poison))
+    names = ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay", "chunk_offsets")
+    return (out[0], (out[1] if output_final_state else None), (hs[:, :total] if hs is not None else None),
+            dict(zip(names, out[2:])))
+
+
+_BWD_WS = ("w", "qg", "kg", "Aqk", "Akk", "gdecay", "chunk_offsets", "M", "h_ckpt", "dh_ckpt")
+
+
+def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial_state=None, cu_seqlens=None,
+                    A_log=None, dt_bias=None, saved=None, poison=False, profile=False):
+    """Every gradient plus the backward's intermediates, for per-stage tests. Returns (grads, st):
+    grads = {dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0} (None where not applicable; dA_log /
+    ddt_bias flat fp32 for the prepared A_log / dt_bias); st = {dA: scale * dAqk (i >= j), dL:
+    -(M^T dM M^T) (i > j), both [B*T, HV, 64] fp32; h_ckpt, dh_ckpt: [max_chunks, HV, V, K], the state
+    before chunk c and the state gradient dh_{c+1} chunk c reads; M, and the recomputed forward
+    workspace; with profile also clock: kda_bwd_grads' clock64() at its phase boundaries, [CTAs, 16]}.
+    saved: the forward's (Aqk, Akk, M) (kda_bwd_prep rebuilds the rest), or None (the forward intra
+    recomputes everything)."""
+    A, D = gate_params(opts, A_log, dt_bias)
+    out = _ext.ops().kda_bwd_stages(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D,
+                                    None if initial_state is None else initial_state.contiguous(), cu_seqlens,
+                                    _aligned(do), None if dht is None else dht.contiguous(),
+                                    *(saved if saved is not None else (None,) * 3), opts.encode(), bool(poison),
+                                    bool(profile))
+    dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, dA, dL = out[:10]
+    grads = dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dA_log=dA_log if A is not None else None,
+                 ddt_bias=ddt if D is not None else None, dh0=dh0 if initial_state is not None else None)
+    st = dict(dA=dA, dL=dL)
+    ws = out[10:]
+    base = [n for n in _BWD_WS if saved is None or n not in ("Aqk", "Akk", "M")]
+    names = base + (["dqhat", "dkhat"] if v.shape[2] != q.shape[2] else []) + \
+        (["pbias", "pA"] if opts.gate != "precomputed" else [])
+    if profile:
+        st["clock"] = ws[-1].view(-1, 16)
+        ws = ws[:-1]
+    st.update(zip(names, ws))
+    return grads, st

@@ -196,7 +196,7 @@ def chunk_kda_bwd_reference(q, k, v, g, beta, do, dht=None, scale=None, initial_
                 _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                        allow_neg_eigval, lower_bound, A_log, dt_bias))
     cd, BT = c["cd"], chunk_size
-    H, HV, K, V = c["H"], c["HV"], c["K"], c["V"]
+    H, HV, K = c["H"], c["HV"], c["K"]
     rep = HV // H
     do = do.to(cd)
     if dht is not None:
@@ -219,7 +219,8 @@ def chunk_kda_bwd_reference(q, k, v, g, beta, do, dht=None, scale=None, initial_
         grads = {key: torch.cat([p[key] for p in parts], 1) for key in ("q", "k", "v", "gate", "beta")}
         dh0 = torch.cat(dh0s, 0)
         # chunk tensors [1, T, ...] and per-chunk states [1, NT, ...] both concatenate along dim 1
-        st = {key: torch.cat([s[key] for s in sts if key in s], 1) for key in sts[0]}
+        keys = max((s.keys() for s in sts), key=len)  # empty sequences carry only the state stages
+        st = {key: torch.cat([s[key] for s in sts if key in s], 1) for key in keys}
 
     B, T = q.shape[0], q.shape[1]
     # GVA: the value heads of a group share q/k; their gradients add (fixed order: a plain sum)

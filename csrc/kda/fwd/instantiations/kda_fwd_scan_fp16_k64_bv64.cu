@@ -1,5 +1,5 @@
 // kda_fwd_scan for fp16, K=64, V-slice 64.
-#include "kda/sm90/kda_fwd_scan.cuh"
+#include "kda/fwd/kda_fwd_scan.cuh"
 
 namespace kernel_fun::kda {
 template void launch_scan<__half, 64, 64>(const KdaFwdParams& p, cudaStream_t stream);

@@ -1,0 +1,101 @@
+// KDA backward: dispatch over (dtype, K, V-slice), the two small finishing kernels, and the
+// backward's stage sequence (kda_launch.h).
+#include <stdexcept>
+#include <string>
+
+#include "kda/bwd/kda_bwd_finish.cuh"
+#include "kda/bwd/kda_bwd_launch.h"
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+#include "kda/kda_launch.h"
+
+namespace kernel_fun::kda {
+
+namespace {
+
+template <typename WT>
+void dh_scan_k(const KdaBwdParams& p, cudaStream_t s, int bv) {
+  switch (p.K) {
+    case 64: return bv == 128 ? launch_dh_scan<WT, 64, 128>(p, s) : launch_dh_scan<WT, 64, 64>(p, s);
+    case 128: return bv == 128 ? launch_dh_scan<WT, 128, 128>(p, s) : launch_dh_scan<WT, 128, 64>(p, s);
+    default: throw std::invalid_argument("kda_bwd_dh_scan: K must be 64 or 128, got " + std::to_string(p.K));
+  }
+}
+
+template <typename WT>
+void prep_k(const KdaBwdParams& p, cudaStream_t s) {
+  switch (p.K) {
+    case 64: return launch_prep<WT, 64>(p, s);
+    case 128: return launch_prep<WT, 128>(p, s);
+    default: throw std::invalid_argument("kda_bwd_prep: K must be 64 or 128, got " + std::to_string(p.K));
+  }
+}
+
+template <typename WT>
+void grads_k(const KdaBwdParams& p, cudaStream_t s) {
+  switch (p.K) {
+    case 64: return launch_grads<WT, 64>(p, s);
+    case 128: return launch_grads<WT, 128>(p, s);
+    default: throw std::invalid_argument("kda_bwd_grads: K must be 64 or 128, got " + std::to_string(p.K));
+  }
+}
+
+}  // namespace
+
+void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
+  if (p.V % 64 != 0) throw std::invalid_argument("kda_bwd_dh_scan: V must be a multiple of 64");
+  // Same shape of work as the forward scan (one warp per 16 value columns, serial over chunks):
+  // the same V-slice choice.
+  const int bv = kda_fwd_scan_bv(p);
+  switch (p.dtype) {
+    case DType::kBFloat16: return dh_scan_k<__nv_bfloat16>(p, stream, bv);
+    case DType::kFloat16: return dh_scan_k<__half>(p, stream, bv);
+    default: throw std::invalid_argument("kda_bwd_dh_scan: dtype must be bfloat16 or float16");
+  }
+}
+
+void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kBFloat16: return prep_k<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return prep_k<__half>(p, stream);
+    default: throw std::invalid_argument("kda_bwd_prep: dtype must be bfloat16 or float16");
+  }
+}
+
+void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kBFloat16: return grads_k<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return grads_k<__half>(p, stream);
+    default: throw std::invalid_argument("kda_bwd_grads: dtype must be bfloat16 or float16");
+  }
+}
+
+void kda_bwd_finish(const KdaBwdParams& p, cudaStream_t stream) {
+  if (p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias)) {
+    kda_bwd_gate_params_kernel<<<p.HV, 128, 0, stream>>>(p);
+    KF_CHECK_LAUNCH();
+  }
+  if (p.HV != p.H) {
+    const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
+    if (items == 0) return;
+    const int64_t blocks = (items + 7) / 8;
+    if (p.dtype == DType::kBFloat16) kda_bwd_group_sum_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+    else kda_bwd_group_sum_kernel<__half><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+    KF_CHECK_LAUNCH();
+  }
+}
+
+void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
+  // Rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with M) and the state
+  // before every chunk, then the reverse scan, the per-chunk gradients and the reductions.
+  // p.o / p.ht / p.h_states are null here.
+  kda_chunk_map(p, stream);
+  if (p.saved_factors) kda_bwd_prep(p, stream);
+  else kda_fwd_intra(p, stream);
+  kda_fwd_scan(p, stream);
+  kda_bwd_dh_scan(p, stream);
+  kda_bwd_grads(p, stream);
+  kda_bwd_finish(p, stream);
+}
+
+}  // namespace kernel_fun::kda

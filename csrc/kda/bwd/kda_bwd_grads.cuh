@@ -1,0 +1,1092 @@
+// kda_bwd_grads: every per-chunk gradient of the KDA backward (stage B4 of
+// src/kernel_fun/ref/kda_bwd.py and the preprocessing backward), one CTA per (chunk, value head),
+// 512 threads (16 warps), ~210 KB of smem at K = 128 (one CTA per SM, 16 warps to hide latency).
+//
+// Inputs per chunk: q, k, g, beta (raw; the gate, the cumsum, l2norm and beta's sigmoid are
+// recomputed exactly as the forward intra does), v, do, the recomputed workspace (w, kg, Aqk, Akk,
+// M) and the two checkpoints h_c (kda_fwd_scan) and dh_{c+1} (kda_bwd_dh_scan).
+//
+// Phases ("|" = barrier), each a device function below; warp w: row block rb = w & 3 (rows 16 rb ..),
+// column quarter cq = w >> 2:
+//   P   q, k, Aqk, Akk, w, kg and the first V-slice -> smem (cp.async); gate + block-local cumsum,
+//       beta; block offsets; l2norm factors                                                   |
+//   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v slices):
+//       V1  v' = Akk v - w h^T  /  dv' = Aqk^T do + kg dh^T  (one 16 x 16 tile of one of them per
+//           warp) -> smem; sum_v h * dh per state row (the decay's gradient)                 |
+//       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
+//           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only)    |
+//   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
+//       dkB = exp2(G - g2) dkg (column-side k terms), dG += sum_i kg dkg                     |
+//       dAkk += dw kexp^T; dkA = exp2(g2) Akk^T dw (row-side k terms)                        |
+//       dbeta_j = sum_i dAkk_ij M_ij;  dM = dAkk diag(beta) -> bf16                           |
+//       Z = dM M^T  |  dL = -(M^T Z) (i > j)                                                   |
+//   I   the intra-chunk products of dA1 and dL with the gated q / k rows: the blocks below the
+//       diagonal on tf32 tensor cores (row side through the first row f of the row's block, column
+//       side through the last row e of the column's block: every factor exp2 of a difference
+//       <= 0) into the C-layout accumulators  |  those -> smem  |  the 16 x 16 diagonal blocks in
+//       SIMT, one thread per (column, block), one exp2 of a one-sided LOCAL difference per pair  |
+//   F   dG at the last valid row, reverse cumsum (per (column, block), carries through smem)    |
+//       gate backward (dg; ddt_bias / dA_log partials), beta's sigmoid backward, l2norm backward
+//       (or, with GVA, dq^ / dk^ per value head to the workspace for kda_bwd_finish)
+//
+// THE NUMERICS LAW (kernel-fun-ALGORITHM.md): every exp2 argument is a difference g2[r] - g2[s]
+// with r >= s, built from the block-local cumsums and block totals (device/gate.cuh) as a sum of
+// terms <= 0; masks are selects; dA, dL, dg, h dh and every accumulator are fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "kda/bwd/kda_bwd_launch.h"
+#include "kda/device/gate.cuh"
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+
+namespace kernel_fun::kda {
+
+constexpr int kGradsThreads = 512;
+constexpr int kVS = 32;  // V-slice width of the contraction loop
+
+// Shared memory plan (byte offsets). Base: live for the whole kernel. Union: the V phase's
+// operands and slices, then (after the V loop) the E phase's matrices (Akk stays in place), then
+// the I / F phases' [64][K] results, which overwrite all of E but dA1 and dL.
+template <int K>
+struct GradsSmem {
+  static constexpr int KQ = K + 8;     // WT row stride of [64][K] tiles (16-byte rows, distinct banks)
+  static constexpr int KP = K + 8;     // fp32 row stride of the g2 tile
+  static constexpr int AP = 72;        // WT row stride of [64][64] tiles
+  static constexpr int AF = 68;        // fp32 row stride of [64][64] tiles
+  static constexpr int VSP = kVS + 8;  // WT row stride of [64][32] slices
+  static constexpr int NPART = kGradsThreads / K;  // row groups of the sum_v h dh pass
+  // base
+  static constexpr int oQ = 0;
+  static constexpr int oK = oQ + kChunk * KQ * 2;
+  static constexpr int oG = oK + kChunk * KQ * 2;
+  static constexpr int oBT = oG + kChunk * KP * 4;
+  static constexpr int oBO = oBT + 4 * K * 4;
+  static constexpr int oBS = oBO + 4 * K * 4;
+  static constexpr int oGt = oBS + 4 * K * 4;
+  static constexpr int oBeta = oGt + K * 4;
+  static constexpr int oRq = oBeta + kChunk * 4;
+  static constexpr int oRk = oRq + kChunk * 4;
+  static constexpr int oDec = oRk + kChunk * 4;       // [NPART][K] partial sums of h * dh
+  static constexpr int oDGp = oDec + NPART * K * 4;   // [4][K] per row block sums of kg * dkg, then partials
+  static constexpr int oRowA = oDGp + 8 * K * 4;      // [4][64] per column quarter row sums
+  static constexpr int oDot = oRowA + 4 * kChunk * 4;  // [2][64] l2norm row dots
+  static constexpr int oDbc = oDot + 2 * kChunk * 4;   // [8][64] dbeta from Akk's columns (partials)
+  static constexpr int oU = oDbc + 8 * kChunk * 4;
+  // union, V phase
+  static constexpr int vAqk = oU;
+  static constexpr int vAkk = vAqk + kChunk * AP * 2;
+  static constexpr int vKg = vAkk + kChunk * AP * 2;
+  static constexpr int vW = vKg + kChunk * KQ * 2;
+  static constexpr int vStage = vW + kChunk * KQ * 2;
+  static constexpr int sH = 0;  // within a stage: h_c slice [32 v][KQ]
+  static constexpr int sDH = sH + kVS * KQ * 2;
+  static constexpr int sDo = sDH + kVS * KQ * 2;  // [64 tok][VSP]
+  static constexpr int sV = sDo + kChunk * VSP * 2;
+  static constexpr int kStageBytes = sV + kChunk * VSP * 2;
+  static constexpr int vVN = vStage + 2 * kStageBytes;
+  static constexpr int vDVN = vVN + kChunk * VSP * 2;
+  static constexpr int vEnd = vDVN + kChunk * VSP * 2;
+  // union, E phase (Akk stays where it was)
+  static constexpr int eM = vAqk;
+  static constexpr int eDW = vKg;
+  static constexpr int eKexp = vW;
+  static constexpr int eDAkk = eKexp + kChunk * KQ * 2;
+  static constexpr int eDM = eDAkk + kChunk * AF * 4;
+  static constexpr int eZ = eDM + kChunk * AP * 2;
+  static constexpr int eZEnd = eZ + kChunk * AP * 2;
+  // union, I / F phases
+  static constexpr int iXq = oU;
+  static constexpr int iXk = iXq + kChunk * K * 4;
+  static constexpr int iXg = iXk + kChunk * K * 4;
+  static constexpr int iXEnd = iXg + kChunk * K * 4;
+  static constexpr int iRowD = eZEnd > iXEnd ? eZEnd : iXEnd;  // [16 warps][16] diagonal row sums
+  static constexpr int iCarry = iRowD + 16 * 16 * 4;           // [4][K] per-block column sums
+  static constexpr int eA1 = iCarry + 4 * K * 4;              // dA1 and dL: written in E, read in I
+  static constexpr int eDL = eA1 + kChunk * AF * 4;
+  static constexpr int eEnd = eDL + kChunk * AF * 4;
+  static constexpr size_t kBytes = (vEnd > eEnd ? vEnd : eEnd);
+  static_assert(oK % 16 == 0 && oG % 16 == 0 && oBT % 16 == 0 && oU % 16 == 0 && vStage % 16 == 0 &&
+                    kStageBytes % 16 == 0 && eA1 % 16 == 0 && eDM % 16 == 0 && eZ % 16 == 0 && iXk % 16 == 0,
+                "16-byte aligned buffers");
+  static_assert(eDAkk >= vAkk + kChunk * AP * 2, "the E phase keeps Akk in place");
+  static_assert(kBytes <= 227 * 1024, "grads shared memory exceeds the sm_90 per-CTA limit");
+  static_assert((kGradsThreads / (K / 8)) * K <= kChunk * AF, "F's gate partials fit in dA1's place");
+};
+
+__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float x) {
+  switch (t) {
+    case DType::kFloat32: reinterpret_cast<float*>(p)[i] = x; return;
+    case DType::kFloat16: reinterpret_cast<__half*>(p)[i] = __float2half_rn(x); return;
+    case DType::kBFloat16: reinterpret_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); return;
+    default: reinterpret_cast<double*>(p)[i] = static_cast<double>(x); return;
+  }
+}
+
+// Profiling (tests / scripts only): thread 0 of every CTA stamps clock64() at the phase boundaries
+// into p.dbg_clock[cta][16] when it is set (null in production: one uniform branch per phase).
+#ifdef KF_EMU
+#define KF_GRADS_PHASE(i) ((void)0)
+#else
+#define KF_GRADS_PHASE(i)                                                                              \
+  do {                                                                                                 \
+    if (c.p.dbg_clock && threadIdx.x == 0)                                                             \
+      c.p.dbg_clock[(static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 16 + (i)] = clock64(); \
+  } while (0)
+#endif
+
+// Everything a phase needs: the params, this CTA's chunk, the thread's place, the smem buffers.
+template <typename WT, int K>
+struct GradsCtx {
+  using S = GradsSmem<K>;
+  using E = dev::Elem<WT>;
+  static constexpr int NTH = kGradsThreads;
+  static constexpr int KQ = S::KQ, KP = S::KP, AP = S::AP, AF = S::AF, VSP = S::VSP;
+  static constexpr int KW = K / 4;     // columns of K per warp (column quarter)
+  static constexpr int NTK = KW / 8;   // n-tiles of 8 columns in a warp's quarter of K
+
+  const KdaBwdParams& p;
+  char* sm;
+  int tid, lane, warp, g, t, lrow, lmat, rb, cq, cb;
+  int hv, h, HV, V;
+  int64_t tok0;
+  int len, gchunk;
+
+  __device__ __forceinline__ GradsCtx(const KdaBwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
+      : p(p_), sm(sm_) {
+    tid = threadIdx.x;
+    lane = tid & 31;
+    warp = tid >> 5;
+    g = lane >> 2;
+    t = lane & 3;
+    lrow = lane & 7;
+    lmat = lane >> 3;
+    rb = warp & 3;
+    cq = warp >> 2;
+    cb = cq * KW;
+    hv = hv_;
+    HV = p.HV;
+    V = p.V;
+    h = hv / (HV / p.H);
+    tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
+    len = min(kChunk, seq.len - c * kChunk);
+    gchunk = seq.chunk0 + c;
+  }
+  template <typename T>
+  __device__ __forceinline__ T* at(int off) const { return reinterpret_cast<T*>(sm + off); }
+  __device__ __forceinline__ WT* sQ() const { return at<WT>(S::oQ); }
+  __device__ __forceinline__ WT* sK() const { return at<WT>(S::oK); }
+  __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
+  __device__ __forceinline__ float* sBT() const { return at<float>(S::oBT); }
+  __device__ __forceinline__ float* sBO() const { return at<float>(S::oBO); }
+  __device__ __forceinline__ float* sBS() const { return at<float>(S::oBS); }
+  __device__ __forceinline__ float* sBeta() const { return at<float>(S::oBeta); }
+  __device__ __forceinline__ float* sRq() const { return at<float>(S::oRq); }
+  __device__ __forceinline__ float* sRk() const { return at<float>(S::oRk); }
+  __device__ __forceinline__ float* sA1() const { return at<float>(S::eA1); }
+  __device__ __forceinline__ float* sDL() const { return at<float>(S::eDL); }
+  __device__ __forceinline__ float qhat(int r, int d) const { return E::to_float(sQ()[r * KQ + d]) * sRq()[r]; }
+  __device__ __forceinline__ float khat(int r, int d) const { return E::to_float(sK()[r * KQ + d]) * sRk()[r]; }
+  // exponents of element (r, d), r in this warp's row block: g2 = O_b + loc, G - g2 = (T_b - loc) + S_b
+  __device__ __forceinline__ float e_g2(int r, int d) const {
+    return dev::fast_exp2(sBO()[rb * K + d] + sG()[r * KP + d]);
+  }
+  __device__ __forceinline__ float e_Gg2(int r, int d) const {
+    return dev::fast_exp2((sBT()[rb * K + d] - sG()[r * KP + d]) + sBS()[rb * K + d]);
+  }
+  __device__ __forceinline__ int r0() const { return 16 * rb + g; }  // this thread's rows in a C fragment
+  __device__ __forceinline__ int r1() const { return 16 * rb + g + 8; }
+};
+
+// [16 rows x K/4 columns] per warp in the C layout of m16n8k{16,8}: acc[j][e] is row r0 (e < 2) or
+// r1, column cb + 8 j + 2 t + (e & 1).
+template <int NTK>
+using Tile = float[NTK][4];
+
+// ---------------------------------------------------------------- P
+template <typename WT, int K>
+__device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s, int st) {
+  using S = GradsSmem<K>;
+  constexpr int KQ = S::KQ, VSP = S::VSP, NTH = kGradsThreads;
+  const KdaBwdParams& p = c.p;
+  char* base = c.sm + S::vStage + st * S::kStageBytes;
+  WT* bH = reinterpret_cast<WT*>(base + S::sH);
+  WT* bDH = reinterpret_cast<WT*>(base + S::sDH);
+  WT* bDo = reinterpret_cast<WT*>(base + S::sDo);
+  WT* bV = reinterpret_cast<WT*>(base + S::sV);
+  const int64_t sb = (static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * c.V * K;
+  const WT* gh = reinterpret_cast<const WT*>(p.h_ckpt) + sb;
+  const WT* gdh = reinterpret_cast<const WT*>(p.dh_ckpt) + sb;
+  const WT* gdo = reinterpret_cast<const WT*>(p.dout);
+  const WT* gv = reinterpret_cast<const WT*>(p.v);
+  const int v0 = s * kVS;
+  constexpr int VPR = K / 8;
+  for (int i = c.tid; i < kVS * VPR; i += NTH) {
+    const int r = i / VPR, c8 = (i % VPR) * 8;
+    dev::cp_async16(bH + r * KQ + c8, gh + static_cast<int64_t>(v0 + r) * K + c8, 16);
+    dev::cp_async16(bDH + r * KQ + c8, gdh + static_cast<int64_t>(v0 + r) * K + c8, 16);
+  }
+  for (int i = c.tid; i < kChunk * (kVS / 8); i += NTH) {
+    const int r = i / (kVS / 8), c8 = (i % (kVS / 8)) * 8;
+    const bool ok = r < c.len;
+    const int64_t off = ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * c.V + v0 + c8;
+    dev::cp_async16(bDo + r * VSP + c8, gdo + off, ok ? 16 : 0);
+    dev::cp_async16(bV + r * VSP + c8, gv + off, ok ? 16 : 0);
+  }
+}
+
+// q, k (head h), w, kg, Aqk, Akk (full rows: the blocks above the diagonal are zeros) -> smem;
+// rows past the end zero-filled, sources never read. One commit group.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
+  using S = GradsSmem<K>;
+  constexpr int KQ = S::KQ, AP = S::AP, NTH = kGradsThreads;
+  const KdaBwdParams& p = c.p;
+  const WT* q = reinterpret_cast<const WT*>(p.q);
+  const WT* k = reinterpret_cast<const WT*>(p.k);
+  const WT* gw = reinterpret_cast<const WT*>(p.w);
+  const WT* gkg = reinterpret_cast<const WT*>(p.kg);
+  WT* sW = c.template at<WT>(S::vW);
+  WT* sKg = c.template at<WT>(S::vKg);
+  constexpr int VPR = K / 8;
+  for (int i = c.tid; i < kChunk * VPR; i += NTH) {
+    const int r = i / VPR, c8 = (i % VPR) * 8;
+    const bool ok = r < c.len;
+    const int rr = ok ? r : 0;
+    const int nb = ok ? 16 : 0;
+    dev::cp_async16(c.sQ() + r * KQ + c8, q + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
+    dev::cp_async16(c.sK() + r * KQ + c8, k + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
+    dev::cp_async16(sW + r * KQ + c8, gw + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
+    dev::cp_async16(sKg + r * KQ + c8, gkg + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
+  }
+  const WT* gAqk = reinterpret_cast<const WT*>(p.Aqk);
+  const WT* gAkk = reinterpret_cast<const WT*>(p.Akk);
+  WT* sAqk = c.template at<WT>(S::vAqk);
+  WT* sAkk = c.template at<WT>(S::vAkk);
+  for (int i = c.tid; i < kChunk * 8; i += NTH) {
+    const int r = i / 8, c8 = (i % 8) * 8;
+    const bool ok = r < c.len;
+    const int64_t off = ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * kChunk + c8;
+    dev::cp_async16(sAqk + r * AP + c8, gAqk + off, ok ? 16 : 0);
+    dev::cp_async16(sAkk + r * AP + c8, gAkk + off, ok ? 16 : 0);
+  }
+}
+
+// ---------------------------------------------------------------- V
+// The contraction loop: results in the warp's register tiles (dqg, dkg, dw: [16 x K/4]; dAq, dAk:
+// [16 x 16] at columns 16 cq) and the per-thread share of sum_v h dh (dec_acc).
+template <typename WT, int K>
+__device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4],
+                                               float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
+                                               float (&dAk)[2][4], float& dec_acc) {
+  using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
+  constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
+  const int lrow = c.lrow, lmat = c.lmat, rb = c.rb, cq = c.cq, g = c.g, t = c.t;
+  const WT* sAqk = c.template at<WT>(S::vAqk);
+  const WT* sAkk = c.template at<WT>(S::vAkk);
+  const WT* sKg = c.template at<WT>(S::vKg);
+  const WT* sW = c.template at<WT>(S::vW);
+  WT* sVN = c.template at<WT>(S::vVN);
+  WT* sDVN = c.template at<WT>(S::vDVN);
+  // V1 roles: warp (rb, vg = cq & 1, which = cq >> 1): the 16 x 16 tile (rows 16 rb, slice columns
+  // 16 vg) of v' (which = 0) or dv' (which = 1)
+  const int vg = cq & 1;
+  const bool is_dv = cq >> 1;
+  // sum_v h dh: thread (k = tid % K, row group tid / K) takes kVS / NPART rows of each slice
+  constexpr int RPP = kVS / S::NPART;
+  const int dec_k = c.tid % K, dec_part = c.tid / K;
+  const int nvs = c.V / kVS;
+  for (int s = 0; s < nvs; ++s) {
+    const int st = s & 1;
+    dev::cp_async_wait<0>();
+    __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage, sVN / sDVN)
+    if (s + 1 < nvs) grads_load_slice(c, s + 1, st ^ 1);
+    dev::cp_async_commit();
+    const char* base = c.sm + S::vStage + st * S::kStageBytes;
+    const WT* bH = reinterpret_cast<const WT*>(base + S::sH);
+    const WT* bDH = reinterpret_cast<const WT*>(base + S::sDH);
+    const WT* bDo = reinterpret_cast<const WT*>(base + S::sDo);
+    const WT* bV = reinterpret_cast<const WT*>(base + S::sV);
+
+    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T (one tile per warp)
+    {
+      float acc[2][4] = {};
+      const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows
+      const WT* bS = is_dv ? bDH : bH;    // B[k][n = v] = dh / h [v][k]: rows v, non-transposed
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4], b[4];
+        dev::ldsm_x4(a, aK + (16 * rb + (lmat & 1) * 8 + lrow) * KQ + 16 * kk + (lmat >> 1) * 8);
+        dev::ldsm_x4(b, bS + (16 * vg + (lmat >> 1) * 8 + lrow) * KQ + 16 * kk + (lmat & 1) * 8);
+        dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
+        dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+      }
+      if (!is_dv) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
+        // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
+        if (is_dv ? jj < rb : jj > rb) continue;
+        uint32_t a[4], b[4];
+        if (is_dv) dev::ldsm_x4_t(a, sAqk + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
+        else dev::ldsm_x4(a, sAkk + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * jj + (lmat >> 1) * 8);
+        dev::ldsm_x4_t(b, (is_dv ? bDo : bV) + (16 * jj + (lmat & 1) * 8 + lrow) * VSP + 16 * vg + (lmat >> 1) * 8);
+        dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
+        dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+      }
+      WT* out = is_dv ? sDVN : sVN;
+      using E = dev::Elem<WT>;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = 16 * vg + 8 * j + 2 * t;
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = E::pack2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = E::pack2(acc[j][2], acc[j][3]);
+      }
+      // the decay's gradient: sum over this slice's value rows of h * dh, per state row k
+#pragma unroll
+      for (int r = 0; r < RPP; ++r) {
+        const int vr = dec_part * RPP + r;
+        dec_acc = fmaf(E::to_float(bH[vr * KQ + dec_k]), E::to_float(bDH[vr * KQ + dec_k]), dec_acc);
+      }
+    }
+    __syncthreads();  // sVN / sDVN complete
+
+    // ---- V2: contractions over the slice's 32 value columns (two k-steps of 16)
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      uint32_t ado[4], avn[4], adv[4];
+      const int aoff = (16 * rb + (lmat & 1) * 8 + lrow) * VSP + 16 * kv + (lmat >> 1) * 8;
+      dev::ldsm_x4(ado, bDo + aoff);
+      dev::ldsm_x4(avn, sVN + aoff);
+      dev::ldsm_x4(adv, sDVN + aoff);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        // B[k = v][n = state column] = h / dh [v][k]: transposed loads
+        const int off = (16 * kv + (lmat & 1) * 8 + lrow) * KQ + c.cb + 16 * np + (lmat >> 1) * 8;
+        uint32_t bh[4], bd[4];
+        dev::ldsm_x4_t(bh, bH + off);
+        dev::ldsm_x4_t(bd, bDH + off);
+        dev::mma_16816<WT>(dqg[2 * np], ado, bh[0], bh[1]);
+        dev::mma_16816<WT>(dqg[2 * np + 1], ado, bh[2], bh[3]);
+        dev::mma_16816<WT>(dkg[2 * np], avn, bd[0], bd[1]);
+        dev::mma_16816<WT>(dkg[2 * np + 1], avn, bd[2], bd[3]);
+        dev::mma_16816<WT>(dwc[2 * np], adv, bh[0], bh[1]);
+        dev::mma_16816<WT>(dwc[2 * np + 1], adv, bh[2], bh[3]);
+      }
+      if (cq <= rb) {  // column block above the diagonal: never needed
+        // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
+        const int off = (16 * cq + (lmat >> 1) * 8 + lrow) * VSP + 16 * kv + (lmat & 1) * 8;
+        uint32_t bn[4], bv[4];
+        dev::ldsm_x4(bn, sVN + off);
+        dev::ldsm_x4(bv, bV + off);
+        dev::mma_16816<WT>(dAq[0], ado, bn[0], bn[1]);
+        dev::mma_16816<WT>(dAq[1], ado, bn[2], bn[3]);
+        dev::mma_16816<WT>(dAk[0], adv, bv[0], bv[1]);
+        dev::mma_16816<WT>(dAk[1], adv, bv[2], bv[3]);
+      }
+    }
+  }
+  dev::cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------- E
+// The WY backward. In: the V loop's tiles. Out: dq^ (in dqg), dkB = exp2(G - g2) dkg (in dkg),
+// dkA = exp2(g2) Akk^T dw, dA1 and dL in smem, dbeta's column side in sDbc, dG's kg dkg part in sDGp.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4], float (&dkg)[K / 32][4],
+                                         float (&dwc)[K / 32][4], float (&dAq)[2][4], float (&dAk)[2][4],
+                                         float (&dkA)[K / 32][4], float dec_acc) {
+  using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
+  using E = dev::Elem<WT>;
+  constexpr int KQ = S::KQ, AP = S::AP, AF = S::AF, NTK = Ctx::NTK, NTH = kGradsThreads;
+  const KdaBwdParams& p = c.p;
+  const int lrow = c.lrow, lmat = c.lmat, rb = c.rb, cq = c.cq, g = c.g, t = c.t, cb = c.cb, tid = c.tid;
+  const int r0 = c.r0(), r1 = c.r1();
+  WT* sM = c.template at<WT>(S::eM);
+  WT* sAkk = c.template at<WT>(S::vAkk);
+  WT* sDW = c.template at<WT>(S::eDW);
+  WT* sKexp = c.template at<WT>(S::eKexp);
+  float* sDAkk = c.template at<float>(S::eDAkk);
+  WT* sDM = c.template at<WT>(S::eDM);
+  WT* sZ = c.template at<WT>(S::eZ);
+  float* sA1 = c.sA1();
+  float* sDL = c.sDL();
+  float* sDec = c.template at<float>(S::oDec);
+  float* sDGp = c.template at<float>(S::oDGp);
+  float* sDbc = c.template at<float>(S::oDbc);
+  {
+    const WT* gM = reinterpret_cast<const WT*>(p.M);
+    for (int i = tid; i < kChunk * 8; i += NTH) {
+      const int r = i / 8, c8 = (i % 8) * 8;
+      const bool ok = r < c.len;
+      dev::cp_async16(sM + r * AP + c8, gM + ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * kChunk + c8, ok ? 16 : 0);
+    }
+    dev::cp_async_commit();
+  }
+  sDec[(tid / K) * K + tid % K] = dec_acc;
+  const float scale = p.opt.scale;
+  // dA1 = scale dAqk (i >= j, 0 above), dAkk (the V part; blocks above the diagonal 0)
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = 16 * cq + 8 * j + 2 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e < 2 ? r0 : r1, s = col + (e & 1);
+      const bool lower = cq <= rb;  // tile computed
+      sA1[r * AF + s] = (lower && s <= r) ? scale * dAq[j][e] : 0.f;
+      sDAkk[r * AF + s] = lower ? dAk[j][e] : 0.f;
+    }
+  }
+  // dw = -(dv' h^T) -> bf16 operand; kexp = k^ exp2(g2) -> bf16 operand; dq^ = scale exp2(g2) dqg and
+  // dkB = exp2(G - g2) dkg in place; sum_r kg dkg per column (the decay gradient's second part)
+#pragma unroll
+  for (int j = 0; j < NTK; ++j) {
+    const int col = cb + 8 * j + 2 * t;
+    float e2[4], eG[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e < 2 ? r0 : r1, d = col + (e & 1);
+      e2[e] = c.e_g2(r, d);
+      eG[e] = c.e_Gg2(r, d);
+    }
+    *reinterpret_cast<uint32_t*>(sDW + r0 * KQ + col) = E::pack2(-dwc[j][0], -dwc[j][1]);
+    *reinterpret_cast<uint32_t*>(sDW + r1 * KQ + col) = E::pack2(-dwc[j][2], -dwc[j][3]);
+    *reinterpret_cast<uint32_t*>(sKexp + r0 * KQ + col) =
+        E::pack2(c.khat(r0, col) * e2[0], c.khat(r0, col + 1) * e2[1]);
+    *reinterpret_cast<uint32_t*>(sKexp + r1 * KQ + col) =
+        E::pack2(c.khat(r1, col) * e2[2], c.khat(r1, col + 1) * e2[3]);
+    float cs[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dqg[j][e] *= scale * e2[e];
+      dkg[j][e] *= eG[e];
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) cs[e] = c.khat(r0, col + e) * dkg[j][e] + c.khat(r1, col + e) * dkg[j][2 + e];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], o);
+    }
+    if (g == 0) {
+      sDGp[rb * K + col] = cs[0];
+      sDGp[rb * K + col + 1] = cs[1];
+    }
+  }
+  dev::cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- E1: dAkk += dw kexp^T ([16 x 16] per warp); dkA = exp2(g2) (Akk^T dw) ([16 x K/4])
+  if (cq <= rb) {
+    float acc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 16 * cq + 8 * j + 2 * t;
+      acc[j][0] = sDAkk[r0 * AF + col];
+      acc[j][1] = sDAkk[r0 * AF + col + 1];
+      acc[j][2] = sDAkk[r1 * AF + col];
+      acc[j][3] = sDAkk[r1 * AF + col + 1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      uint32_t a[4], b[4];
+      dev::ldsm_x4(a, sDW + (16 * rb + (lmat & 1) * 8 + lrow) * KQ + 16 * kk + (lmat >> 1) * 8);
+      // B[k][n = token'] = kexp[token'][k]: rows token', non-transposed
+      dev::ldsm_x4(b, sKexp + (16 * cq + (lmat >> 1) * 8 + lrow) * KQ + 16 * kk + (lmat & 1) * 8);
+      dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
+      dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+    }
+    // every (row, column) of dAkk is owned by exactly one thread: write back in place
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 16 * cq + 8 * j + 2 * t;
+      sDAkk[r0 * AF + col] = acc[j][0];
+      sDAkk[r0 * AF + col + 1] = acc[j][1];
+      sDAkk[r1 * AF + col] = acc[j][2];
+      sDAkk[r1 * AF + col + 1] = acc[j][3];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NTK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dkA[j][e] = 0.f;
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    if (jj < rb) continue;  // Akk^T[row][token'] = Akk[token'][row], token' >= row
+    uint32_t a[4];
+    dev::ldsm_x4_t(a, sAkk + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
+#pragma unroll
+    for (int np = 0; np < NTK / 2; ++np) {
+      // B[k = token'][n = column] = dw[token'][column]: transposed loads
+      uint32_t b[4];
+      dev::ldsm_x4_t(b, sDW + (16 * jj + (lmat & 1) * 8 + lrow) * KQ + cb + 16 * np + (lmat >> 1) * 8);
+      dev::mma_16816<WT>(dkA[2 * np], a, b[0], b[1]);
+      dev::mma_16816<WT>(dkA[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NTK; ++j) {
+    const int col = cb + 8 * j + 2 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dkA[j][e] *= c.e_g2(e < 2 ? r0 : r1, col + (e & 1));
+  }
+  __syncthreads();
+
+  // ---- E2: dbeta_j = sum_i dAkk_ij M_ij (i >= j; 8 row groups, summed in order below);
+  // dM = dAkk diag(beta) -> bf16
+  {
+    const int j = tid & 63, part = tid >> 6;  // 8 parts of 8 rows
+    float acc = 0.f;
+#pragma unroll
+    for (int ii = 0; ii < 8; ++ii) {
+      const int i = 8 * part + ii;
+      if (i >= j) acc = fmaf(sDAkk[i * AF + j], E::to_float(sM[i * AP + j]), acc);
+    }
+    sDbc[part * kChunk + j] = acc;
+  }
+  for (int i = tid; i < kChunk * 32; i += NTH) {
+    const int r = i / 32, s2 = (i % 32) * 2;
+    *reinterpret_cast<uint32_t*>(sDM + r * AP + s2) =
+        E::pack2(sDAkk[r * AF + s2] * c.sBeta()[s2], sDAkk[r * AF + s2 + 1] * c.sBeta()[s2 + 1]);
+  }
+  __syncthreads();
+
+  // ---- E3: Z = dM M^T ([16 x 16] per warp): B[k = b][n = j] = M[j][b], rows j non-transposed
+  {
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t a[4], b[4];
+      dev::ldsm_x4(a, sDM + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * kk + (lmat >> 1) * 8);
+      dev::ldsm_x4(b, sM + (16 * cq + (lmat >> 1) * 8 + lrow) * AP + 16 * kk + (lmat & 1) * 8);
+      dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
+      dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 16 * cq + 8 * j + 2 * t;
+      *reinterpret_cast<uint32_t*>(sZ + r0 * AP + col) = E::pack2(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(sZ + r1 * AP + col) = E::pack2(acc[j][2], acc[j][3]);
+    }
+  }
+  __syncthreads();
+
+  // ---- E4: dL = -(M^T Z), strictly lower: A[m = i][k = a] = M[a][i] (a >= i), B = Z [a][j]
+  {
+    float acc[2][4] = {};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (jj < rb) continue;
+      uint32_t a[4], b[4];
+      dev::ldsm_x4_t(a, sM + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
+      dev::ldsm_x4_t(b, sZ + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * cq + (lmat >> 1) * 8);
+      dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
+      dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 16 * cq + 8 * j + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e < 2 ? r0 : r1, s = col + (e & 1);
+        sDL[r * AF + s] = s < r ? -acc[j][e] : 0.f;
+      }
+    }
+  }
+  __syncthreads();
+  if (p.dbg_dA) {  // stage dumps for the tests (rows of the chunk that exist)
+    for (int i = tid; i < c.len * kChunk; i += NTH) {
+      const int r = i / kChunk, s = i % kChunk;
+      const int64_t off = ((c.tok0 + r) * c.HV + c.hv) * kChunk + s;
+      p.dbg_dA[off] = sA1[r * AF + s];
+      p.dbg_dL[off] = sDL[r * AF + s];
+    }
+  }
+}
+
+// ---------------------------------------------------------------- I1: below the diagonal blocks
+// Row side, blocks bj < rb, through f = 16 rb: rowQ = exp2(g_r - g_f) sum_s dA1[r][s] (k^_s exp2(g_f - g_s)),
+// rowK the same with dL; g_f - g_s = (T_bj - loc_s) + sum_{bj < m < rb} T_m + loc_f (all <= 0).
+// Column side, blocks bi > rb, through e = 16 rb + 15: colS = exp2(g_e - g_s) sum_r
+// (dA1[r][s] q^_r + beta_r dL[r][s] k^_r) exp2(g_r - g_e); g_r - g_e = loc_r + sum_{rb < m < bi} T_m.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4],
+                                              float (&dkA)[K / 32][4], float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
+  using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
+  constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
+  const int rb = c.rb, g = c.g, t = c.t, cb = c.cb;
+  const int r0 = c.r0(), r1 = c.r1();
+  const float* sG = c.sG();
+  const float* sBT = c.sBT();
+  const float* sA1 = c.sA1();
+  const float* sDL = c.sDL();
+  const float* sBeta = c.sBeta();
+  if (rb > 0) {
+    float rq[NTK][4], rk[NTK][4];
+#pragma unroll
+    for (int j = 0; j < NTK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) rq[j][e] = rk[j][e] = 0.f;
+    const int f = 16 * rb;
+    float mid[NTK];  // loc_f + the totals of the blocks strictly between bj and rb (grows as bj falls)
+#pragma unroll
+    for (int j = 0; j < NTK; ++j) mid[j] = sG[f * KP + cb + 8 * j + g];
+    for (int bj = rb - 1; bj >= 0; --bj) {
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const int sa = 16 * bj + 8 * ks + t, sb = sa + 4;
+        const uint32_t a1[4] = {dev::to_tf32(sA1[r0 * AF + sa]), dev::to_tf32(sA1[r1 * AF + sa]),
+                                dev::to_tf32(sA1[r0 * AF + sb]), dev::to_tf32(sA1[r1 * AF + sb])};
+        const uint32_t al[4] = {dev::to_tf32(sDL[r0 * AF + sa]), dev::to_tf32(sDL[r1 * AF + sa]),
+                                dev::to_tf32(sDL[r0 * AF + sb]), dev::to_tf32(sDL[r1 * AF + sb])};
+#pragma unroll
+        for (int j = 0; j < NTK; ++j) {
+          const int d = cb + 8 * j + g;
+          const float tb = sBT[bj * K + d];
+          const uint32_t b0 = dev::to_tf32(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
+          const uint32_t b1 = dev::to_tf32(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
+          dev::mma_1688_tf32(rq[j], a1, b0, b1);
+          dev::mma_1688_tf32(rk[j], al, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NTK; ++j) mid[j] += sBT[bj * K + cb + 8 * j + g];
+    }
+#pragma unroll
+    for (int j = 0; j < NTK; ++j) {
+      const int col = cb + 8 * j + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e < 2 ? r0 : r1, d = col + (e & 1);
+        const float fa = dev::fast_exp2(sG[r * KP + d] - sG[f * KP + d]);
+        const float vq = rq[j][e] * fa, vk = rk[j][e] * fa;
+        dqh[j][e] += vq;
+        dkA[j][e] += sBeta[r] * vk;
+        rowsumK[e >> 1] += c.khat(r, d) * vk;
+      }
+    }
+  }
+  KF_GRADS_PHASE(4);
+  if (rb < 3) {
+    float cs[NTK][4];
+#pragma unroll
+    for (int j = 0; j < NTK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cs[j][e] = 0.f;
+    float mid[NTK];  // the totals of the blocks strictly between rb and bi (grows as bi rises)
+#pragma unroll
+    for (int j = 0; j < NTK; ++j) mid[j] = 0.f;
+    for (int bi = rb + 1; bi < 4; ++bi) {
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const int ra = 16 * bi + 8 * ks + t, rc = ra + 4;
+        // A[m = s][k = r] = dA1[r][s] / beta_r dL[r][s]
+        const uint32_t a1[4] = {dev::to_tf32(sA1[ra * AF + r0]), dev::to_tf32(sA1[ra * AF + r1]),
+                                dev::to_tf32(sA1[rc * AF + r0]), dev::to_tf32(sA1[rc * AF + r1])};
+        const uint32_t al[4] = {dev::to_tf32(sBeta[ra] * sDL[ra * AF + r0]),
+                                dev::to_tf32(sBeta[ra] * sDL[ra * AF + r1]),
+                                dev::to_tf32(sBeta[rc] * sDL[rc * AF + r0]),
+                                dev::to_tf32(sBeta[rc] * sDL[rc * AF + r1])};
+#pragma unroll
+        for (int j = 0; j < NTK; ++j) {
+          const int d = cb + 8 * j + g;
+          const float ea = dev::fast_exp2(sG[ra * KP + d] + mid[j]), ec = dev::fast_exp2(sG[rc * KP + d] + mid[j]);
+          dev::mma_1688_tf32(cs[j], a1, dev::to_tf32(c.qhat(ra, d) * ea), dev::to_tf32(c.qhat(rc, d) * ec));
+          dev::mma_1688_tf32(cs[j], al, dev::to_tf32(c.khat(ra, d) * ea), dev::to_tf32(c.khat(rc, d) * ec));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NTK; ++j) mid[j] += sBT[bi * K + cb + 8 * j + g];
+    }
+#pragma unroll
+    for (int j = 0; j < NTK; ++j) {
+      const int col = cb + 8 * j + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int s = e < 2 ? r0 : r1, d = col + (e & 1);
+        dkB[j][e] += cs[j][e] * dev::fast_exp2(sBT[rb * K + d] - sG[s * KP + d]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- I2 + I3: the diagonal blocks
+// The C-layout results -> smem (X_q = dq^, X_k = dk^ = dkA + dkB, X_g = dg^ so far = q^ dq^ +
+// k^ (dkA - dkB)), then the 16 x 16 diagonal blocks in SIMT, one thread per (column d, block): the
+// block's 16 rows of g2 / q^ / k^ at column d in registers, every pair (i >= j) once, one exp2 of a
+// one-sided LOCAL difference per pair (nothing inside a diagonal block is factorised), shared by the
+// row side (dq^, dk^ rows) and the column side (dk^ columns, dg^):
+//   rowQ_i = sum_{j <= i} dA1_ij k^_j e_ij,  rowK_i = sum_{j < i} dL_ij k^_j e_ij,
+//   colS_j = sum_{i >= j} (dA1_ij q^_i + beta_i dL_ij k^_i) e_ij,  e_ij = exp2(g2_i - g2_j).
+// dA1 / dL reads are warp-uniform (broadcast); the row side of dbeta is summed over d by shuffles.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4], float (&dkA)[K / 32][4],
+                                           float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
+  using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
+  constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
+  const int t = c.t, cb = c.cb, tid = c.tid, lane = c.lane, warp = c.warp;
+  const int r0 = c.r0(), r1 = c.r1();
+  float* Xq = c.template at<float>(S::iXq);
+  float* Xk = c.template at<float>(S::iXk);
+  float* Xg = c.template at<float>(S::iXg);
+  float* sRowA = c.template at<float>(S::oRowA);
+  float* sRowD = c.template at<float>(S::iRowD);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 1);
+    rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 2);
+  }
+  if (t == 0) {
+    sRowA[c.cq * kChunk + r0] = rowsumK[0];
+    sRowA[c.cq * kChunk + r1] = rowsumK[1];
+  }
+#pragma unroll
+  for (int j = 0; j < NTK; ++j) {
+    const int col = cb + 8 * j + 2 * t;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e < 2 ? r0 : r1, d = col + (e & 1);
+      Xq[r * K + d] = dqh[j][e];
+      Xk[r * K + d] = dkA[j][e] + dkB[j][e];
+      Xg[r * K + d] = c.qhat(r, d) * dqh[j][e] + c.khat(r, d) * (dkA[j][e] - dkB[j][e]);
+    }
+  }
+  __syncthreads();
+  if (tid < 4 * K) {  // K = 64: half the threads idle here
+    const int d = tid % K, blk = tid / K, o = 16 * blk;
+    const float* sG = c.sG();
+    const float* sA1 = c.sA1();
+    const float* sDL = c.sDL();
+    const float* sBeta = c.sBeta();
+    // (q^ is read per row i, not held: fewer registers at 128 per thread)
+    float gl[16], kv[16], rq[16], rk[16], cs[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      gl[i] = sG[(o + i) * KP + d];
+      kv[i] = c.khat(o + i, d);
+      rq[i] = rk[i] = cs[i] = 0.f;
+    }
+    // e_ij = exp2(g2_i - g2_j) by telescoping products along i: e_ij = e_{i-1,j} a_i with
+    // a_i = exp2(g2_i - g2_{i-1}) <= 1 (one exp2 per row instead of one per pair; every factor <= 1,
+    // as in the forward intra's diagonal tiles, so products only shrink and underflow to 0 is exact)
+    float ecol[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float qi = c.qhat(o + i, d), bki = sBeta[o + i] * kv[i];
+      const float ai = i > 0 ? dev::fast_exp2(gl[i] - gl[i > 0 ? i - 1 : 0]) : 1.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) ecol[j] *= ai;
+      ecol[i] = 1.f;
+      // row i of the block's dA1 / dL in 16-byte (warp-uniform, broadcast) loads
+      float a1r[16], dlr[16];
+#pragma unroll
+      for (int j4 = 0; j4 <= i / 4; ++j4) {
+        const float4 x = *reinterpret_cast<const float4*>(sA1 + (o + i) * AF + o + 4 * j4);
+        const float4 y = *reinterpret_cast<const float4*>(sDL + (o + i) * AF + o + 4 * j4);
+        a1r[4 * j4] = x.x; a1r[4 * j4 + 1] = x.y; a1r[4 * j4 + 2] = x.z; a1r[4 * j4 + 3] = x.w;
+        dlr[4 * j4] = y.x; dlr[4 * j4 + 1] = y.y; dlr[4 * j4 + 2] = y.z; dlr[4 * j4 + 3] = y.w;
+      }
+#pragma unroll
+      for (int j = 0; j <= i; ++j) {
+        const float e = ecol[j];
+        const float a1 = a1r[j], dl = dlr[j];  // dL_ii = 0
+        const float ek = kv[j] * e;
+        rq[i] = fmaf(a1, ek, rq[i]);
+        rk[i] = fmaf(dl, ek, rk[i]);
+        cs[j] = fmaf(fmaf(a1, qi, dl * bki), e, cs[j]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float bi = sBeta[o + i];
+      const int x = (o + i) * K + d;
+      Xq[x] += rq[i];
+      Xk[x] += bi * rk[i] + cs[i];
+      Xg[x] += c.qhat(o + i, d) * rq[i] + kv[i] * (bi * rk[i] - cs[i]);
+      float rs = kv[i] * rk[i];  // the row side of dbeta, summed over the warp's 32 columns
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) rs += __shfl_xor_sync(0xffffffffu, rs, off);
+      if (lane == 0) sRowD[warp * 16 + i] = rs;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- F
+// dG at the last valid row, the reverse cumsum of dg^ (one thread per (column, block), the later
+// blocks' sums as its carry), the gate backward elementwise (8 columns per item, 16-byte loads of
+// g), dbeta, and dq / dk (l2norm backward, or dq^ / dk^ per value head with GVA).
+template <typename WT, int K>
+__device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
+  using S = GradsSmem<K>;
+  using E = dev::Elem<WT>;
+  constexpr int NTH = kGradsThreads, NPART = S::NPART;
+  const KdaBwdParams& p = c.p;
+  const int tid = c.tid, lane = c.lane, warp = c.warp;
+  const int HV = c.HV, hv = c.hv, len = c.len;
+  const int64_t tok0 = c.tok0;
+  float* Xq = c.template at<float>(S::iXq);
+  float* Xk = c.template at<float>(S::iXk);
+  float* Xg = c.template at<float>(S::iXg);
+  float* sGt = c.template at<float>(S::oGt);
+  float* sDec = c.template at<float>(S::oDec);
+  float* sDGp = c.template at<float>(S::oDGp);
+  float* sCarry = c.template at<float>(S::iCarry);
+  float* sPart = c.template at<float>(S::eA1);  // [NTH / (K / 8)][K] gate partials: dA1 is dead by now
+  float* sRowA = c.template at<float>(S::oRowA);
+  float* sRowD = c.template at<float>(S::iRowD);
+  float* sDbc = c.template at<float>(S::oDbc);
+  float* sDot = c.template at<float>(S::oDot);
+  // the raw gate inputs this thread's gate-backward items need, loaded first (in flight across the
+  // cumsum below): item = (row r_first + RSTEP i, 8 columns at d0)
+  constexpr int CG = K / 8;             // column groups
+  constexpr int RSTEP = NTH / CG;       // rows per pass (32 at K = 128)
+  constexpr int NIT = kChunk / RSTEP;   // passes (2 at K = 128)
+  const GateMode mode = p.opt.gate_mode;
+  const bool gate_in_kernel = mode != GateMode::kPrecomputed;
+  const int cg = tid % CG, r_first = tid / CG, d0 = 8 * cg;
+  float graw[NIT][8];
+#pragma unroll
+  for (int it = 0; it < NIT; ++it) {
+    const int r = r_first + RSTEP * it;
+    const int64_t gi = ((tok0 + (r < len ? r : 0)) * HV + hv) * K + d0;
+    if (gate_in_kernel && r < len) {
+      if (p.g_dtype == DType::kFloat32) {
+        dev::ld8(graw[it], reinterpret_cast<const float*>(p.g) + gi);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) graw[it][e] = dev::load_any(p.g, gi + e, p.g_dtype);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) graw[it][e] = 0.f;
+    }
+  }
+  if (tid < K) {
+    // the decay gradient dG = exp2(G) sum_v h dh + sum_r kg dkg (enters at the last valid row)
+    float dec = 0.f;
+#pragma unroll
+    for (int pp = 0; pp < NPART; ++pp) dec += sDec[pp * K + tid];
+    sGt[tid] = dev::fast_exp2(sGt[tid]) * dec + ((sDGp[tid] + sDGp[K + tid]) + (sDGp[2 * K + tid] + sDGp[3 * K + tid]));
+  }
+  // per (block, column) sums of dg^
+  if (tid < 4 * K) {
+    const int d = tid % K, blk = tid / K;
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc += Xg[(16 * blk + i) * K + d];
+    sCarry[blk * K + d] = acc;
+  }
+  __syncthreads();
+  // reverse cumsum in place: dgate[r][d] = dG[d] + sum_{r' >= r} dg^[r'][d] (rows past the end are 0
+  // and never stored, so starting the carry at row 63 is the same as at the last valid row)
+  if (tid < 4 * K) {
+    const int d = tid % K, blk = tid / K;
+    float carry = sGt[d];
+    for (int b = blk + 1; b < 4; ++b) carry += sCarry[b * K + d];
+#pragma unroll
+    for (int i = 15; i >= 0; --i) {
+      const int x = (16 * blk + i) * K + d;
+      carry += Xg[x];
+      Xg[x] = carry;
+    }
+  }
+  __syncthreads();
+  KF_GRADS_PHASE(7);
+  // the gate backward, elementwise: item = (row, 8 columns); thread partials of ddt_bias per column
+  // group and of dA_log, summed in a fixed order below
+  {
+    const float a_exp = (gate_in_kernel && p.A_log) ? expf(p.A_log[hv]) : 1.f;
+    float bias[8], pb[8], pa = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      bias[e] = (gate_in_kernel && p.dt_bias) ? p.dt_bias[hv * K + d0 + e] : 0.f;
+      pb[e] = 0.f;
+    }
+#pragma unroll
+    for (int it = 0; it < NIT; ++it) {
+      const int r = r_first + RSTEP * it;
+      if (r >= len) continue;
+      const int64_t gi = ((tok0 + r) * HV + hv) * K + d0;
+      float dgate[8];
+      dev::ld8(dgate, Xg + r * K + d0);
+      if (gate_in_kernel) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float ddx, ddA;
+          dev::gate_derivatives(mode, graw[it][e] + bias[e], a_exp, p.opt.lower_bound, ddx, ddA);
+          pa = fmaf(dgate[e], ddA, pa);
+          dgate[e] *= ddx;
+          pb[e] += dgate[e];
+        }
+      }
+      if (p.g_dtype == DType::kFloat32) {
+        dev::st8(reinterpret_cast<float*>(p.dg) + gi, dgate);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) store_any(p.dg, gi + e, p.g_dtype, dgate[e]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sPart[r_first * K + d0 + e] = pb[e];  // [RSTEP][K]
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) pa += __shfl_xor_sync(0xffffffffu, pa, off);
+    if (lane == 0) sDGp[warp] = pa;                                  // [NTH / 32]
+  }
+  // the l2norm row dots q^.dq^ and k^.dk^: one warp per 4 rows, K/32 columns per lane
+  const bool gva = HV != p.H;
+  if (p.opt.l2norm && !gva) {
+    for (int r = warp; r < kChunk; r += NTH / 32) {
+      float dq = 0.f, dk = 0.f;
+#pragma unroll
+      for (int cc = lane; cc < K; cc += 32) {
+        dq = fmaf(c.qhat(r, cc), Xq[r * K + cc], dq);
+        dk = fmaf(c.khat(r, cc), Xk[r * K + cc], dk);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        dq += __shfl_xor_sync(0xffffffffu, dq, off);
+        dk += __shfl_xor_sync(0xffffffffu, dk, off);
+      }
+      if (lane == 0) {
+        sDot[r] = dq;
+        sDot[kChunk + r] = dk;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < K && p.pbias) {
+    constexpr int RSTEP = NTH / (K / 8);
+    float pb = 0.f;
+    for (int rr = 0; rr < RSTEP; ++rr) pb += sPart[rr * K + tid];
+    p.pbias[(static_cast<int64_t>(c.gchunk) * HV + hv) * K + tid] = pb;
+  }
+  if (tid == K && p.pA) {
+    float pa = 0.f;
+    for (int i = 0; i < NTH / 32; ++i) pa += sDGp[i];
+    p.pA[static_cast<int64_t>(c.gchunk) * HV + hv] = pa;
+  }
+  // dbeta = Akk's column side + L's row side (off-diagonal from I1, diagonal from I3), then the
+  // sigmoid's backward. One thread per row.
+  if (tid >= 256 && tid < 256 + kChunk) {
+    const int r = tid - 256;
+    if (r < len) {
+      const int b = r >> 4, i = r & 15;
+      float db = 0.f;
+#pragma unroll
+      for (int pp = 0; pp < 8; ++pp) db += sDbc[pp * kChunk + r];
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4) db += sRowA[q4 * kChunk + r];
+      // the diagonal block's row side: the warps of block b (warp w holds block w / (K / 32))
+#pragma unroll
+      for (int w = 0; w < K / 32; ++w) db += sRowD[(b * (K / 32) + w) * 16 + i];
+      const int64_t bi = (tok0 + r) * HV + hv;
+      if (p.opt.beta_sigmoid_scale != 0.f) {
+        const float sg = dev::sigmoid_f(dev::load_any(p.beta, bi, p.beta_dtype));
+        db *= p.opt.beta_sigmoid_scale * sg * (1.f - sg);
+      }
+      store_any(p.dbeta, bi, p.beta_dtype, db);
+    }
+  }
+  // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (no GVA; coalesced pairs of columns), or dq^ / dk^ per
+  // value head to the workspace (GVA: kda_bwd_finish sums the group first)
+  for (int i = tid; i < len * (K / 2); i += NTH) {
+    const int r = i / (K / 2), cc = 2 * (i % (K / 2));
+    float xq0 = Xq[r * K + cc], xq1 = Xq[r * K + cc + 1], xk0 = Xk[r * K + cc], xk1 = Xk[r * K + cc + 1];
+    if (gva) {
+      const int64_t off = ((tok0 + r) * HV + hv) * K + cc;
+      *reinterpret_cast<float2*>(p.dqhat + off) = make_float2(xq0, xq1);
+      *reinterpret_cast<float2*>(p.dkhat + off) = make_float2(xk0, xk1);
+    } else {
+      if (p.opt.l2norm) {
+        const float dq_dot = sDot[r], dk_dot = sDot[kChunk + r];
+        xq0 = c.sRq()[r] * (xq0 - c.qhat(r, cc) * dq_dot);
+        xq1 = c.sRq()[r] * (xq1 - c.qhat(r, cc + 1) * dq_dot);
+        xk0 = c.sRk()[r] * (xk0 - c.khat(r, cc) * dk_dot);
+        xk1 = c.sRk()[r] * (xk1 - c.khat(r, cc + 1) * dk_dot);
+      }
+      const int64_t off = ((tok0 + r) * p.H + c.h) * K + cc;
+      *reinterpret_cast<uint32_t*>(reinterpret_cast<WT*>(p.dq) + off) = E::pack2(xq0, xq1);
+      *reinterpret_cast<uint32_t*>(reinterpret_cast<WT*>(p.dk) + off) = E::pack2(xk0, xk1);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- the kernel
+template <typename WT, int K>
+__global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
+  using S = GradsSmem<K>;
+  constexpr int NTH = kGradsThreads, NTK = K / 32;
+  KF_DYN_SMEM(float4, smem_f4);
+  int n, ci;
+  if (!dev::chunk_of(p, blockIdx.x, n, ci)) return;
+  const dev::SeqInfo seq = dev::seq_info(p, n);
+  const GradsCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), seq, ci, blockIdx.y);
+  KF_GRADS_PHASE(0);
+
+  // P: every load of the chunk in flight first, then the gate and the factors
+  grads_load_chunk(c);
+  grads_load_slice(c, 0, 0);
+  dev::cp_async_commit();
+  dev::gate_cumsum_beta<K, NTH, S::KP>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta());
+  dev::cp_async_wait<0>();
+  __syncthreads();
+  dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.template at<float>(S::oGt));
+  dev::row_rstd<WT, K, NTH, S::KQ>(c.sQ(), c.sK(), p.opt.l2norm, c.sRq(), c.sRk());
+  KF_GRADS_PHASE(1);
+
+  // V
+  float dqg[NTK][4], dkg[NTK][4], dwc[NTK][4], dAq[2][4], dAk[2][4], dkA[NTK][4];
+#pragma unroll
+  for (int j = 0; j < NTK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dqg[j][e] = dkg[j][e] = dwc[j][e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
+  float dec_acc = 0.f;
+  grads_contract(c, dqg, dkg, dwc, dAq, dAk, dec_acc);
+  __syncthreads();  // the V phase's buffers are dead from here on (Akk stays)
+  KF_GRADS_PHASE(2);
+
+  // E
+  grads_wy(c, dqg, dkg, dwc, dAq, dAk, dkA, dec_acc);
+  KF_GRADS_PHASE(3);
+
+  // I: dq^ in dqg, dkB in dkg
+  float rowsumK[2] = {0.f, 0.f};
+  grads_offdiag(c, dqg, dkA, dkg, rowsumK);
+  KF_GRADS_PHASE(5);
+  __syncthreads();  // E4's readers of sM / sZ are done: the X arrays may overwrite them
+  grads_diag(c, dqg, dkA, dkg, rowsumK);
+  KF_GRADS_PHASE(6);
+  __syncthreads();
+
+  // F
+  grads_finish(c);
+  KF_GRADS_PHASE(8);
+}
+
+#ifndef KF_EMU
+template <typename WT, int K>
+void launch_grads(const KdaBwdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = GradsSmem<K>::kBytes;
+  auto kern = kda_bwd_grads_kernel<WT, K>;
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kern<<<dim3(p.max_chunks, p.HV), kGradsThreads, smem, stream>>>(p);
+  KF_CHECK_LAUNCH();
+}
+#endif
+
+}  // namespace kernel_fun::kda

@@ -1,0 +1,173 @@
+// kda_bwd_prep: the backward's recompute of the forward's per-chunk workspace from the raw inputs
+// and the factors the forward saved (Aqk, Akk, M: the costly part of the forward intra, the
+// products and the inverse, is NOT redone). One CTA per (chunk, value head), 256 threads, ~104 KB
+// of smem (two CTAs per SM). Writes what the re-scan and the dh scan read:
+//   qg = scale q^ exp2(g2), kg = k^ exp2(G - g2), gdecay = exp2(G), w = Akk (k^ exp2(g2))
+// with the forward intra's own device functions for the gate, the block-local cumsum, the l2norm
+// factors and the gated rows (device/gate.cuh), so the exponents are built the same way.
+// w is a bf16 / fp16 tensor-core product of the saved Akk and kexp rounded to WT (the forward's own
+// w comes out of the intra's tf32 product of the unrounded factors: they differ at WT rounding).
+#pragma once
+
+#include <cstdint>
+
+#include "kda/bwd/kda_bwd_launch.h"
+#include "kda/device/gate.cuh"
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+
+namespace kernel_fun::kda {
+
+constexpr int kPrepThreads = 256;
+
+template <int K>
+struct PrepSmem {
+  static constexpr int KP = K + 8;  // fp32 row stride of g2 (the forward intra's)
+  static constexpr int KQ = K + 8;  // WT row stride of q, k, kexp
+  static constexpr int AP = kChunk + 8;
+  static constexpr int oG = 0;
+  static constexpr int oQ = oG + kChunk * KP * 4;
+  static constexpr int oK = oQ + kChunk * KQ * 2;
+  static constexpr int oKexp = oK + kChunk * KQ * 2;
+  static constexpr int oAkk = oKexp + kChunk * KQ * 2;
+  static constexpr int oBT = oAkk + kChunk * AP * 2;
+  static constexpr int oBO = oBT + 4 * K * 4;
+  static constexpr int oBS = oBO + 4 * K * 4;
+  static constexpr int oGt = oBS + 4 * K * 4;
+  static constexpr int oBeta = oGt + K * 4;
+  static constexpr int oRq = oBeta + kChunk * 4;
+  static constexpr int oRk = oRq + kChunk * 4;
+  static constexpr size_t kBytes = oRk + kChunk * 4;
+  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oKexp % 16 == 0 && oAkk % 16 == 0 && oBT % 16 == 0,
+                "16-byte aligned buffers");
+  static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
+};
+
+template <typename WT, int K>
+__global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const KdaBwdParams p) {
+  using S = PrepSmem<K>;
+  using E = dev::Elem<WT>;
+  constexpr int NTH = kPrepThreads, KP = S::KP, KQ = S::KQ, AP = S::AP;
+  KF_DYN_SMEM(float4, smem_f4);
+  char* sm = reinterpret_cast<char*>(smem_f4);
+  float* sG = reinterpret_cast<float*>(sm + S::oG);
+  WT* sQ = reinterpret_cast<WT*>(sm + S::oQ);
+  WT* sK = reinterpret_cast<WT*>(sm + S::oK);
+  WT* sKexp = reinterpret_cast<WT*>(sm + S::oKexp);
+  WT* sAkk = reinterpret_cast<WT*>(sm + S::oAkk);
+  float* sBT = reinterpret_cast<float*>(sm + S::oBT);
+  float* sBO = reinterpret_cast<float*>(sm + S::oBO);
+  float* sBS = reinterpret_cast<float*>(sm + S::oBS);
+  float* sGt = reinterpret_cast<float*>(sm + S::oGt);
+  float* sBeta = reinterpret_cast<float*>(sm + S::oBeta);
+  float* sRq = reinterpret_cast<float*>(sm + S::oRq);
+  float* sRk = reinterpret_cast<float*>(sm + S::oRk);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hv = blockIdx.y, HV = p.HV;
+  const int h = hv / (HV / p.H);
+  int n, c;
+  if (!dev::chunk_of(p, blockIdx.x, n, c)) return;
+  const dev::SeqInfo seq = dev::seq_info(p, n);
+  const int64_t tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
+  const int len = min(kChunk, seq.len - c * kChunk);
+  const int gchunk = seq.chunk0 + c;
+
+  // q, k rows and Akk rows -> smem (rows past the end zero-filled), in flight during the gate
+  {
+    const WT* q = reinterpret_cast<const WT*>(p.q);
+    const WT* k = reinterpret_cast<const WT*>(p.k);
+    constexpr int VPR = K / 8;
+    for (int i = tid; i < kChunk * VPR; i += NTH) {
+      const int r = i / VPR, c8 = (i % VPR) * 8;
+      const bool ok = r < len;
+      const int rr = ok ? r : 0;
+      dev::cp_async16(sQ + r * KQ + c8, q + ((tok0 + rr) * p.H + h) * K + c8, ok ? 16 : 0);
+      dev::cp_async16(sK + r * KQ + c8, k + ((tok0 + rr) * p.H + h) * K + c8, ok ? 16 : 0);
+    }
+    const WT* gAkk = reinterpret_cast<const WT*>(p.Akk);
+    for (int i = tid; i < kChunk * 8; i += NTH) {
+      const int r = i / 8, c8 = (i % 8) * 8;
+      const bool ok = r < len;
+      dev::cp_async16(sAkk + r * AP + c8, gAkk + ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8, ok ? 16 : 0);
+    }
+    dev::cp_async_commit();
+  }
+  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, hv, sG, sBT, sBeta);
+  dev::cp_async_wait<0>();
+  __syncthreads();
+  dev::block_offsets<K>(sBT, sBO, sBS, sGt);
+  dev::row_rstd<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, sRq, sRk);
+  __syncthreads();
+
+  // qg, kg -> workspace, kexp -> smem; exp2(G) -> gdecay
+  {
+    WT* qg = reinterpret_cast<WT*>(p.qg);
+    WT* kg = reinterpret_cast<WT*>(p.kg);
+    constexpr int VPR = K / 8;
+    for (int i = tid; i < kChunk * VPR; i += NTH) {
+      const int r = i / VPR, d0 = (i % VPR) * 8;
+      uint32_t pq[4], pk[4], px[4];
+      dev::gated_vec8<WT, K, KP, KQ>(sG, sBO, sBT, sBS, sQ, sK, p.opt.scale * sRq[r], sRk[r], r, d0, pq, pk, px);
+      *reinterpret_cast<uint4*>(sKexp + r * KQ + d0) = make_uint4(px[0], px[1], px[2], px[3]);
+      if (r < len) {  // rows past the end are never written
+        const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
+        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      }
+    }
+    if (tid < K) p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + tid] = dev::fast_exp2(sGt[tid]);
+  }
+  __syncthreads();
+
+  // w = Akk @ kexp on tensor cores: warp (rb = warp & 3, half = warp >> 2) takes rows 16 rb and
+  // columns [half K/2, (half + 1) K/2); Akk is lower triangular (token blocks jj <= rb).
+  {
+    const int g = lane >> 2, t = lane & 3, lrow = lane & 7, lmat = lane >> 3;
+    const int rb = warp & 3, cb = (warp >> 2) * (K / 2);
+    constexpr int NT = K / 16;  // n-tiles of 8 in the warp's K/2 columns
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (jj > rb) continue;
+      uint32_t a[4];
+      dev::ldsm_x4(a, sAkk + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * jj + (lmat >> 1) * 8);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        // B[k = token][n = column] = kexp[token][column]: transposed loads
+        uint32_t b[4];
+        dev::ldsm_x4_t(b, sKexp + (16 * jj + (lmat & 1) * 8 + lrow) * KQ + cb + 16 * np + (lmat >> 1) * 8);
+        dev::mma_16816<WT>(acc[2 * np], a, b[0], b[1]);
+        dev::mma_16816<WT>(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    WT* w = reinterpret_cast<WT*>(p.w);
+    const int ra = 16 * rb + g, rc = ra + 8;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int col = cb + 8 * j + 2 * t;
+      if (ra < len) *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[j][0], acc[j][1]);
+      if (rc < len) *reinterpret_cast<uint32_t*>(w + ((tok0 + rc) * HV + hv) * K + col) = E::pack2(acc[j][2], acc[j][3]);
+    }
+  }
+}
+
+#ifndef KF_EMU
+template <typename WT, int K>
+void launch_prep(const KdaBwdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = PrepSmem<K>::kBytes;
+  auto kern = kda_bwd_prep_kernel<WT, K>;
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kern<<<dim3(p.max_chunks, p.HV), kPrepThreads, smem, stream>>>(p);
+  KF_CHECK_LAUNCH();
+}
+#endif
+
+}  // namespace kernel_fun::kda

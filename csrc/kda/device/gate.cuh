@@ -1,0 +1,290 @@
+// The per-chunk preprocessing every KDA kernel that starts from the raw inputs shares (forward
+// intra, backward grads): the gate activation and its derivative, the block-local cumsum (base 2),
+// beta's sigmoid, the block offsets, and the q/k l2norm row factors.
+//
+// g2 is kept BLOCK-LOCAL: the inclusive cumsum restarts at every 16-row block (times 1/ln2); the
+// block totals T_b, the sums of the totals before (O_b) and after (S_b) each block reconstruct any
+// exponent as a sum of terms that are all <= 0, so a large cumsum never cancels across blocks
+// (one -1000 step in block 0 costs blocks 1-3 nothing; a chunk-global cumsum would cost ulp(1442)
+// in every later exponent). Rows past the end of the sequence are zero (gate 0, beta 0): they
+// contribute nothing and keep the g2 of the last valid row.
+#pragma once
+
+#include <cstdint>
+
+#include "kda/device/primitives.cuh"
+
+namespace kernel_fun::kda::dev {
+
+constexpr float kRcpLn2 = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Gate activations without libm's log1pf / expf / IEEE division (a libm softplus is ~70
+// instructions per element, which made the gate the costliest part of the forward intra):
+//   softplus(x) = max(x, 0) + ln2 * log2(1 + u), u = exp(-|x|) in (0, 1]: one ex2 and one lg2 on
+//   the SFU. lg2.approx's absolute error on [1, 2] is ~2^-22 and 1 + u rounds to 2^-24, so the
+//   absolute error is ~2e-7 at any x (the relative error grows only where softplus(x) < ~1e-6,
+//   i.e. x < -14, where the step's whole contribution to the cumsum is below that).
+//   sigmoid(x) = 1 / (1 + exp(-x)) with ex2.approx and the approximate division (~2 ulp; exp(-x) =
+//   inf gives 0, the correct limit).
+__device__ __forceinline__ float softplus_fast(float x) {
+  if (x > 20.f) return x;  // torch / fla: threshold 20 returns x itself
+  const float u = fast_exp2(-kRcpLn2 * fabsf(x));
+  return fmaxf(x, 0.f) + kLn2 * fast_lg2(1.f + u);
+}
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+
+// The natural-log per-step gate from the raw input xr (g itself) and x = xr + dt_bias.
+__device__ __forceinline__ float gate_activation(GateMode mode, float xr, float x, float a_exp, float lower_bound) {
+  switch (mode) {
+    case GateMode::kPrecomputed: return xr;
+    case GateMode::kUnbounded: return -a_exp * softplus_fast(x);
+    case GateMode::kBounded: return lower_bound * sigmoid_fast(a_exp * x);
+    case GateMode::kBoundedNoALog: return lower_bound * sigmoid_fast(x);
+  }
+  return xr;
+}
+
+// d(gate)/dx (x = g + dt_bias; for kPrecomputed d(gate)/dg = 1) and d(gate)/d(A_log), in fp32 with
+// libm exp: the backward's epilogue runs once per element, so accuracy wins over the SFU here.
+// softplus' derivative is sigmoid(x) below the threshold 20 and exactly 1 above it (torch's rule).
+__device__ __forceinline__ void gate_derivatives(GateMode mode, float x, float a_exp, float lower_bound,
+                                                 float& dgate_dx, float& dgate_dA) {
+  switch (mode) {
+    case GateMode::kPrecomputed:
+      dgate_dx = 1.f;
+      dgate_dA = 0.f;
+      return;
+    case GateMode::kUnbounded: {
+      const float sp = x > 20.f ? x : log1pf(expf(x));
+      dgate_dx = x > 20.f ? -a_exp : -a_exp * sigmoid_f(x);
+      dgate_dA = -a_exp * sp;  // d/dA_log of -exp(A_log) * softplus = the gate itself
+      return;
+    }
+    case GateMode::kBounded: {
+      const float z = a_exp * x, s = sigmoid_f(z);
+      const float dz = lower_bound * s * (1.f - s);
+      dgate_dx = dz * a_exp;
+      dgate_dA = dz * z;
+      return;
+    }
+    case GateMode::kBoundedNoALog: {
+      const float s = sigmoid_f(x);
+      dgate_dx = lower_bound * s * (1.f - s);
+      dgate_dA = 0.f;
+      return;
+    }
+  }
+}
+
+// 8 consecutive floats (16-byte aligned) between smem and registers.
+__device__ __forceinline__ void ld8(float (&v)[8], const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk into sG [64][KP]
+// (fp32), the block totals into sBT [4][K] (bit-identical to the block's last row), and beta
+// (after the optional sigmoid) into sBeta [64]. Rows >= len: gate 0, beta 0.
+// Thread = (16-row block, group of 8 columns, sub-group of RPT rows): 16-byte g loads, the gate on
+// RPT x 8 elements, a running sum over the thread's rows, then the prefix over the SUBS sub-groups
+// of the block by shuffles (adjacent lanes). No sums cross threads of different blocks.
+template <int K, int NTH, int KP>
+__device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
+                                                 float* sBT, float* sBeta) {
+  constexpr int CG = K / 8;
+  constexpr int SUBS = NTH / (4 * CG);  // 4 at K = 128, 8 at K = 64 (NTH = 256)
+  constexpr int RPT = 16 / SUBS;        // rows per thread
+  static_assert(SUBS * RPT == 16 && 32 % SUBS == 0, "sub-groups of one block are adjacent lanes");
+  const int tid = threadIdx.x;
+  const int HV = p.HV;
+  const int sub = tid % SUBS, cg = (tid / SUBS) % CG, blk = tid / (SUBS * CG);
+  const int d0 = 8 * cg, row0 = 16 * blk + RPT * sub;
+  const GateMode mode = p.opt.gate_mode;
+  float a_exp = 1.f, bias[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) bias[e] = 0.f;
+  if (mode != GateMode::kPrecomputed) {
+    if (p.A_log) a_exp = expf(p.A_log[hv]);
+    if (p.dt_bias) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + d0 + e];
+    }
+  }
+  // dtype switch outside the per-row loop (RPT 16-byte loads in flight)
+  float xr[RPT][8];
+  const bool gal16 = (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
+  auto goff = [&](int j) { return ((tok0 + row0 + j) * HV + hv) * K + d0; };
+  if (gal16 && p.g_dtype == DType::kFloat32) {
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      float4 u0 = make_float4(0.f, 0.f, 0.f, 0.f), u1 = u0;
+      if (row0 + j < len) {
+        const float4* gp = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.g) + goff(j));
+        u0 = gp[0];
+        u1 = gp[1];
+      }
+      xr[j][0] = u0.x; xr[j][1] = u0.y; xr[j][2] = u0.z; xr[j][3] = u0.w;
+      xr[j][4] = u1.x; xr[j][5] = u1.y; xr[j][6] = u1.z; xr[j][7] = u1.w;
+    }
+  } else if (gal16 && (p.g_dtype == DType::kBFloat16 || p.g_dtype == DType::kFloat16)) {
+    const bool bf = p.g_dtype == DType::kBFloat16;
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (row0 + j < len) u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.g) + goff(j));
+      const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f2 = bf ? Elem<__nv_bfloat16>::to_float2(w4[e]) : Elem<__half>::to_float2(w4[e]);
+        xr[j][2 * e] = f2.x;
+        xr[j][2 * e + 1] = f2.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < RPT; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xr[j][e] = row0 + j < len ? load_any(p.g, goff(j) + e, p.g_dtype) : 0.f;
+  }
+  if (tid < kChunk) {
+    float b = 0.f;
+    if (tid < len) {
+      b = load_any(p.beta, (tok0 + tid) * HV + hv, p.beta_dtype);
+      if (p.opt.beta_sigmoid_scale != 0.f) b = p.opt.beta_sigmoid_scale * sigmoid_f(b);
+    }
+    sBeta[tid] = b;
+  }
+  // gate activation; rows past the end: gate 0
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) {
+    const bool ok = row0 + j < len;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float y = gate_activation(mode, xr[j][e], xr[j][e] + bias[e], a_exp, p.opt.lower_bound);
+      xr[j][e] = ok ? y : 0.f;
+    }
+  }
+  // block-local inclusive cumsum: the thread's rows, then the exclusive prefix of the sub-groups
+  // before it in the block (shuffles within the block's SUBS lanes)
+#pragma unroll
+  for (int j = 1; j < RPT; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xr[j][e] += xr[j - 1][e];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float incl = xr[RPT - 1][e];  // inclusive prefix of the sub-group totals
+#pragma unroll
+    for (int o = 1; o < SUBS; o <<= 1) {
+      const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
+      if (sub >= o) incl += v;
+    }
+    const float excl = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) xr[j][e] = (sub == 0 ? xr[j][e] : excl + xr[j][e]) * kRcpLn2;
+  }
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) st8(sG + (row0 + j) * KP + d0, xr[j]);
+  // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
+  if (sub == SUBS - 1) st8(sBT + blk * K + d0, xr[RPT - 1]);
+}
+
+// From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
+// sGt = G (the chunk total). Sums of terms <= 0: no cancellation. Threads < K.
+template <int K>
+__device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, float* sBS, float* sGt) {
+  const int tid = threadIdx.x;
+  if (tid < K) {
+    const float b0 = sBT[tid], b1 = sBT[K + tid], b2 = sBT[2 * K + tid], b3 = sBT[3 * K + tid];
+    const float o2 = b0 + b1, o3 = o2 + b2;
+    const float s2 = b3, s1 = b2 + s2, s0 = b1 + s1;
+    sBO[tid] = 0.f;
+    sBO[K + tid] = b0;
+    sBO[2 * K + tid] = o2;
+    sBO[3 * K + tid] = o3;
+    sBS[tid] = s0;
+    sBS[K + tid] = s1;
+    sBS[2 * K + tid] = s2;
+    sBS[3 * K + tid] = 0.f;
+    if (sGt) sGt[tid] = o3 + b3;  // G
+  }
+}
+
+// The l2norm row factors rq = 1 / sqrt(sum q^2 + 1e-6) (1 when l2norm is off) of the raw q / k
+// rows sQ, sK [64][KQ]: K/8 lanes per row, 8 elements each (16-byte loads), a shuffle tree over
+// the row's lanes (aligned groups of K/8 lanes of one warp; uniform trip count).
+template <typename WT, int K, int NTH, int KQ>
+__device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm, float* sRq, float* sRk) {
+  using E = Elem<WT>;
+  constexpr int VPR = K / 8;
+  static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
+  if (!l2norm) {  // uniform branch: no loads or shuffles when the factors are all 1
+    for (int r = threadIdx.x; r < kChunk; r += NTH) sRq[r] = sRk[r] = 1.f;
+    return;
+  }
+  for (int i = threadIdx.x; i < kChunk * VPR; i += NTH) {
+    const int r = i / VPR, d0 = (i % VPR) * 8;
+    const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
+    const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+    const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 a = E::to_float2(wq[e]), b = E::to_float2(wk[e]);
+      sq = fmaf(a.x, a.x, fmaf(a.y, a.y, sq));
+      sk = fmaf(b.x, b.x, fmaf(b.y, b.y, sk));
+    }
+#pragma unroll
+    for (int o = VPR / 2; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    if (i % VPR == 0) {
+      sRq[r] = 1.f / sqrtf(sq + 1e-6f);
+      sRk[r] = 1.f / sqrtf(sk + 1e-6f);
+    }
+  }
+}
+
+// The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from the block-local g2 and
+// the block sums: qg = fq q exp2(g2), kg = fk k exp2(G - g2) and, when wanted, kexp = fk k exp2(g2),
+// packed to WT pairs. g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks
+// after): sums of terms <= 0, so every exponent is <= 0 and free of cancellation across blocks.
+template <typename WT, int K, int KP, int KQ>
+__device__ __forceinline__ void gated_vec8(const float* sG, const float* sBO, const float* sBT, const float* sBS,
+                                           const WT* sQ, const WT* sK, float fq, float fk, int r, int d0,
+                                           uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
+  using E = Elem<WT>;
+  float g2v[8], Gv[8];
+  {
+    const int b = r >> 4;
+    float ov[8], tv[8], sv[8];
+    ld8(g2v, sG + r * KP + d0);
+    ld8(ov, sBO + b * K + d0);
+    ld8(tv, sBT + b * K + d0);
+    ld8(sv, sBS + b * K + d0);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      Gv[e] = (tv[e] - g2v[e]) + sv[e];  // G - g2
+      g2v[e] = ov[e] + g2v[e];           // g2
+    }
+  }
+  const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
+  const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+  const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 qv = E::to_float2(wq[e]), kv = E::to_float2(wk[e]);
+    const float x0 = fast_exp2(g2v[2 * e]), x1 = fast_exp2(g2v[2 * e + 1]);
+    pq[e] = E::pack2(fq * qv.x * x0, fq * qv.y * x1);
+    pk[e] = E::pack2(fk * kv.x * fast_exp2(Gv[2 * e]), fk * kv.y * fast_exp2(Gv[2 * e + 1]));
+    if (pkexp) pkexp[e] = E::pack2(fk * kv.x * x0, fk * kv.y * x1);
+  }
+}
+
+}  // namespace kernel_fun::kda::dev

@@ -1,0 +1,63 @@
+// The sequence map every KDA kernel shares: where sequence n lives in the flattened token axis,
+// and which (sequence, chunk) a per-chunk CTA owns. With cu_seqlens the chunk map
+// (chunk_offsets, built on the device by kda_chunk_map) replaces any host round trip.
+#pragma once
+
+#include <cstdint>
+
+#include "kda/kda_problem.h"
+
+namespace kernel_fun::kda::dev {
+
+__device__ __forceinline__ int64_t load_cu(const KdaProblem& p, int i) {
+  return p.cu_int64 ? reinterpret_cast<const int64_t*>(p.cu_seqlens)[i]
+                    : static_cast<int64_t>(reinterpret_cast<const int*>(p.cu_seqlens)[i]);
+}
+
+// Token range [bos, bos + len) of sequence n in the flattened [B*T] token axis, and its first
+// global chunk index (the row of gdecay and of the per-chunk checkpoints).
+struct SeqInfo {
+  int64_t bos;
+  int len;
+  int chunk0;
+};
+__device__ __forceinline__ SeqInfo seq_info(const KdaProblem& p, int n) {
+  SeqInfo s;
+  if (p.cu_seqlens) {
+    s.bos = load_cu(p, n);
+    s.len = static_cast<int>(load_cu(p, n + 1) - s.bos);
+    s.chunk0 = p.chunk_offsets[n];
+  } else {
+    s.bos = static_cast<int64_t>(n) * p.T;
+    s.len = p.T;
+    s.chunk0 = n * ((p.T + kChunk - 1) / kChunk);
+  }
+  return s;
+}
+
+// The (sequence n, chunk c within it) of global chunk x; false when x is past the last chunk (the
+// varlen grid is sized by an upper bound, T / 64 + N, so its tail CTAs have nothing to do).
+__device__ __forceinline__ bool chunk_of(const KdaProblem& p, int x, int& n, int& c) {
+  if (p.cu_seqlens) {
+    if (x >= p.chunk_offsets[p.N]) return false;
+    int lo = 0, hi = p.N - 1;  // the largest n with chunk_offsets[n] <= x (empty sequences share offsets)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (p.chunk_offsets[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+    c = x - p.chunk_offsets[n];
+  } else {
+    const int nts = (p.T + kChunk - 1) / kChunk;
+    n = x / nts;
+    c = x % nts;
+  }
+  return true;
+}
+
+// The number of chunks that exist (the varlen grid's upper bound minus its idle tail).
+__device__ __forceinline__ int total_chunks(const KdaProblem& p) {
+  return p.cu_seqlens ? p.chunk_offsets[p.N] : p.N * ((p.T + kChunk - 1) / kChunk);
+}
+
+}  // namespace kernel_fun::kda::dev

@@ -1,0 +1,36 @@
+// The KDA launchers csrc/api calls: each enqueues on `stream` and throws std::runtime_error on a
+// launch failure. Kernels never validate: csrc/api checks every argument before a launch.
+//
+// Stage table (docs/kda.md maps each to its math, its fp64 reference and its tests):
+//   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan
+//   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
+//             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
+//             -> kda_bwd_dh_scan -> kda_bwd_grads -> kda_bwd_finish
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kda/kda_problem.h"
+
+namespace kernel_fun::kda {
+
+// chunk_offsets[n] = first global chunk of sequence n (varlen only; a no-op without cu_seqlens).
+void kda_chunk_map(const KdaProblem& p, cudaStream_t stream);
+
+// Forward stages (fwd/).
+void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream);
+void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
+// The V-slice width the scan uses for this problem (64 or 128).
+int kda_fwd_scan_bv(const KdaFwdParams& p);
+
+// Backward stages (bwd/).
+void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);
+void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
+void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream);
+void kda_bwd_finish(const KdaBwdParams& p, cudaStream_t stream);
+
+// The whole forward / backward, in stage order.
+void kda_forward(const KdaFwdParams& p, cudaStream_t stream);
+void kda_backward(const KdaBwdParams& p, cudaStream_t stream);
+
+}  // namespace kernel_fun::kda

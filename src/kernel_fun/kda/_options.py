@@ -1,0 +1,61 @@
+"""The one options object of a ``chunk_kda`` call, as every KDA op receives it.
+
+``KdaOptions.from_call`` is the only place that turns chunk_kda's keyword arguments into kernel
+options; ``encode()`` is the only serialisation, parsed by ``kda::parse_options``
+(csrc/kda/kda_options.cpp). Every op of the family takes this one string instead of a keyword
+list restated in Python, C++ and the op schemas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GATES = ("precomputed", "unbounded", "bounded", "bounded_no_alog")
+
+
+@dataclass(frozen=True)
+class KdaOptions:
+    scale: float
+    gate: str = "precomputed"          # one of GATES
+    lower_bound: float = 0.0           # used by the bounded gates
+    l2norm: bool = False               # use_qk_l2norm_in_kernel
+    beta_sigmoid: int = 0              # 0: beta as given; 1: sigmoid(beta); 2: 2 * sigmoid(beta)
+    state_v_first: bool = False
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        if self.gate not in GATES:
+            raise ValueError(f"KdaOptions.gate must be one of {GATES}, got {self.gate!r}")
+        if self.beta_sigmoid not in (0, 1, 2):
+            raise ValueError(f"KdaOptions.beta_sigmoid must be 0, 1 or 2, got {self.beta_sigmoid!r}")
+
+    @classmethod
+    def from_call(cls, *, scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+                  use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: float | None,
+                  A_log, state_v_first: bool, chunk_size: int) -> KdaOptions:
+        """chunk_kda's arguments (already validated) -> options. The gate formula is chosen by
+        lower_bound (fla-contract.md), not by safe_gate."""
+        if not use_gate_in_kernel:
+            gate = "precomputed"
+        elif lower_bound is None:
+            gate = "unbounded"
+        else:
+            gate = "bounded" if A_log is not None else "bounded_no_alog"
+        beta = (2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0
+        return cls(scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
+                   l2norm=bool(use_qk_l2norm_in_kernel), beta_sigmoid=beta,
+                   state_v_first=bool(state_v_first), chunk_size=int(chunk_size))
+
+    @property
+    def uses_A_log(self) -> bool:
+        return self.gate in ("unbounded", "bounded")
+
+    @property
+    def uses_dt_bias(self) -> bool:
+        return self.gate != "precomputed"
+
+    def encode(self) -> str:
+        # floats as C99 hex floats: exact round trip through strtod
+        return (f"scale={float(self.scale).hex()};gate={self.gate};lower_bound={float(self.lower_bound).hex()};"
+                f"l2norm={int(self.l2norm)};beta_sigmoid={self.beta_sigmoid};"
+                f"state_v_first={int(self.state_v_first)};chunk_size={self.chunk_size}")

@@ -1,0 +1,335 @@
+"""The KDA backward on our sm_90a kernels: every gradient of chunk_kda (dq, dk, dv, dg through every
+gate form, dbeta through the sigmoid, dA_log, ddt_bias, dh0, the final state's gradient) against
+autograd through the fp64 naive recurrence, over the contract's dense and varlen sets; each backward
+kernel's stage against the explicit fp64 stage reference; NaN-poisoned outputs; bitwise
+determinism; CUDA-graph capture and replay of a training step; torch.compile(fullgraph=True) of a
+training step; parity with fla's gradients."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from helpers import KDA_TOL, KDA_VARLEN_TOL, rel_rms
+from test_kda_fwd_gpu import make_case, options
+
+pytestmark = pytest.mark.gpu
+
+# dA_log sums dgate * gate over every token and dimension of a head: the terms cancel, so its
+# relative error is a multiple of dg's (measured on the H200: up to 2.7e-2 with the bounded gate and
+# 6.7e-2 at exp(A_log) = 16). fla checks dA only as a warning, at 0.003 (fla-contract.md); this
+# bound catches a broken reduction, and test_gradient_parity_with_fla holds ours to fla's own error.
+DA_LOG_TOL = 0.1
+STAGE_TOL = 0.01
+
+
+def _kernel():
+    from kernel_fun.kda import _kernel
+    return _kernel
+
+
+def _grads_ours(inputs, kw, do, dht):
+    """Gradients through the public chunk_kda (our kernels, counted) for loss = <o, do> + <ht, dht>."""
+    from kernel_fun.kda import chunk_kda
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    call = {n: x for n, x in kw.items() if x is not None}
+    extra = {}
+    for n in ("A_log", "dt_bias", "initial_state"):
+        if call.get(n) is not None:
+            call[n] = extra[n] = call[n].detach().clone().requires_grad_(True)
+    before = dict(_kernel().CALLS)
+    o, ht = chunk_kda(*leaves, **call)
+    loss = (o.float() * do.float()).sum()
+    if dht is not None:
+        loss = loss + (ht * dht).sum()
+    want = leaves + list(extra.values())
+    grads = torch.autograd.grad(loss, want, allow_unused=True)
+    after = _kernel().CALLS
+    assert after["kda_forward"] == before.get("kda_forward", 0) + 1, "our forward did not run"
+    assert after["kda_backward"] == before.get("kda_backward", 0) + 1, "our backward did not run"
+    out = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
+    for n, gr in zip(extra, grads[5:]):
+        out[{"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}[n]] = gr
+    return out
+
+
+def _grads_naive(inputs, kw, do, dht):
+    """Autograd through the fp64 token-by-token recurrence (kernel_fun.ref.naive_recurrent_kda)."""
+    from kernel_fun.ref.kda import naive_recurrent_kda
+    leaves = [x.detach().double().requires_grad_(True) for x in inputs]
+    rk = {n: kw.get(n) for n in ("scale", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel",
+                                 "allow_neg_eigval", "state_v_first", "cu_seqlens", "lower_bound")}
+    rk = {n: x for n, x in rk.items() if x is not None}
+    extra = {}
+    use_gate = kw.get("use_gate_in_kernel", False)
+    for n in ("A_log", "dt_bias", "initial_state"):
+        if kw.get(n) is not None and (n == "initial_state" or use_gate):
+            rk[n] = extra[n] = kw[n].detach().double().requires_grad_(True)
+    o, ht = naive_recurrent_kda(*leaves, output_final_state=dht is not None, use_gate_in_kernel=use_gate, **rk)
+    loss = (o * do.double()).sum()
+    if dht is not None:
+        loss = loss + (ht * dht.double()).sum()
+    grads = torch.autograd.grad(loss, leaves + list(extra.values()), allow_unused=True)
+    out = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
+    for n, gr in zip(extra, grads[5:]):
+        out[{"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}[n]] = gr
+    return out
+
+
+def _do_dht(inputs, kw, seed=11):
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    do = torch.randn(B, T, HV, V, device="cuda", generator=gen).to(q.dtype)
+    dht = None
+    if kw.get("output_final_state"):
+        N = B if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
+        shape = (N, HV, V, K) if kw.get("state_v_first") else (N, HV, K, V)
+        dht = torch.randn(*shape, device="cuda", generator=gen)
+    return do, dht
+
+
+CASES = {
+    "T1-h0": dict(B=2, T=1, h0=True),
+    "T63": dict(B=2, T=63, h0=True),
+    "T130": dict(B=2, T=130),
+    "T1000": dict(B=1, T=1000, h0=True),
+    "K64-V64": dict(T=300, K=64, V=64, h0=True),
+    "K64-V192": dict(T=200, K=64, V=192),
+    "K128-V256": dict(T=300, V=256, h0=True),
+    "K128-V512": dict(T=129, H=1, V=512, h0=True),
+    "GVA-2-4": dict(T=333, H=2, HV=4, h0=True),
+    "GVA-2-8-fp16": dict(T=200, H=2, HV=8, dtype=torch.float16),
+    "bounded": dict(T=500, gate="bounded", h0=True),
+    "bounded-noalog": dict(T=300, gate="bounded_noalog"),
+    "precomputed-nol2": dict(T=400, gate="precomputed", l2norm=False, beta_sigmoid=False),
+    "neg-eigval": dict(T=300, neg_eig=True, h0=True),
+    "scale": dict(T=200, scale=0.3),
+    "state-v-first": dict(T=300, h0=True, state_v_first=True),
+    "g-bf16": dict(T=300, g_dtype=torch.bfloat16),
+    "fp16": dict(T=500, dtype=torch.float16, h0=True),
+    "extreme-unbounded16": dict(T=400, gate="unbounded16", h0=True),
+    "extreme-1000": dict(T=400, gate="precomputed", extreme=0.5, h0=True),
+}
+VARLEN_CASES = {
+    "varlen-onetoken": dict(T=200, cu=[0, 1, 64, 65, 200], h0=True),
+    "varlen-empty-int64": dict(T=300, cu=[0, 0, 100, 100, 300], cu_dtype=torch.int64, h0=True),
+    "varlen-fla-gva": dict(T=2000, H=2, HV=4, cu=[0, 15, 100, 300, 1200, 2000], h0=True),
+    "varlen-extreme-bounded": dict(T=1000, cu=[0, 256, 500, 1000], gate="bounded"),
+    "varlen-extreme-1000": dict(T=1000, cu=[0, 256, 500, 1000], gate="precomputed", extreme=0.3),
+}
+
+
+def _check_against_naive(case, tol):
+    inputs, kw = make_case(**case)
+    do, dht = _do_dht(inputs, kw)
+    ours = _grads_ours(inputs, kw, do, dht)
+    ref = _grads_naive(inputs, kw, do, dht)
+    bad = {}
+    for key, r in ref.items():
+        if r is None:
+            continue
+        got = ours[key]
+        src = {"dA_log": kw.get("A_log"), "ddt_bias": kw.get("dt_bias"), "dh0": kw.get("initial_state")}.get(key)
+        if src is None:
+            src = inputs[["dq", "dk", "dv", "dg", "dbeta"].index(key)]
+        assert got is not None and got.shape == r.shape and got.dtype == src.dtype, key
+        assert torch.isfinite(got).all(), f"{key} has NaN/Inf"
+        t = DA_LOG_TOL if key == "dA_log" else (KDA_TOL["dbias"] if key == "ddt_bias" else tol[key])
+        err = rel_rms(r, got)
+        if not err <= t:
+            bad[key] = (err, t)
+    assert not bad, f"gradients off the fp64 naive recurrence: {bad}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_match_fp64_naive(name):
+    _check_against_naive(CASES[name], KDA_TOL)
+
+
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_varlen_gradients_match_fp64_naive(name):
+    _check_against_naive(VARLEN_CASES[name], KDA_VARLEN_TOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# each backward kernel's stage against the explicit fp64 stage reference (kernel_fun.ref.kda_bwd)
+def _stage_reference(inputs, kw, do, dht):
+    from kernel_fun.ref.kda_bwd import chunk_kda_bwd_reference
+    q, k, v, g, beta = (x.double() for x in inputs)
+    rk = {n: kw.get(n) for n in ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                                  "allow_neg_eigval", "lower_bound", "state_v_first", "cu_seqlens")}
+    rk = {n: x for n, x in rk.items() if x is not None}
+    for n in ("A_log", "dt_bias", "initial_state"):
+        if kw.get(n) is not None and (n == "initial_state" or kw.get("use_gate_in_kernel")):
+            rk[n] = kw[n].double()
+    return chunk_kda_bwd_reference(q, k, v, g, beta, do.double(), None if dht is None else dht.double(), **rk,
+                                   return_stages=True)
+
+
+def _backward_stages(inputs, kw, do, dht, poison=False):
+    q, k, v, g, beta = inputs
+    return _kernel().backward_stages(
+        q, k, v, g, beta, do, dht, opts=options(inputs, kw), initial_state=kw.get("initial_state"),
+        cu_seqlens=kw.get("cu_seqlens"), A_log=kw.get("A_log") if kw.get("use_gate_in_kernel") else None,
+        dt_bias=kw.get("dt_bias") if kw.get("use_gate_in_kernel") else None, poison=poison)
+
+
+@pytest.mark.parametrize("name", ["T1000", "GVA-2-4", "K64-V192", "state-v-first", "extreme-1000", "fp16"])
+def test_stages_match_fp64_stage_reference(name):
+    inputs, kw = make_case(**CASES[name])
+    do, dht = _do_dht(inputs, kw)
+    grads, st = _backward_stages(inputs, kw, do, dht, poison=True)
+    _, rst = _stage_reference(inputs, kw, do, dht)
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    nck = rst["h"].shape[0] * rst["h"].shape[1]
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    scale = kw.get("scale") or K ** -0.5
+    checks = {
+        "M (forward intra, recomputed)": (flat(rst["M"]), st["M"]),
+        "h_c (re-scan)": (rst["h"].reshape(nck, HV, K, V).transpose(-1, -2), st["h_ckpt"][:nck]),
+        "dh_{c+1} (dh scan)": (rst["dh"].reshape(nck, HV, K, V).transpose(-1, -2), st["dh_ckpt"][:nck]),
+        "dv (dh scan)": (rst["dv"], grads["dv"]),
+        "scale dAqk (grads)": (flat(rst["dAqk"]) * scale, st["dA"]),
+        "dL (grads)": (flat(rst["dL"]), st["dL"]),
+    }
+    if HV != q.shape[2]:  # GVA: d(normalised q / k) per value head, before the group sum
+        checks["dq^ (grads)"] = (flat(rst["dq_hat"]), st["dqhat"])
+        checks["dk^ (grads)"] = (flat(rst["dk_hat"]), st["dkhat"])
+    bad = {}
+    for key, (r, got) in checks.items():
+        assert torch.isfinite(got).all(), f"{key}: NaN/Inf (unwritten elements?)"
+        err = rel_rms(r, got)
+        if not err <= STAGE_TOL:
+            bad[key] = err
+    assert not bad, f"stages off the reference: {bad}"
+
+
+def test_poisoned_outputs_are_all_written():
+    """Every output starts as NaN (backward_stages(poison=True)) and comes back finite, equal to the
+    unpoisoned run."""
+    inputs, kw = make_case(T=500, H=2, HV=4, cu=[0, 1, 100, 100, 500], h0=True)
+    do, dht = _do_dht(inputs, kw)
+    a, _ = _backward_stages(inputs, kw, do, dht, poison=True)
+    b, _ = _backward_stages(inputs, kw, do, dht, poison=False)
+    for key, t in a.items():
+        if t is not None:
+            assert torch.isfinite(t).all(), key
+            assert torch.equal(t, b[key]), key
+
+
+def test_bitwise_deterministic():
+    inputs, kw = make_case(B=2, T=1000, H=2, HV=4, h0=True)
+    do, dht = _do_dht(inputs, kw)
+    a = _grads_ours(inputs, kw, do, dht)
+    b = _grads_ours(inputs, kw, do, dht)
+    for key, t in a.items():
+        assert torch.equal(t, b[key]), key
+
+
+def test_extreme_gates_give_finite_gradients():
+    """Per-step gates of -1000 on 90% of the entries and exp(A_log) = 16: finite and within tolerance."""
+    for case in (dict(T=300, gate="precomputed", extreme=0.9, h0=True, dtype=torch.float16),
+                 dict(T=300, gate="unbounded16", h0=True)):
+        _check_against_naive(case, KDA_TOL)
+
+
+def test_cuda_graph_capture_and_replay_of_a_training_step():
+    from kernel_fun.kda import chunk_kda
+    inputs, kw = make_case(B=2, T=300, H=2, HV=4, h0=True)
+    call = {n: x for n, x in kw.items() if x is not None}
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    do, dht = _do_dht(inputs, kw)
+
+    def step():
+        o, ht = chunk_kda(*leaves, **call)
+        loss = (o.float() * do.float()).sum() + (ht * dht).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    eager = [t.clone() for t in step()]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs asks
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for t in static:
+        t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for e, r in zip(eager, static):
+        assert torch.equal(e, r)
+    # new inputs copied into the captured buffers: the replay follows them
+    with torch.no_grad():
+        leaves[0].copy_(leaves[0] * 0.5)
+    graph.replay()
+    fresh = step()
+    torch.cuda.synchronize()
+    for e, r in zip(fresh, static):
+        assert torch.equal(e, r)
+
+
+def test_compile_fullgraph_training_step_runs_our_kernels():
+    from kernel_fun.kda import chunk_kda
+    inputs, kw = make_case(B=2, T=200, H=2, HV=2)
+    call = {n: x for n, x in kw.items() if x is not None and n != "output_final_state"}
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    do, _ = _do_dht(inputs, kw)
+
+    def step(q, k, v, g, beta):
+        o, _ = chunk_kda(q, k, v, g, beta, **call)
+        return (o.float() * do.float()).sum()
+
+    eager_loss = step(*leaves)
+    eager = torch.autograd.grad(eager_loss, leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)  # a graph break raises
+    before = dict(_kernel().CALLS)
+    loss = compiled(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    after = _kernel().CALLS
+    assert after["kda_forward"] > before.get("kda_forward", 0), "the compiled graph did not run our forward"
+    assert after["kda_backward"] > before.get("kda_backward", 0), "the compiled graph did not run our backward"
+    assert torch.equal(loss, eager_loss)
+    for e, c in zip(eager, grads):
+        assert torch.equal(e, c)
+
+
+@pytest.mark.fla
+@pytest.mark.parametrize("name", ["T1000", "bounded", "GVA-2-4", "extreme-unbounded16"])
+def test_gradient_parity_with_fla(name, monkeypatch):
+    """Every gradient of ours within fla's tolerance of the fp64 naive recurrence, or at most 2x
+    fla's own error on the same inputs (fla 0.5.2's Triton backward, FLA_TILELANG=0)."""
+    monkeypatch.setenv("FLA_TILELANG", "0")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    inputs, kw = make_case(**CASES[name])
+    do, dht = _do_dht(inputs, kw)
+    ours = _grads_ours(inputs, kw, do, dht)
+    ref = _grads_naive(inputs, kw, do, dht)
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    call = {n: x for n, x in kw.items() if x is not None}
+    extra = {}
+    for n in ("A_log", "dt_bias", "initial_state"):
+        if call.get(n) is not None:
+            call[n] = extra[n] = call[n].detach().clone().requires_grad_(True)
+    o, ht = fla_chunk_kda(*leaves, **call)
+    loss = (o.float() * do.float()).sum() + (ht * dht).sum()
+    grads = torch.autograd.grad(loss, leaves + list(extra.values()), allow_unused=True)
+    fla = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
+    for n, gr in zip(extra, grads[5:]):
+        fla[{"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}[n]] = gr
+    report = {}
+    for key, r in ref.items():
+        if r is None or fla.get(key) is None:
+            continue
+        e_ours, e_fla = rel_rms(r, ours[key]), rel_rms(r, fla[key])
+        report[key] = (round(e_ours, 5), round(e_fla, 5))
+        tol = DA_LOG_TOL if key == "dA_log" else KDA_TOL.get(key, KDA_TOL["dbias"])
+        assert e_ours <= max(2 * e_fla, tol), f"{key}: ours {e_ours:.3e}, fla {e_fla:.3e} ({report})"
+    print(f"{name} rel-RMS (ours, fla): {report}")
