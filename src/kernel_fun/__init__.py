@@ -6,7 +6,7 @@ first use. Families: ``kernel_fun.kda`` (chunk_kda) and ``kernel_fun.cconv`` (ca
 
 __version__ = "0.1.0"  # the one source of the version (pyproject reads it)
 
-__all__ = ["__version__", "versions", "kda", "cconv", "ref"]
+__all__ = ["__version__", "versions", "strict", "KernelFunUnsupported", "kda", "cconv", "ref"]
 
 
 def versions() -> dict[str, str]:
@@ -16,7 +16,19 @@ def versions() -> dict[str, str]:
     return collect()
 
 
+def strict(enabled: bool = True):
+    """Context manager: inside it, a call our kernels cannot serve raises KernelFunUnsupported with
+    the reason instead of falling back to fla. KERNEL_FUN_STRICT=1 does the same process-wide."""
+    from kernel_fun._dispatch import strict as _strict
+
+    return _strict(enabled)
+
+
 def __getattr__(name):  # lazy submodules: `import kernel_fun` stays light
+    if name == "KernelFunUnsupported":
+        from kernel_fun._dispatch import KernelFunUnsupported
+
+        return KernelFunUnsupported
     if name in ("kda", "cconv", "ref", "bench"):
         import importlib
 

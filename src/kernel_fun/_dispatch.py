@@ -8,6 +8,8 @@ else a clear error. Logging happens once per distinct message.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import logging
 import threading
@@ -16,6 +18,30 @@ _log = logging.getLogger("kernel_fun")
 _lock = threading.Lock()
 _seen: set[tuple[str, str]] = set()
 _versions_logged = False
+_strict: contextvars.ContextVar[bool] = contextvars.ContextVar("kernel_fun_strict", default=False)
+
+
+class KernelFunUnsupported(RuntimeError):
+    """Strict mode: our kernels cannot serve a call (the message says why) and falling back to fla
+    was not allowed."""
+
+
+def strict_enabled() -> bool:
+    from kernel_fun import _env
+
+    return _strict.get() or _env.flag("KERNEL_FUN_STRICT")
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True):
+    """Within the block, a call our kernels cannot serve raises KernelFunUnsupported with the reason
+    instead of falling back to fla (a benchmark that asks for our kernels runs them or stops).
+    The environment switch KERNEL_FUN_STRICT=1 does the same for the whole process."""
+    token = _strict.set(enabled)
+    try:
+        yield
+    finally:
+        _strict.reset(token)
 
 
 def _once(key: tuple[str, str]) -> bool:
@@ -76,9 +102,17 @@ def fla_function(module: str, name: str):
         return None
 
 
-def fallback(family: str, reason: str, module: str, name: str, args: tuple, kwargs: dict):
-    """Call fla with exactly the caller's arguments, or raise with the reason."""
-    fn = fla_function(module, name)
+def fallback(family: str, reason: str, module, name: str, args: tuple, kwargs: dict):
+    """Call fla with exactly the caller's arguments, or raise with the reason (strict mode, or no
+    fla). module: one module name or a tuple of candidates, tried in order (fla moved some)."""
+    if strict_enabled():
+        raise KernelFunUnsupported(f"kernel-fun {family}: our kernels cannot serve this call - {reason} "
+                                   f"(strict mode: KERNEL_FUN_STRICT=1 or kernel_fun.strict())")
+    fn = None
+    for mod in (module,) if isinstance(module, str) else tuple(module):
+        fn = fla_function(mod, name)
+        if fn is not None:
+            break
     if fn is None:
         raise RuntimeError(
             f"kernel-fun {family}: cannot run this call - {reason}; and fla (fla-core) is not "
