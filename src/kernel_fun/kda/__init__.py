@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 
 import torch
 
@@ -27,8 +28,27 @@ __all__ = ["chunk_kda", "is_supported", "warmup"]
 
 FAMILY = "kda"
 _FLA = ("fla.ops.kda", "chunk_kda")
-# Keyword arguments fla's chunk_kda reads from **kwargs; anything else is a flag we do not know.
+# Keyword arguments fla's chunk_kda reads from **kwargs (0.5.2 and 0.6.0); any other keyword is a
+# TypeError naming it, as Python raises for a misspelt parameter, on every path (a typo such as
+# dt_bais= would otherwise give the no-bias result).
 _KNOWN_KWARGS = frozenset({"A_log", "dt_bias", "chunk_size"})
+
+
+def _take_kwargs(kwargs: dict, state_v_first: bool) -> bool:
+    """Check chunk_kda's **kwargs in place: fla's deprecated transpose_state_layout is honoured (as
+    state_v_first, fla's rule: not both); an unknown keyword raises TypeError. Returns state_v_first."""
+    if "transpose_state_layout" in kwargs:
+        value = kwargs.pop("transpose_state_layout")
+        if state_v_first:
+            _fail(ValueError, "cannot pass both state_v_first and the deprecated transpose_state_layout")
+        warnings.warn("chunk_kda: `transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=3)
+        state_v_first = bool(value)
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        raise TypeError(f"kernel_fun.kda.chunk_kda() got unexpected keyword argument(s): "
+                        f"{', '.join(repr(u) for u in unknown)}")
+    return state_v_first
 
 
 def _fail(exc, msg: str):
@@ -65,7 +85,7 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
 
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
               allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
-              kwargs) -> torch.Tensor | None:
+              kwargs, trust_device_cu: bool = False) -> torch.Tensor | None:
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
@@ -118,11 +138,20 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_be
                 _fail(ValueError, f"dt_bias must have HV*K={HV * K} elements")
             if dt_bias.device != dev:
                 _fail(ValueError, f"dt_bias is on {dt_bias.device} but q is on {dev}")
-    host_cu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+    if trust_device_cu and cu_seqlens is not None:  # use_graph: the contents change between replays
+        host_cu = None
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            _fail(ValueError, "cu_seqlens must be a 1-D tensor with N+1 >= 2 entries")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            _fail(TypeError, f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        if B != 1:
+            _fail(ValueError, f"cu_seqlens requires batch size B == 1 (packed sequences), got B={B}")
+    else:
+        host_cu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
     if cu_seqlens is not None and cu_seqlens.device != dev:
         _fail(ValueError, f"cu_seqlens is on {cu_seqlens.device} but q is on {dev}")
     if initial_state is not None:
-        N = B if host_cu is None else host_cu.numel() - 1
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != want:
             got = list(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
@@ -225,22 +254,37 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
     **kwargs,
 ):
-    """fla's ``chunk_kda`` (same arguments, same results): returns ``(o, final_state)``, or
-    ``(o, final_state, h)`` with ``return_intermediate_states`` (inference only)."""
+    """fla's ``chunk_kda`` (same arguments, same results; fla 0.5.2's and 0.6.0's): returns
+    ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states`` (inference
+    only). ``use_graph`` / ``max_num_seqs`` (fla 0.6.0) keep fla's meaning: with ``use_graph`` the
+    device ``cu_seqlens`` (padded with empty tail sequences to ``max_num_seqs + 1`` entries) is
+    trusted and never read on the host, so a captured CUDA graph can be replayed after only its
+    contents change; our kernels need no preallocated per-sequence buffers for that."""
     orig_args = (q, k, v, g, beta)
+    graph_kwargs = {} if not use_graph and max_num_seqs is None else dict(use_graph=use_graph,
+                                                                          max_num_seqs=max_num_seqs)
     orig_kwargs = dict(
         scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
         return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, **kwargs,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, **graph_kwargs, **kwargs,
     )
+    kwargs = dict(kwargs)
+    state_v_first = _take_kwargs(kwargs, state_v_first)
+    if use_graph and cu_seqlens is not None:
+        n_seqs = cu_seqlens.shape[0] - 1
+        if max_num_seqs is not None and max_num_seqs != n_seqs:
+            _fail(ValueError, f"use_graph: cu_seqlens must hold exactly max_num_seqs + 1 = {max_num_seqs + 1} "
+                              f"entries (pad with empty tail sequences), got {n_seqs + 1}")
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                        kwargs)
+                        kwargs, trust_device_cu=bool(use_graph))
     if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state):
         _fail(ValueError, "return_intermediate_states is for inference only (no gradients)")
     if scale is None:
@@ -292,11 +336,13 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
         return False, f"invalid input: {e}"
     bound.apply_defaults()
     a = bound.arguments
-    extra = a.pop("kwargs")
+    extra = dict(a.pop("kwargs"))
     try:
+        a["state_v_first"] = _take_kwargs(extra, a["state_v_first"])
         _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
                   a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
-                  a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra)
+                  a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra,
+                  trust_device_cu=bool(a["use_graph"]))
     except (ValueError, TypeError) as e:
         return False, f"invalid input: {e}"
     if q.device.type != "cuda":
