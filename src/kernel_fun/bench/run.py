@@ -50,7 +50,8 @@ _FAMILY_API = {
     # family: (kernel_fun module, function, [fla (module, function) candidates])
     "kda": ("kernel_fun.kda", "chunk_kda", [("fla.ops.kda", "chunk_kda")]),
     "cconv": ("kernel_fun.cconv", "causal_conv1d",
-              [("fla.modules.convolution", "causal_conv1d"), ("fla.modules.conv", "causal_conv1d")]),
+              [("fla.modules.causal_conv1d", "causal_conv1d"), ("fla.modules.convolution", "causal_conv1d"),
+               ("fla.modules.conv", "causal_conv1d")]),
 }
 
 

@@ -40,7 +40,9 @@ from kernel_fun import _dispatch, _env, _ext
 __all__ = ["causal_conv1d", "causal_conv1d_update", "is_supported", "warmup"]
 
 FAMILY = "cconv"
-_FLA_MODULE = "fla.modules.convolution"
+# fla 0.6.0 moved the convolution to fla.modules.causal_conv1d (the old names stay as aliases there);
+# fla 0.5.2 has fla.modules.convolution. Fallbacks try them in this order.
+_FLA_MODULE = ("fla.modules.causal_conv1d", "fla.modules.convolution", "fla.modules.conv")
 # fla's triton backend reads nothing from **kwargs; any keyword is a flag we do not know.
 _KNOWN_KWARGS: frozenset[str] = frozenset()
 _BACKENDS = ("triton", "cuda", "mix")
