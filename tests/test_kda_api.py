@@ -200,12 +200,102 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     assert opts.scale == 16 ** -0.5 and opts.lower_bound == -5.0 and opts.gate == "bounded" and fwd["A_log"] is A_log
     assert opts.chunk_size == 64 and opts.l2norm and fwd["output_final_state"] and fwd["cu_seqlens"] is cu
     assert torch.equal(fwd["cu_seqlens_cpu"], cu_cpu.long())
-    # an unknown flag is a routing reason (fla is not installed here, so the fallback raises it)
-    with pytest.raises(RuntimeError, match="unrecognized argument no_such_flag"), torch.no_grad():
+    # an unknown keyword is a TypeError naming it (never silently ignored, never routed to fla)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'no_such_flag'"), torch.no_grad():
         chunk_kda(q, q, v, g, beta, no_such_flag=1)
+    # fla 0.6.0's use_graph / max_num_seqs are accepted; with use_graph the device cu_seqlens is
+    # trusted (no host read), and max_num_seqs must match its length
+    seen.clear()
+    with torch.no_grad():
+        assert chunk_kda(q, q, v, g, beta, **{**kw, "cu_seqlens_cpu": None}, use_graph=True, max_num_seqs=2) == ("o", None)
+    assert seen[-1][1]["cu_seqlens_cpu"] is None
+    with pytest.raises(ValueError, match="max_num_seqs"), torch.no_grad():
+        chunk_kda(q, q, v, g, beta, **kw, use_graph=True, max_num_seqs=3)
     # is_supported binds chunk_kda's own signature: valid keywords pass validation and reach the
     # device check; a bad value or an unknown positional is an invalid-input reason
     ok, why = is_supported(q, v, k=q, g=g, beta=beta, **kw)
     assert not ok and why.startswith("tensors on meta")
     ok, why = is_supported(q, v, k=q, g=g, beta=beta, chunk_size=48)
     assert not ok and "chunk_size" in why
+
+
+def test_unknown_keywords_raise_on_cpu_too():
+    """A misspelt keyword (dt_bais) is a TypeError naming it, on the CPU reference path as well."""
+    q, k, v, g, beta = _inputs()
+    with pytest.raises(TypeError, match="'dt_bais'"):
+        chunk_kda(q, k, v, g, beta, dt_bais=torch.zeros(4 * 16))
+    ok, why = is_supported(q, v, k=k, g=g, beta=beta, dt_bais=1)
+    assert not ok and "'dt_bais'" in why
+
+
+def test_transpose_state_layout_is_honoured():
+    """fla's deprecated alias of state_v_first changes the state layout (fla honours it), warns, and
+    may not be combined with state_v_first."""
+    torch.manual_seed(0)
+    q, k, v, g, beta = _inputs(T=70)
+    N, HV, K, V = 1, v.shape[2], q.shape[3], v.shape[3]
+    h0 = torch.randn(N, HV, V, K, dtype=q.dtype)
+    o_new, ht_new = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, state_v_first=True)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o_old, ht_old = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                  transpose_state_layout=True)
+    assert torch.equal(o_new, o_old) and torch.equal(ht_new, ht_old)
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        chunk_kda(q, k, v, g, beta, state_v_first=True, transpose_state_layout=True)
+
+
+def test_strict_mode_raises_instead_of_falling_back(monkeypatch):
+    """KERNEL_FUN_STRICT=1 / kernel_fun.strict(): a call our kernels cannot serve raises with the
+    reason; fla is never called."""
+    from kernel_fun import _dispatch
+    called = []
+    monkeypatch.setattr(_dispatch, "fla_function", lambda m, n: (lambda *a, **k: called.append(m) or "fla"))
+    with kernel_fun.strict():
+        with pytest.raises(kernel_fun.KernelFunUnsupported, match="because-of-test"):
+            _dispatch.fallback("kda", "because-of-test", "fla.ops.kda", "chunk_kda", (), {})
+    assert _dispatch.fallback("kda", "x", "fla.ops.kda", "chunk_kda", (), {}) == "fla"  # strict is off again
+    monkeypatch.setenv("KERNEL_FUN_STRICT", "1")
+    with pytest.raises(kernel_fun.KernelFunUnsupported, match="KERNEL_FUN_STRICT"):
+        _dispatch.fallback("cconv", "why", ("fla.modules.causal_conv1d",), "causal_conv1d", (), {})
+    assert called == ["fla.ops.kda"]
+
+
+def test_fallback_tries_fla_module_candidates_in_order(monkeypatch):
+    """fla 0.6.0 moved causal_conv1d to fla.modules.causal_conv1d; 0.5.2 has fla.modules.convolution."""
+    from kernel_fun import _dispatch
+    tried = []
+
+    def fake(module, name):
+        tried.append(module)
+        return (lambda *a, **k: module) if module == "fla.modules.convolution" else None
+
+    monkeypatch.setattr(_dispatch, "fla_function", fake)
+    got = _dispatch.fallback("cconv", "r", ("fla.modules.causal_conv1d", "fla.modules.convolution"), "f", (), {})
+    assert got == "fla.modules.convolution" and tried == ["fla.modules.causal_conv1d", "fla.modules.convolution"]
+
+
+def test_nemo_entry_points_on_cpu():
+    """kernel_fun.nemo: the unsupported reason names the first violated condition (never raises);
+    fused_chunk_kda raises instead of falling back."""
+    from kernel_fun import nemo
+    q, k, v, g, beta = _inputs()
+    assert "mode" in nemo.fused_kda_unsupported_reason(q, k, v, g, beta, None, mode="fused_recurrent")
+    assert "cp_context" in nemo.fused_kda_unsupported_reason(q, k, v, g, beta, None, cp_context=object())
+    assert "use_qk_l2norm_in_kernel" in nemo.fused_kda_unsupported_reason(q, k, v, g, beta, None,
+                                                                          use_qk_l2norm_in_kernel=False)
+    assert "cpu" in nemo.fused_kda_unsupported_reason(q, k, v, g, beta, None)
+    with pytest.raises(kernel_fun.KernelFunUnsupported, match="cpu"):
+        nemo.fused_chunk_kda(q, k, v, g, beta, None)
+
+
+def test_nemo_dense_input_is_a_packed_view():
+    """Dense [B, T] input becomes one packed batch of B documents: views and device offsets."""
+    from kernel_fun.nemo import _packed
+    q, k, v, g, beta = _inputs(B=3, T=10)
+    pq, pk, pv, pg, pb, cu = _packed(q, k, v, g, beta, None)
+    assert pq.shape == (1, 30, 2, 16) and pq.data_ptr() == q.data_ptr()
+    assert cu.tolist() == [0, 10, 20, 30] and cu.dtype == torch.int32
+    # the reference agrees: dense == packed
+    o_dense, _ = chunk_kda(q, k, v, g, beta)
+    o_packed, _ = chunk_kda(pq, pk, pv, pg, pb, cu_seqlens=cu)
+    assert torch.allclose(o_dense.reshape(1, 30, 4, 24), o_packed, atol=1e-12)
