@@ -1,6 +1,6 @@
-"""CPU-only tests of the benchmark (CI has no GPU): the CLI's --list and no-GPU paths, the case
-list against the anchors, the byte model, the writers from synthetic rows, and the runner's
-bookkeeping with fake implementations and a fake CUDA clock."""
+"""CPU-only tests of the benchmark (CI has no GPU): the CLI's --list, --merge, argument checks and
+no-GPU paths, the case list against the anchors, the byte model, the writers from synthetic rows,
+the progress lines, and the runner's bookkeeping with fake implementations and a fake CUDA clock."""
 
 from __future__ import annotations
 
@@ -68,11 +68,80 @@ def test_unknown_case_is_an_error():
     assert r.returncode == 2 and "unknown case" in r.stderr and "prod8192" in r.stderr
 
 
-def test_no_gpu_says_so_and_exits_0(tmp_path):
+def test_no_gpu_says_so_points_to_list_and_merge_and_exits_1(tmp_path):
     r = _cli("--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    assert "no CUDA GPU: nothing to benchmark" in r.stdout
+    assert r.returncode == 1, r.stderr
+    assert "no CUDA GPU found" in r.stderr and "--list" in r.stderr and "--merge" in r.stderr
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_no_gpu_message_in_process(monkeypatch, tmp_path, capsys):
+    import kernel_fun.bench.__main__ as bm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bm.main(["--out", str(tmp_path), "--family", "cconv"]) == 1
+    err = capsys.readouterr().err
+    assert "no CUDA GPU found" in err and "--list" in err and "--merge" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_list_works_without_a_gpu(monkeypatch, capsys):
+    import kernel_fun.bench.__main__ as bm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bm.main(["--list", "--family", "kda"]) == 0
+    out = capsys.readouterr().out
+    assert "prod8192" in out and "varlen" in out and "cconv_d2048" not in out
+
+
+def test_merge_works_without_a_gpu(tmp_path):
+    rows, _ = _synthetic_rows()
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    r = _cli("--merge", str(tmp_path / "a.json"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "cconv_d2048" in r.stdout and (tmp_path / "out" / "h200.json").exists()
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--budget-s", "-1"], "--budget-s"),
+    (["--budget-s", "0"], "--budget-s"),
+    (["--budget-s", "nan"], "--budget-s"),
+    (["--budget-s", "soon"], "--budget-s"),
+    (["--iters", "0"], "--iters"),
+    (["--iters", "2.5"], "--iters"),
+    (["--warmup", "0"], "--warmup"),
+    (["--seed", "-1"], "--seed"),
+    (["--case", "nope"], "--case"),
+    (["--family", "gdn"], "--family"),
+    (["--pass", "bwd"], "--pass"),
+    (["--list", "--merge", "a.json"], "--merge"),
+])
+def test_nonsense_arguments_exit_2_naming_the_argument(args, named, capsys):
+    import kernel_fun.bench.__main__ as bm
+
+    with pytest.raises(SystemExit) as e:
+        bm.main(args)
+    assert e.value.code == 2
+    assert f"argument {named}" in capsys.readouterr().err
+
+
+def test_unreadable_merge_files_exit_2(tmp_path, capsys):
+    import kernel_fun.bench.__main__ as bm
+
+    (tmp_path / "obj.json").write_text("{}")
+    for path, why in ((tmp_path / "missing.json", "cannot read"), (tmp_path / "obj.json", "not a results file")):
+        with pytest.raises(SystemExit) as e:
+            bm.main(["--merge", str(path), "--out", str(tmp_path / "out")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--merge" in err and why in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_budget_accepts_a_positive_number(capsys):
+    from kernel_fun.bench.__main__ import _parser
+
+    assert _parser().parse_args(["--budget-s", "2.5"]).budget_s == 2.5
 
 
 def test_import_touches_neither_fla_nor_cuda():
@@ -222,6 +291,24 @@ def test_gpu_slug():
     assert report.gpu_slug("") == "gpu"
 
 
+def test_format_duration():
+    assert [brun.format_duration(s) for s in (0, 4.4, 59.4, 83, 3599, 3600, 7500)] == \
+        ["0s", "4s", "59s", "1m23s", "59m59s", "1h00m", "2h05m"]
+
+
+def test_format_progress():
+    # before any unit has finished there is no mean to extrapolate from
+    assert brun.format_progress(1, 12, "kda prod8192 fwd", 0.2, []) == \
+        "[1/12] kda prod8192 fwd  elapsed 0s  eta ?"
+    # unit 3 starts: 2 done, mean 25 s, 10 not finished (this one included) -> 250 s
+    assert brun.format_progress(3, 12, "kda prod8192 fwd+bwd", 83, [20.0, 30.0]) == \
+        "[3/12] kda prod8192 fwd+bwd  elapsed 1m23s  eta ~4m10s"
+    # unit 3 ends after 33 s: mean 27.67 s x 9 left = 249 s
+    assert brun.format_progress(3, 12, "kda prod8192 fwd+bwd", 116, [20.0, 30.0, 33.0], 33.0) == \
+        "[3/12] kda prod8192 fwd+bwd  done in 33s  elapsed 1m56s  eta ~4m09s"
+    assert brun.format_progress(2, 2, "cconv t fwd", 5, [2.0, 3.0], 3.0).endswith("eta ~0s")
+
+
 def test_new_row_rejects_unknown_keys():
     with pytest.raises(KeyError):
         report.new_row(bogus=1)
@@ -278,13 +365,13 @@ TINY = [bc.KdaCase("t_kda", B=1, T=64, H=2, HV=4, K=8, V=8, anchor_fla_ms={"fwd"
         bc.CconvCase("t_cc", B=2, T=32, D=16)]
 
 
-def _run(monkeypatch, ours: dict, fla: dict, cases=TINY, passes=bc.PASSES, with_fla=True):
+def _run(monkeypatch, ours: dict, fla: dict, cases=TINY, passes=bc.PASSES, with_fla=True, progress=None):
     monkeypatch.setattr(brun, "load_ours", lambda fam: ours[fam])
     monkeypatch.setattr(brun, "load_fla", lambda fam: fla[fam])
     cfg = brun.Config(cases=list(cases), passes=passes, iters=3, warmup=2, with_fla=with_fla,
                       flush_l2=False, device="cpu")
     meta = {"gpu": "fake", "device_name": "Fake GPU", "copy_tbps": 1.0, "versions": {}, "date": "d"}
-    return brun.run(cfg, meta, log=lambda s: None)
+    return brun.run(cfg, meta, log=lambda s: None, progress=progress)
 
 
 def _by(rows):
@@ -350,12 +437,31 @@ def test_runner_stops_after_a_broken_context(fake_cuda, monkeypatch):
     def crashes(*a, **k):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
+    lines = []
     rows = _run(monkeypatch,
                 ours={"kda": (crashes, _ok, None), "cconv": (_cconv_math, _ok, None)},
-                fla={"kda": (_kda_math, None), "cconv": (_cconv_math, None)})
+                fla={"kda": (_kda_math, None), "cconv": (_cconv_math, None)}, progress=lines.append)
     assert rows[0]["status"] == "error" and "illegal memory access" in rows[0]["note"]
     for r in rows[1:]:
         assert r["status"] == "not_run" and r["ms"] is None and "context broken" in r["note"]
+    # the unit that broke ends normally; the rest is announced once, not line by line
+    assert lines[0].startswith("[1/6] kda t_kda fwd  elapsed") and lines[1].startswith("[1/6] kda t_kda fwd  done in")
+    assert len(lines) == 3 and lines[2].startswith("[2/6] skipped: CUDA context broken")
+    assert lines[2].endswith("this and the 4 after it not run")
+
+
+def test_runner_reports_progress_per_case_and_pass(fake_cuda, monkeypatch):
+    lines = []
+    _run(monkeypatch,
+         ours={"kda": (_kda_math, _ok, None), "cconv": (_cconv_math, _ok, None)},
+         fla={"kda": (_kda_math, None), "cconv": (_cconv_math, None)}, progress=lines.append)
+    units = [f"{c.family} {c.name} {p}" for c in TINY for p in bc.PASSES]
+    assert len(lines) == 2 * len(units)
+    for i, what in enumerate(units):
+        start, end = lines[2 * i], lines[2 * i + 1]
+        assert start.startswith(f"[{i + 1}/6] {what}  elapsed ") and "done in" not in start
+        assert end.startswith(f"[{i + 1}/6] {what}  done in ")
+    assert lines[0].endswith("eta ?") and lines[1].split("eta ")[1].startswith("~")
 
 
 def test_engagement_probe_reads_the_dispatch_log():
@@ -390,8 +496,11 @@ def _fake_main_env(monkeypatch):
 def test_main_end_to_end_writes_exactly_three_files(fake_cuda, monkeypatch, tmp_path, capsys):
     bm = _fake_main_env(monkeypatch)
     assert bm.main(["--out", str(tmp_path), "--no-flush", "--iters", "3"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "fla/ours" in out and "t_kda" in out and "backward not implemented" in out
+    # progress goes to stderr only: stdout stays the log and the table
+    assert "[1/6] kda t_kda fwd  elapsed" in err and "[6/6] cconv t_cc fwd+bwd  done in" in err
+    assert "[1/6]" not in out and "eta" not in out
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names[:2] == ["fake-gpu.json", "fake-gpu.md"] and len(names) <= 3
     assert "partial" not in (tmp_path / "fake-gpu.md").read_text()
@@ -399,11 +508,13 @@ def test_main_end_to_end_writes_exactly_three_files(fake_cuda, monkeypatch, tmp_
     assert len(rows) == len(TINY) * 2 * 2 and all(r["iters"] == 3 for r in rows)
 
 
-def test_main_budget_reports_the_rest_as_not_run(fake_cuda, monkeypatch, tmp_path):
+def test_main_budget_reports_the_rest_as_not_run(fake_cuda, monkeypatch, tmp_path, capsys):
     bm = _fake_main_env(monkeypatch)
-    assert bm.main(["--out", str(tmp_path), "--no-flush", "--budget-s", "0"]) == 0
+    # the smallest budget the parser accepts (0 is refused) is used up before the first case
+    assert bm.main(["--out", str(tmp_path), "--no-flush", "--budget-s", "1e-9"]) == 0
     rows = json.loads((tmp_path / "fake-gpu.json").read_text())
     assert rows and all(r["status"] == "not_run" and r["ms"] is None and "budget" in r["note"] for r in rows)
+    assert "[1/6] skipped: --budget-s 1e-09 used up before this case" in capsys.readouterr().err
 
 
 def test_merge_runs_prefers_the_newest_timed_row(tmp_path):

@@ -266,6 +266,26 @@ _BROKEN_MARKERS = ("CUDA error", "illegal memory access", "unspecified launch fa
 
 # ---------------------------------------------------------------- the run
 
+def format_duration(s: float) -> str:
+    """45s, 1m23s, 2h05m."""
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_progress(i: int, n: int, what: str, elapsed_s: float, done_s: list[float],
+                    took_s: float | None = None) -> str:
+    """The progress line of unit i of n (1-based), at its start or (``took_s`` given) its end.
+    ETA = mean time of the finished units x the units not finished; a rough guess, since a
+    fwd+bwd unit takes several times a fwd one, hence the "~"."""
+    eta = f"~{format_duration(statistics.fmean(done_s) * (n - len(done_s)))}" if done_s else "?"
+    took = "" if took_s is None else f"  done in {format_duration(took_s)}"
+    return f"[{i}/{n}] {what}{took}  elapsed {format_duration(elapsed_s)}  eta {eta}"
+
+
 def _free(torch):
     gc.collect()
     torch.cuda.synchronize()
@@ -294,10 +314,12 @@ def _load_impls(cfg: Config, log) -> dict:
     return impls
 
 
-def run(cfg: Config, meta: dict, log=print, on_case_done=None) -> list[dict]:
+def run(cfg: Config, meta: dict, log=print, on_case_done=None, progress=None) -> list[dict]:
     """Time every (case, pass, impl) of cfg; returns the rows. ``meta`` (gpu, device_name,
     copy_tbps, versions, date) is copied into each row. ``on_case_done(rows)`` is called after
-    each case (the CLI rewrites its files there, so a run cut short still leaves results)."""
+    each case (the CLI rewrites its files there, so a run cut short still leaves results).
+    ``progress(line)`` gets a ``format_progress`` line as each (case, pass) starts and ends, and
+    one line when the rest is skipped."""
     import torch
 
     t_start = time.monotonic()
@@ -309,6 +331,7 @@ def run(cfg: Config, meta: dict, log=print, on_case_done=None) -> list[dict]:
 
     rows: list[dict] = []
     skip: str | None = None  # once set, every later row is "not_run" with this note
+    n_units, done_s, said_skip = len(cfg.cases) * len(cfg.passes), [], False
     for ci, case in enumerate(cfg.cases):
         if skip is None and cfg.budget_s is not None and time.monotonic() - t_start > cfg.budget_s:
             skip = f"skipped: --budget-s {cfg.budget_s:g} used up before this case"
@@ -319,7 +342,14 @@ def run(cfg: Config, meta: dict, log=print, on_case_done=None) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 alloc_err = _short(e)
                 log(f"[{case.name}] could not allocate inputs: {alloc_err}")
-        for pass_ in cfg.passes:
+        for pi, pass_ in enumerate(cfg.passes):
+            unit, t_unit = ci * len(cfg.passes) + pi + 1, time.monotonic()
+            what = f"{case.family} {case.name} {pass_}"
+            ran = skip is None  # skipped units take no time: kept out of the ETA's mean
+            if progress is not None and (ran or not said_skip):
+                progress(format_progress(unit, n_units, what, t_unit - t_start, done_s) if ran else
+                         f"[{unit}/{n_units}] {skip}; this and the {n_units - unit} after it not run")
+                said_skip = not ran
             grad = pass_ == "fwd+bwd"
             nbytes = case.bytes(pass_)
             pass_rows, do = {}, None
@@ -362,6 +392,11 @@ def run(cfg: Config, meta: dict, log=print, on_case_done=None) -> list[dict]:
             if "kernel_fun" in pass_rows:
                 pass_rows["kernel_fun"]["speedup_vs_fla"] = speedup(pass_rows["kernel_fun"],
                                                                    pass_rows.get("fla"))
+            if ran:
+                now = time.monotonic()
+                done_s.append(now - t_unit)
+                if progress is not None:
+                    progress(format_progress(unit, n_units, what, now - t_start, done_s, now - t_unit))
             del do
         del inputs
         if skip is None:
