@@ -2,8 +2,13 @@
 
 One shared library, ``kernel_fun/_C.abi3.so``, holds every kernel and registers the ops under the
 ``kernel_fun`` torch namespace through the LibTorch stable ABI, so it has no Python symbols and
-no dependency on one torch build's C++ ABI. It is built only when a CUDA toolkit is found; without
-one the pure-Python package still installs and reports its kernels as unavailable.
+no dependency on one torch build's C++ ABI.
+
+Where a CUDA toolkit (nvcc) is found, the build makes the extension or fails saying how to
+install; it never quietly leaves the kernels out (pip's default build isolation hides the
+installed torch, which used to produce exactly that). Without nvcc, or with
+KERNEL_FUN_SKIP_CUDA=1, the pure-Python package installs, and the reason is recorded in
+``kernel_fun/_build_reason.txt`` for ``kernel_fun.versions()`` to report.
 
 Environment:
   KERNEL_FUN_CUDA_ARCHS   e.g. "90a" (default) or "90a;100a": the SASS targets to build.
@@ -13,17 +18,91 @@ Environment:
 """
 
 import glob
+import importlib.util
 import os
 import re
+import shutil
 import sys
 
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# Read by kernel_fun._ext.status() when the package has no extension library.
+REASON_FILE = os.path.join(ROOT, "src", "kernel_fun", "_build_reason.txt")
+# torch's cpp_extension falls back to the same place when nothing else names a toolkit.
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
+
+INSTALL_HINT = """\
+To build the kernels, install with the build requirements and without build isolation (the
+kernels compile against the installed torch, which an isolated build cannot see):
+    pip install -r requirements-build.txt && pip install --no-build-isolation .
+(add -e for an editable install; from PyPI: install torch for your CUDA major, nvidia-cutlass
+and ninja first, then `pip install --no-build-isolation kernel-fun`).
+To install without the GPU kernels on purpose, set KERNEL_FUN_SKIP_CUDA=1."""
 
 
 def _log(msg: str) -> None:
     print(f"kernel-fun setup: {msg}", file=sys.stderr)
+
+
+def _refuse(nvcc: str, problem: str) -> None:
+    raise SystemExit(
+        f"kernel-fun setup: a CUDA toolkit is present ({nvcc}), but {problem}, so the GPU kernels "
+        f"cannot be built; refusing to build kernel-fun without them.\n{INSTALL_HINT}"
+    )
+
+
+def _find_nvcc() -> str | None:
+    """Path of nvcc, found without torch: in an isolated build torch is absent, and this is what
+    still tells "no toolkit here" apart from "a toolkit this build cannot use"."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return on_path
+    default = os.path.join(DEFAULT_CUDA_HOME, "bin", "nvcc")
+    return default if os.path.isfile(default) else None
+
+
+def _cutlass_include() -> str | None:
+    """The CUTLASS/CuTe include dir of the installed nvidia-cutlass package, or None.
+
+    Found without importing the package: only its headers are needed, not its Python deps."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    return inc if os.path.isdir(os.path.join(inc, "cute")) else None
+
+
+def kernel_less_reason() -> str | None:
+    """Why this build makes no CUDA extension, or None to build it.
+
+    Raises SystemExit with the install hint when nvcc is present but the extension cannot be
+    built: a kernel-less package on a machine with a toolkit is a mistake, not a choice."""
+    if os.environ.get("KERNEL_FUN_SKIP_CUDA") == "1":
+        return "KERNEL_FUN_SKIP_CUDA=1 was set at build time"
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        return ("no CUDA toolkit (nvcc) was found at build time (looked at CUDA_HOME, CUDA_PATH, "
+                f"PATH, {DEFAULT_CUDA_HOME}); install one and reinstall")
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    except ImportError as e:
+        _refuse(nvcc, f"torch is not importable in this build environment ({e}); pip's default "
+                      "build isolation hides the installed torch")
+    if _cutlass_include() is None:
+        _refuse(nvcc, "the CUTLASS/CuTe headers (PyPI package nvidia-cutlass) are not installed")
+    return None
+
+
+def record_reason(reason: str, path: str = REASON_FILE) -> None:
+    """Write the reason into the package; every build writes it, so none is left stale, not even
+    a copy in an old build/lib that the next wheel would pick up."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(reason + "\n")
 
 
 def _cuda_archs() -> list[str]:
@@ -44,38 +123,14 @@ def _cuda_archs() -> list[str]:
     return archs
 
 
-def _cutlass_include() -> str:
-    # Locate the package without importing it: only its headers are needed, not its Python deps.
-    import importlib.util
+def _extensions(archs: list[str]):
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "kernel-fun setup: the CUTLASS/CuTe headers come from the PyPI package "
-            "nvidia-cutlass (see requirements-build.txt); install it first"
-        )
-    inc = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
-    if not os.path.isdir(os.path.join(inc, "cute")):
-        raise SystemExit(f"kernel-fun setup: no CuTe headers under {inc}")
-    return inc
+    # torch trusts CUDA_HOME as given; a value without nvcc would fail deep inside the compile.
+    if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        _refuse(_find_nvcc() or "nvcc", f"torch's CUDA_HOME ({CUDA_HOME}) has no bin/nvcc; point "
+                                        "CUDA_HOME at the toolkit")
 
-
-def _extensions():
-    if os.environ.get("KERNEL_FUN_SKIP_CUDA") == "1":
-        _log("KERNEL_FUN_SKIP_CUDA=1: building no CUDA extension")
-        return [], {}
-    try:
-        import torch  # noqa: F401
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-    except ImportError:
-        _log("torch is not importable at build time: building no CUDA extension "
-             "(install with --no-build-isolation after torch)")
-        return [], {}
-    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        _log("no CUDA toolkit found: building no CUDA extension (GPU kernels unavailable)")
-        return [], {}
-
-    archs = _cuda_archs()
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     # Stable ABI: compile against torch's header-only/shim surface of 2.10, so one build keeps
     # loading in later torch releases.
@@ -105,6 +160,18 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
-ext_modules, cmdclass = _extensions()
-options = {"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {}
-setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)
+# setuptools' PEP 517 backend (pip, build, uv) and `python setup.py` both run this file as
+# __main__; tests import it under another name to call the functions above without a build.
+if __name__ == "__main__":
+    reason = kernel_less_reason()
+    if reason is None:
+        archs = _cuda_archs()
+        ext_modules, cmdclass = _extensions(archs)
+        record_reason(f"it was built ({', '.join('sm_' + a for a in archs)}), but its library is "
+                      "missing from the installed package")
+    else:
+        _log(f"building no CUDA extension: {reason}")
+        ext_modules, cmdclass = [], {}
+        record_reason(reason)
+    options = {"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {}
+    setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)

@@ -12,6 +12,9 @@ import threading
 
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None
+# Written by setup.py at every build: why the package has no extension library (the toolkit was
+# missing, KERNEL_FUN_SKIP_CUDA=1, ...). Only the build knows it.
+_REASON_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_reason.txt")
 
 
 def _find_library() -> str | None:
@@ -21,6 +24,15 @@ def _find_library() -> str | None:
         if hits:
             return hits[0]
     return None
+
+
+def _build_reason() -> str:
+    try:
+        with open(_REASON_FILE, encoding="utf-8") as f:
+            reason = f.read().strip()
+    except OSError:
+        reason = ""
+    return reason or "it was built without one; the reason was not recorded"
 
 
 def status() -> tuple[bool, str]:
@@ -33,8 +45,8 @@ def status() -> tuple[bool, str]:
             return _state
         path = _find_library()
         if path is None:
-            _state = (False, "kernel-fun was built without its CUDA extension (no CUDA toolkit at "
-                             "install time, or KERNEL_FUN_SKIP_CUDA=1): GPU kernels are unavailable")
+            _state = (False, f"kernel-fun has no CUDA extension: {_build_reason()}. "
+                             "GPU kernels are unavailable")
             return _state
         try:
             import torch
