@@ -16,6 +16,7 @@
 
 #include <torch/csrc/stable/ops.h>
 
+#include "api/op_calls.h"
 #include "api/stable_utils.h"
 #include "cconv/cconv.h"
 
@@ -68,7 +69,8 @@ bool non_overlapping(const Tensor& t) {
 }
 
 void same_device(const Tensor& t, const Tensor& x, const char* name) {
-  const bool ok = x.is_cuda() ? (t.is_cuda() && t.get_device_index() == x.get_device_index()) : t.is_cpu();
+  // Any device type compares: the Python front checks meta stand-ins at torch.compile trace time.
+  const bool ok = t.device() == x.device();
   KF_ARG_CHECK(ok, name << " must be on x's device (" << (x.is_cuda() ? "cuda:" : "cpu")
                         << (x.is_cuda() ? std::to_string(x.get_device_index()) : std::string()) << ")");
 }
@@ -316,6 +318,7 @@ void cconv_fwd(Tensor x, Tensor weight, OptT bias, OptT residual, OptT initial_s
   p.D = s.D;
   p.W = static_cast<int>(s.W);
   p.act = activation_code(activation);
+  count_call(OpId::kCconvFwd);
   cconv::launch_fwd(p, current_stream(x));
 }
 
@@ -371,6 +374,7 @@ void cconv_bwd(Tensor x, Tensor weight, OptT bias, OptT initial_state, OptT cu_s
   const std::vector<int64_t> ws_shape{std::max<int64_t>(ws_floats, 1)};
   Tensor ws = torch::stable::new_empty(x, ws_shape, ScalarType::Float);
   p.workspace = static_cast<float*>(ws.data_ptr());
+  count_call(OpId::kCconvBwd);
   cconv::launch_bwd(p, current_stream(x));
 }
 
@@ -408,6 +412,7 @@ void cconv_update(Tensor x, Tensor cache, OptT residual, Tensor weight, OptT bia
   p.D = v.D;
   p.W = static_cast<int>(weight.size(1));
   p.act = activation_code(activation);
+  count_call(OpId::kCconvUpdate);
   cconv::launch_update(p, current_stream(x));
 }
 

@@ -23,6 +23,7 @@
 
 #include <torch/csrc/stable/ops.h>
 
+#include "api/op_calls.h"
 #include "api/stable_utils.h"
 #include "kda/kda_launch.h"
 #include "kda/kda_problem.h"
@@ -103,6 +104,11 @@ std::string state_check(const Tensor& t, const Tensor& q, const char* name, cons
   return "";
 }
 
+// The scans' grid is (V / BV, HV, N): HV and the sequence count N live in gridDim.y / .z (<= 65535).
+constexpr int64_t kMaxGridYZ = 65535;
+// Token rows are int-indexed in places (B * T * HV stays far below 2^31 for HV <= 2).
+constexpr int64_t kMaxTokens = int64_t{1} << 30;
+
 // Why the kernels cannot run this configuration ("" = they can). Shapes are the contract's.
 std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, const Tensor& beta,
                            const OptT& cu_seqlens, const KdaOptions& o) {
@@ -118,20 +124,21 @@ std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, co
     return "V=" + std::to_string(V) + " (kernels support V a multiple of 64 up to 512)";
   if (o.chunk_size != kChunk)
     return "chunk_size=" + std::to_string(o.chunk_size) + " (kernels use 64-token chunks; 32 is not implemented)";
-  if (v.size(2) > 65535) return "HV > 65535";
+  if (v.size(2) > kMaxGridYZ) return "HV > " + std::to_string(kMaxGridYZ);
   if (cu_seqlens) {
     const int64_t N = cu_seqlens->numel() - 1;
-    if (N > 65535) return "more than 65535 varlen sequences";
+    if (N > kMaxGridYZ) return "more than " + std::to_string(kMaxGridYZ) + " varlen sequences";
     const ScalarType ct = cu_seqlens->scalar_type();
     if (ct != ScalarType::Int && ct != ScalarType::Long) return "cu_seqlens must be int32 or int64";
-  } else if (q.size(0) > 65535) {
-    // The scans' grid is (V / BV, HV, N) and gridDim.z <= 65535; without cu_seqlens N = B (also
-    // when T == 0: the scan still runs to carry initial_state to final_state).
-    return "B=" + std::to_string(q.size(0)) + " > 65535 sequences (the scan grid's z dimension)";
+  } else if (q.size(0) > kMaxGridYZ) {
+    // Without cu_seqlens N = B (also when T == 0: the scan still runs to carry initial_state to
+    // final_state).
+    return "B=" + std::to_string(q.size(0)) + " > " + std::to_string(kMaxGridYZ) +
+           " sequences (the scan grid's z dimension)";
   }
   // B * T > 2^30, without forming the product (an empty q may have huge B and T).
   const int64_t B = q.size(0), T = q.size(1);
-  if (T > 0 && B > (int64_t{1} << 30) / T) return "more than 2^30 tokens";
+  if (T > 0 && B > kMaxTokens / T) return "more than 2^30 tokens";
   return "";
 }
 
@@ -312,6 +319,7 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
   raise_if(factor_check(p, q, Aqk, Akk, M, "(outputs saved for the backward)"));
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
   if (poison_ws) poison(ws);
+  count_call(OpId::kKdaFwd);
   kda::kda_forward(p, current_stream(q));
   return ws;
 }
@@ -322,6 +330,15 @@ std::string kda_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Opt
   const std::string err = kda::parse_options(options, o);
   if (!err.empty()) return "invalid options: " + err;
   return support_reason(q, v, g, beta, cu_seqlens, o);
+}
+
+// support_reason's size limits [max HV and sequences, max tokens], for the Python front: under
+// torch.compile sizes may be symbolic, and a trace-time constant (the support check on meta
+// stand-ins) cannot see them, so the front applies the size rules itself with these limits (each
+// comparison a guard, not a graph break); tests/test_kda_api.py checks it agrees with this file.
+std::vector<int64_t> kda_limits(Tensor probe) {
+  (void)probe;  // ops dispatch on a tensor; any will do
+  return {kMaxGridYZ, kMaxTokens};
 }
 
 void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_states, OptT Aqk, OptT Akk,
@@ -425,6 +442,7 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   }
   p.dbg_dA = dbg_dA;
   p.dbg_dL = dbg_dL;
+  count_call(OpId::kKdaBwd);
   kda::kda_backward(p, current_stream(q));
   return ws;
 }
@@ -479,6 +497,7 @@ std::vector<Tensor> kda_bwd_stages(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, O
 
 STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
   m.def("kda_support(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? cu_seqlens, str options) -> str");
+  m.def("kda_limits(Tensor probe) -> int[]");
   m.def(
       "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, Tensor(a!) o, Tensor(b!)? final_state, "
@@ -508,4 +527,5 @@ STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CUDA, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(kernel_fun, CompositeExplicitAutograd, m) {
   m.impl("kda_support", TORCH_BOX(&kernel_fun::api::kda_support));
+  m.impl("kda_limits", TORCH_BOX(&kernel_fun::api::kda_limits));
 }

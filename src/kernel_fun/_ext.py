@@ -81,3 +81,16 @@ def ops():
     import torch
 
     return torch.ops.kernel_fun
+
+
+def op_calls() -> dict[str, int]:
+    """How often each kernel op ran in this process ({} without the extension): counted in C++
+    at every launch, so a compiled graph's or a backward's calls count too (Python around the
+    ops runs only once, at trace time). Tests and ``python -m kernel_fun.check`` use it to prove
+    that our kernels, not fla's, served a call."""
+    if not available():
+        return {}
+    import torch
+
+    text = torch.ops.kernel_fun.op_calls(torch.empty(0))
+    return {name: int(n) for name, n in (item.split("=") for item in text.split(";") if item)}

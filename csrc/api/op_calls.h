@@ -1,0 +1,13 @@
+// Per-op invocation counters of the kernel ops (csrc/api/op_calls.cpp). Tests and
+// `python -m kernel_fun.check` read them to prove that our kernels ran - eagerly, inside a
+// torch.compile'd graph (which calls the ops at run time, while Python code around them ran only
+// once, at trace time) - rather than fla's. A counter counts op entries, after validation passed.
+#pragma once
+
+namespace kernel_fun::api {
+
+enum class OpId : int { kCconvFwd, kCconvBwd, kCconvUpdate, kKdaFwd, kKdaBwd, kCount };
+
+void count_call(OpId id);
+
+}  // namespace kernel_fun::api
