@@ -123,3 +123,31 @@ def test_nemo_fused_chunk_kda_runs_our_kernels():
     assert o.shape == ref.shape and rel_rms(ref.float(), o.float()) < 2e-3  # same math; packed vs dense path
     o.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_fla_kda_layer_runs_our_kernels_through_the_patch():
+    """fla's own KimiDeltaAttention layer (short convolutions on), forward and backward, with
+    kernel_fun.patch_fla enabled: our ops launch (counted in C++) in strict mode, the output is fla's
+    within the fwd tolerance, and disabling the patch restores fla's functions."""
+    fla_layers = pytest.importorskip("fla.layers.kda")
+    import kernel_fun
+    from helpers import KDA_TOL, rel_rms
+    from kernel_fun import _ext, patch_fla
+
+    torch.manual_seed(0)
+    layer = fla_layers.KimiDeltaAttention(hidden_size=512, head_dim=128, num_heads=4, layer_idx=0).cuda().bfloat16()
+    layer.train()
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = layer(x)[0]
+    ref_dx, = torch.autograd.grad(ref.float().square().sum(), x)
+    original = fla_layers.chunk_kda
+    before = _ext.op_calls()
+    with patch_fla.enabled(), kernel_fun.strict():
+        out = layer(x)[0]
+        dx, = torch.autograd.grad(out.float().square().sum(), x)
+    after = _ext.op_calls()
+    assert fla_layers.chunk_kda is original
+    ran = {k: after[k] - before[k] for k in after}
+    assert ran["kda_fwd"] == 1 and ran["kda_bwd"] == 1 and ran["cconv_fwd"] == 3 and ran["cconv_bwd"] == 3, ran
+    assert rel_rms(ref.float(), out.float()) <= KDA_TOL["o"]
+    assert rel_rms(ref_dx.float(), dx.float()) <= 1e-2

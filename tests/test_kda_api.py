@@ -153,8 +153,6 @@ def test_env_flags_parse_and_warn(monkeypatch, caplog):
     assert "KERNEL_FUN_KDA_DISABLE" in caplog.text
     monkeypatch.setenv("KERNEL_FUN_DISABLE", "yes")
     assert _env.family_disabled("cconv") == "KERNEL_FUN_DISABLE=1"
-    monkeypatch.setenv("KERNEL_FUN_KDA_MIN_CTAS", "-3")
-    assert _env.integer("KERNEL_FUN_KDA_MIN_CTAS", 256, minimum=0) == 256
 
 
 def test_versions_has_the_keys():
@@ -171,20 +169,24 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
 
     seen = []
 
-    class Ops:  # the C++ support check, recorded: it sees meta tensors of the call's shapes
+    class Ops:  # the C++ support check, recorded: it sees meta stand-ins (sizes are _size_reason's)
         @staticmethod
         def kda_support(q, k, v, g, beta, cu, options):
-            seen.append(("support", (q.device.type, tuple(q.shape), tuple(v.shape), cu is not None, options)))
+            seen.append(("support", (q.device.type, q.dtype, v.dtype, cu is not None, options)))
             return ""
+
+        @staticmethod
+        def kda_limits(probe):
+            return [65535, 1 << 30]
 
     monkeypatch.setattr(_ext, "status", lambda: (True, "stub"))
     monkeypatch.setattr(_ext, "ops", lambda: Ops)
     monkeypatch.setattr(_dispatch, "fla_function", lambda module, name: None)  # as without fla
     monkeypatch.setattr(_kernel, "forward", lambda *a, **kw: seen.append(("forward", kw)) or ("o", None))
     dev = torch.device("meta")
-    q = torch.empty(1, 70, 2, 16, device=dev)
-    v = torch.empty(1, 70, 4, 24, device=dev)
-    g = torch.empty(1, 70, 4, 16, device=dev)
+    q = torch.empty(1, 70, 2, 64, device=dev)
+    v = torch.empty(1, 70, 4, 64, device=dev)
+    g = torch.empty(1, 70, 4, 64, device=dev)
     beta = torch.empty(1, 70, 4, device=dev)
     A_log = torch.empty(4, device=dev)
     cu = torch.tensor([0, 30, 70], device=dev)
@@ -195,9 +197,9 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
         assert chunk_kda(q, q, v, g, beta, **kw) == ("o", None)
     (k1, support1), (k2, fwd) = seen
     assert (k1, k2) == ("support", "forward")
-    assert support1 == ("meta", (1, 70, 2, 16), (1, 70, 4, 24), True, fwd["options"])  # one options string
+    assert support1 == ("meta", torch.float32, torch.float32, True, fwd["options"])  # one options string
     opts = _kernel._decode(fwd["options"])
-    assert opts.scale == 16 ** -0.5 and opts.lower_bound == -5.0 and opts.gate == "bounded" and fwd["A_log"] is A_log
+    assert opts.scale == 64 ** -0.5 and opts.lower_bound == -5.0 and opts.gate == "bounded" and fwd["A_log"] is A_log
     assert opts.chunk_size == 64 and opts.l2norm and fwd["output_final_state"] and fwd["cu_seqlens"] is cu
     assert torch.equal(fwd["cu_seqlens_cpu"], cu_cpu.long())
     # an unknown keyword is a TypeError naming it (never silently ignored, never routed to fla)
@@ -299,3 +301,25 @@ def test_nemo_dense_input_is_a_packed_view():
     o_dense, _ = chunk_kda(q, k, v, g, beta)
     o_packed, _ = chunk_kda(pq, pk, pv, pg, pb, cu_seqlens=cu)
     assert torch.allclose(o_dense.reshape(1, 30, 4, 24), o_packed, atol=1e-12)
+
+
+@pytest.mark.skipif(not __import__("kernel_fun")._ext.available(), reason="needs the built extension")
+@pytest.mark.parametrize("K", [32, 64, 96, 128])
+@pytest.mark.parametrize("V", [0, 32, 64, 192, 512, 576])
+@pytest.mark.parametrize("HV,B,T,N", [(2, 1, 100, None), (70000, 1, 64, None), (2, 70000, 1, None),
+                                      (2, 1, 100, 3), (2, 1, 70000, 66000), (2, 40000, 40000, None),
+                                      (2, 1, 0, None)])
+def test_size_rules_agree_with_the_cpp_check(K, V, HV, B, T, N):
+    """The front's size rules (_size_reason: applied with guards under torch.compile) give the C++
+    support check's verdict and words on meta tensors of these sizes."""
+    from kernel_fun import _ext
+    from kernel_fun.kda import _size_reason
+    from kernel_fun.kda._options import KdaOptions
+
+    meta = lambda *shape, dt=torch.bfloat16: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+    q, v = meta(B, T, 1, K), meta(B, T, HV, V)
+    cu = None if N is None else meta(N + 1, dt=torch.int32)
+    cpp = _ext.ops().kda_support(q, q, v, meta(B, T, HV, K, dt=torch.float32), meta(B, T, HV, dt=torch.float32), cu,
+                                 KdaOptions(scale=0.1).encode()) or None
+    assert _size_reason(q, v, cu) == cpp
+

@@ -14,10 +14,14 @@ import importlib
 import logging
 import threading
 
+import torch
+
 _log = logging.getLogger("kernel_fun")
 _lock = threading.Lock()
 _seen: set[tuple[str, str]] = set()
 _versions_logged = False
+# (fla module, name) -> fla's own function, while kernel_fun.patch_fla has replaced that name.
+_fla_originals: dict[tuple[str, str], object] = {}
 _strict: contextvars.ContextVar[bool] = contextvars.ContextVar("kernel_fun_strict", default=False)
 
 
@@ -95,13 +99,18 @@ def log_fallback(family: str, reason: str) -> None:
 
 
 def fla_function(module: str, name: str):
-    """fla's function, or None when fla is not importable."""
+    """fla's function, or None when fla is not importable. While ``kernel_fun.patch_fla`` routes
+    fla's names to ours, this still returns fla's own (a fallback must not call back into us)."""
+    original = _fla_originals.get((module, name))
+    if original is not None:
+        return original
     try:
         return getattr(importlib.import_module(module), name)
     except Exception:  # noqa: BLE001 - any import failure means "no fla"
         return None
 
 
+@torch.compiler.disable  # fla runs outside a compiled graph (a graph break); logging takes a lock
 def fallback(family: str, reason: str, module, name: str, args: tuple, kwargs: dict):
     """Call fla with exactly the caller's arguments, or raise with the reason (strict mode, or no
     fla). module: one module name or a tuple of candidates, tried in order (fla moved some)."""

@@ -4,7 +4,6 @@ default; it never raises.
 KERNEL_FUN_DISABLE=1         every family goes to fla
 KERNEL_FUN_KDA_DISABLE=1     chunk_kda goes to fla
 KERNEL_FUN_CCONV_DISABLE=1   causal_conv1d goes to fla
-KERNEL_FUN_KDA_MIN_CTAS=<n>  grid floor below which kda prefers fla (default 0: no floor)
 """
 
 from __future__ import annotations
@@ -36,21 +35,6 @@ def flag(name: str, default: bool = False) -> bool:
         return False
     _bad(name, raw, default)
     return default
-
-
-def integer(name: str, default: int, minimum: int = 0) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        v = int(raw.strip())
-    except ValueError:
-        _bad(name, raw, default)
-        return default
-    if v < minimum:
-        _bad(name, raw, default)
-        return default
-    return v
 
 
 def family_disabled(family: str) -> str | None:

@@ -98,16 +98,54 @@ def _check(x, weight, bias, residual, initial_state, output_final_state, activat
         cu_seqlens_cpu))
 
 
-def _routing_reason(x, backend, cp_context, kwargs) -> str | None:
-    """Why our CUDA kernels cannot serve this valid call for reasons of routing (None if none)."""
-    why = _dispatch.common_reason(FAMILY, kwargs, _KNOWN_KWARGS, cp_context)
+def _call_meta(x, weight, bias, residual, initial_state, output_final_state, activation, cu_seqlens) -> tuple:
+    """What the support check depends on apart from sizes - each tensor's (dtype, device) or None,
+    output_final_state, activation - as constants for ``_plan`` at trace time. Sizes stay out:
+    under torch.compile they may be symbolic (a new document count, length or width must neither
+    recompile nor break the graph). A compiled graph's size rules are checked when it runs, by
+    the kernel op itself (the C++ validation every op repeats, with the same messages)."""
+    d = lambda t: None if t is None else (t.dtype, str(t.device))  # noqa: E731
+    return (d(x), d(weight), d(bias), d(residual), d(initial_state), d(cu_seqlens), bool(output_final_state),
+            activation)
+
+
+@torch.compiler.assume_constant_result
+def _plan(meta: tuple) -> str:
+    """cconv_support's verdict ("", "invalid: ..." or "unsupported: ...") for the dtypes and devices
+    ``_call_meta`` describes, on meta stand-ins of valid sizes: how a torch.compile'd call is
+    routed (a constant at trace time; eager calls check the real tensors, cu_seqlens_cpu's values
+    included)."""
+    x_m, w_m, b_m, r_m, h_m, cu_m, output_final_state, activation = meta
+    ok, why = _ext.status()
+    if not ok:
+        return f"unsupported: {why}"
+    for name, m in (("weight", w_m), ("bias", b_m), ("residual", r_m), ("initial_state", h_m), ("cu_seqlens", cu_m)):
+        if m is not None and m[1] != x_m[1]:
+            return f"invalid: {name} must be on x's device ({x_m[1]}), got {m[1]}"
+    B, T, D, W = 1, 4, 8, 4  # sizes every rule of the C++ check accepts
+    stand_in = lambda m, *shape: None if m is None else torch.empty(shape, dtype=m[0], device="meta")  # noqa: E731
+    return _ext.ops().cconv_support(stand_in(x_m, B, T, D), stand_in(w_m, D, W), stand_in(b_m, D),
+                                    stand_in(r_m, B, T, D), stand_in(h_m, 1, D, W), output_final_state, activation,
+                                    stand_in(cu_m, 2), None)
+
+
+@torch.compiler.assume_constant_result
+def _routing_const(kw_names: tuple, has_cp: bool, backend, device: str) -> str | None:
+    """The environment switches, unknown keywords, cp_context, backend and device, as one
+    trace-time constant under torch.compile (the environment is read when a graph is traced)."""
+    why = _dispatch.common_reason(FAMILY, dict.fromkeys(kw_names), _KNOWN_KWARGS, True if has_cp else None)
     if why:
         return why
     if backend != "triton":
         return f"backend={backend!r} asks for fla's {backend} implementation"
-    if not x.is_cuda:
-        return f"x is on {x.device} (kernel-fun's kernels are CUDA; the torch reference serves CPU)"
+    if not device.startswith(("cuda", "meta")):
+        return f"x is on {device} (kernel-fun's kernels are CUDA; the torch reference serves CPU)"
     return None
+
+
+def _routing_reason(x, backend, cp_context, kwargs) -> str | None:
+    """Why our CUDA kernels cannot serve this valid call for reasons of routing (None if none)."""
+    return _routing_const(tuple(sorted(kwargs)), cp_context is not None, backend, str(x.device))
 
 
 def _prepare(x, weight, bias, residual, initial_state, output_final_state, activation, backend,
@@ -120,6 +158,11 @@ def _prepare(x, weight, bias, residual, initial_state, output_final_state, activ
     if backend not in _BACKENDS:
         _fail("causal_conv1d", ValueError, f"backend must be one of {_BACKENDS}, got {backend!r}")
     xf, rf = _flatten(x, weight, residual)
+    if torch.compiler.is_compiling():
+        # The C++ check on meta stand-ins (a trace-time constant, no graph break); cu_seqlens_cpu's
+        # values are not read in a compiled graph (that would be a data-dependent guard).
+        return xf, rf, _verdict("causal_conv1d", _plan(_call_meta(xf, weight, bias, rf, initial_state,
+                                                                  output_final_state, activation, cu_seqlens)))
     why = _check(xf, weight, bias, rf, initial_state, output_final_state, activation, cu_seqlens,
                  cu_seqlens_cpu)
     return xf, rf, why
@@ -181,7 +224,9 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     ``cu_seqlens_cpu``, when given, is validated on the host, so no device sync ever happens."""
     xf, rf, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
                            backend, cu_seqlens, cu_seqlens_cpu)
-    if not x.is_cuda:
+    # Meta tensors (shape inference) take our ops' fakes when the extension is there, exactly the
+    # GPU path's output shapes; else the reference, which also runs on meta (dense input).
+    if x.device.type == "cpu" or (x.device.type == "meta" and not _ext.available()):
         # The reference computes any valid call (float64 too); it cannot guess unknown flags.
         if cp_context is not None or kwargs:
             extra = "cp_context" if cp_context is not None else f"argument(s) {', '.join(sorted(kwargs))}"
@@ -202,12 +247,13 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
                  output_final_state=output_final_state, activation=activation, backend=backend,
                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
                  cp_context=cp_context, **kwargs))
-    B, T, D = xf.shape
-    _dispatch.log_engaged(FAMILY, f"B={B} T={T} D={D} W={weight.shape[1]} dtype={str(x.dtype)[6:]} "
-                                  f"activation={activation} varlen={cu_seqlens is not None}")
     cu = cu_seqlens if cu_seqlens is None or cu_seqlens.is_contiguous() else cu_seqlens.contiguous()
     y, ht = _CausalConv1dFn.apply(xf, weight, bias, rf, initial_state, cu, bool(output_final_state),
                                   _ACT_CODE[activation])
+    if not torch.compiler.is_compiling() and x.is_cuda:  # after the kernel launched
+        B, T, D = xf.shape
+        _dispatch.log_engaged(FAMILY, f"B={B} T={T} D={D} W={weight.shape[1]} dtype={str(x.dtype)[6:]} "
+                                      f"activation={activation} varlen={cu_seqlens is not None}")
     return y.view(x.shape), ht
 
 

@@ -138,7 +138,13 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_be
                 _fail(ValueError, f"dt_bias must have HV*K={HV * K} elements")
             if dt_bias.device != dev:
                 _fail(ValueError, f"dt_bias is on {dt_bias.device} but q is on {dev}")
-    if trust_device_cu and cu_seqlens is not None:  # use_graph: the contents change between replays
+    # use_graph: the contents change between replays; torch.compile: reading them would be a
+    # data-dependent guard (a graph break), so a compiled graph trusts them as fla's use_graph does.
+    # Meta offsets (shape inference) have no contents to read either, unless a host copy is given.
+    trust_device_cu = (trust_device_cu or torch.compiler.is_compiling()
+                       or (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta"
+                           and cu_seqlens_cpu is None))
+    if trust_device_cu and cu_seqlens is not None:
         host_cu = None
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             _fail(ValueError, "cu_seqlens must be a 1-D tensor with N+1 >= 2 entries")
@@ -171,10 +177,12 @@ def _needs_grad(*tensors) -> bool:
 def _call_meta(q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context,
                kwargs) -> tuple:
-    """Everything the routing decision depends on, as Python constants (shapes, dtypes, flags), so
-    that ``_plan`` can run once at trace time under torch.compile (assume_constant_result)."""
-    return (tuple(q.shape), q.dtype, tuple(v.shape), v.dtype, g.dtype, beta.dtype,
-            None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape[0]),
+    """Everything but the sizes that the routing decision depends on (dtypes, flags, keyword
+    names), as Python constants, so that ``_plan`` runs once at trace time under torch.compile
+    (assume_constant_result). Sizes stay out: under torch.compile they may be symbolic (a new
+    document count, batch or length must neither recompile nor break the graph), so
+    ``_size_reason`` checks them with plain comparisons, which are guards."""
+    return (q.dtype, v.dtype, g.dtype, beta.dtype, None if cu_seqlens is None else cu_seqlens.dtype,
             None if initial_state is None else initial_state.dtype, tuple(sorted(kwargs)), cp_context is not None,
             float(scale), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
             bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
@@ -182,12 +190,43 @@ def _call_meta(q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use
 
 
 @torch.compiler.assume_constant_result
+def _limits() -> tuple[int, int]:
+    """The C++ support check's size limits: (max HV and max sequences, max tokens)."""
+    grid, tokens = _ext.ops().kda_limits(torch.empty(0))
+    return int(grid), int(tokens)
+
+
+def _size_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> str | None:
+    """The size rules of the C++ support check (csrc/api/kda_ops.cpp, support_reason), with its
+    limits, on sizes that may be symbolic under torch.compile. Same order and words as the C++;
+    tests/test_kda_api.py checks the two agree over a grid of sizes."""
+    grid, max_tokens = _limits()
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K != 64 and K != 128:
+        return f"K={K} (kernels support K in {{64, 128}})"
+    if V % 64 != 0 or V > 512 or V == 0:
+        return f"V={V} (kernels support V a multiple of 64 up to 512)"
+    if HV > grid:
+        return f"HV > {grid}"
+    if cu_seqlens is not None:
+        if cu_seqlens.shape[0] - 1 > grid:
+            return f"more than {grid} varlen sequences"
+    elif B > grid:
+        return f"B={B} > {grid} sequences (the scan grid's z dimension)"
+    if T > 0 and B > max_tokens // T:
+        return "more than 2^30 tokens"
+    return None
+
+
+@torch.compiler.assume_constant_result
 def _plan(meta: tuple) -> tuple:
     """(reason, options, uses_A_log, uses_dt_bias) for a valid CUDA call described by
-    ``_call_meta``: reason is None when our kernels serve it, else why not; options is the call's
-    encoded KdaOptions. The one routing decision (the environment switches, the extension, the C++
-    support check on meta tensors of the call's shapes), the same eagerly and at trace time."""
-    (q_shape, q_dtype, v_shape, v_dtype, g_dtype, beta_dtype, cu, h0_dtype, kw_names, has_cp, scale, l2norm,
+    ``_call_meta``: reason is None when our kernels serve it as far as all but its sizes go, else
+    why not; options is the call's encoded KdaOptions. The environment switches, the extension
+    and the C++ support check on meta stand-ins of supported sizes (the sizes are
+    ``_size_reason``'s), the same eagerly and at trace time."""
+    (q_dtype, v_dtype, g_dtype, beta_dtype, cu_dtype, h0_dtype, kw_names, has_cp, scale, l2norm,
      gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first, has_A_log, chunk_size) = meta
     opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
@@ -201,14 +240,23 @@ def _plan(meta: tuple) -> tuple:
     if why is None and h0_dtype is not None and h0_dtype != torch.float32:
         why = f"initial_state dtype {h0_dtype} (kernels take float32)"
     if why is None:
-        meta_t = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
-        B, T, H, K = q_shape
-        HV = v_shape[2]
-        cu_t = None if cu is None else meta_t((cu[1],), cu[0])
-        why = _ext.ops().kda_support(meta_t(q_shape, q_dtype), meta_t(q_shape, q_dtype), meta_t(v_shape, v_dtype),
-                                     meta_t((B, T, HV, K), g_dtype), meta_t((B, T, HV), beta_dtype), cu_t,
-                                     plan[1]) or None
+        stand_in = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+        B, T, H, K = 1, 64, 1, 64  # sizes every rule of the C++ check accepts
+        cu_t = None if cu_dtype is None else stand_in((2,), cu_dtype)
+        why = _ext.ops().kda_support(stand_in((B, T, H, K), q_dtype), stand_in((B, T, H, K), q_dtype),
+                                     stand_in((B, T, H, K), v_dtype), stand_in((B, T, H, K), g_dtype),
+                                     stand_in((B, T, H), beta_dtype), cu_t, plan[1]) or None
     return (why,) + plan[1:]
+
+
+def _route(q, v, cu_seqlens, meta: tuple) -> tuple:
+    """_plan's answer with the size rules applied: (reason, options, uses_A_log, uses_dt_bias)."""
+    plan = _plan(meta)
+    if plan[0] is None:
+        why = _size_reason(q, v, cu_seqlens)
+        if why is not None:
+            return (why,) + plan[1:]
+    return plan
 
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -297,7 +345,7 @@ def chunk_kda(
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)
 
-    reason, options, uses_A_log, uses_dt_bias = _plan(_call_meta(
+    reason, options, uses_A_log, uses_dt_bias = _route(q, v, cu_seqlens, _call_meta(
         q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
         allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs))
     if reason is not None:
@@ -305,16 +353,19 @@ def chunk_kda(
 
     from kernel_fun.kda import _kernel
 
-    if not torch.compiler.is_compiling():
+    A_log = kwargs.get("A_log") if uses_A_log else None
+    dt_bias = kwargs.get("dt_bias") if uses_dt_bias else None
+    # Meta tensors (shape inference, deferred init) take this path too: our ops' fakes give the
+    # outputs' shapes and dtypes, exactly as on the GPU (no reference, no fla).
+    out = _kernel.forward(q, k, v, g, beta, options=options, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=host_cu,
+                          A_log=A_log, dt_bias=dt_bias, return_intermediate_states=return_intermediate_states)
+    if not torch.compiler.is_compiling() and q.device.type == "cuda":  # after the kernels launched
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         _dispatch.log_engaged(FAMILY, f"B={B} T={T} H={H} HV={HV} K={K} V={V} dtype={q.dtype} "
                                       f"varlen={cu_seqlens is not None} grad={_needs_grad(q, k, v, g, beta)}")
-    A_log = kwargs.get("A_log") if uses_A_log else None
-    dt_bias = kwargs.get("dt_bias") if uses_dt_bias else None
-    return _kernel.forward(q, k, v, g, beta, options=options, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=host_cu,
-                           A_log=A_log, dt_bias=dt_bias, return_intermediate_states=return_intermediate_states)
+    return out
 
 
 def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str | None]:
@@ -347,7 +398,7 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
         return False, f"invalid input: {e}"
     if q.device.type != "cuda":
         return False, f"tensors on {q.device} run the torch reference, not our kernels"
-    reason = _plan(_call_meta(q, v, g, beta, a["scale"] if a["scale"] is not None else K ** -0.5, a["initial_state"],
+    reason = _route(q, v, a["cu_seqlens"], _call_meta(q, v, g, beta, a["scale"] if a["scale"] is not None else K ** -0.5, a["initial_state"],
                               a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
                               a["allow_neg_eigval"], a["lower_bound"], a["state_v_first"], a["cu_seqlens"],
                               a["cp_context"], extra))[0]
