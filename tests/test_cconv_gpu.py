@@ -381,14 +381,33 @@ def test_update_chain_equals_forward():
 # ------------------------------------------------------------------ front: routing and bad inputs
 
 def test_engaged_for_the_kda_layer_call():
+    """is_supported says yes, and the call then really launches our forward and backward (counted
+    in C++), in strict mode (a fallback to fla would raise)."""
+    import kernel_fun
+    from kernel_fun import _ext
+
     inp = make(2, 64, 256, 4)
     ok, why = _cc().is_supported(inp["x"], inp["weight"], activation="silu")
     assert ok, why
+    x = inp["x"].detach().requires_grad_()
+    before = _ext.op_calls()
+    with kernel_fun.strict():
+        y, _ = _cc().causal_conv1d(x, inp["weight"], activation="silu")
+        y.float().sum().backward()
+    after = _ext.op_calls()
+    assert (after["cconv_fwd"] - before["cconv_fwd"], after["cconv_bwd"] - before["cconv_bwd"]) == (1, 1)
 
 
 def test_warmup_prepares_and_times():
+    """warmup runs forward, backward and a decode step per D (counted), and returns its time."""
+    from kernel_fun import _ext
+
+    before = _ext.op_calls()
     secs = _cc().warmup(1, 64, D=(64, 100), W=4)
-    assert secs > 0
+    after = _ext.op_calls()
+    assert {k: after[k] - before[k] for k in ("cconv_fwd", "cconv_bwd", "cconv_update")} == \
+        {"cconv_fwd": 2, "cconv_bwd": 2, "cconv_update": 2}
+    assert isinstance(secs, float) and 0 < secs < 600
 
 
 def test_float64_x_is_unsupported_not_invalid():
@@ -397,19 +416,19 @@ def test_float64_x_is_unsupported_not_invalid():
     assert not ok and "float64" in why
 
 
-@pytest.mark.parametrize("case,exc,word", [
-    ("W5", ValueError, "weight"),
-    ("weight_shape", ValueError, "weight"),
-    ("weight_cpu", ValueError, "weight"),
-    ("bias_device", ValueError, "bias"),
-    ("residual_shape", ValueError, "residual"),
-    ("state_shape", ValueError, "initial_state"),
-    ("cu_batch", ValueError, "cu_seqlens"),
-    ("cu_host_decreasing", ValueError, "cu_seqlens"),
-    ("cu_host_last", ValueError, "cu_seqlens"),
-    ("activation", ValueError, "activation"),
-    ("x_int", ValueError, "x"),
-    ("x_type", TypeError, "x"),
+@pytest.mark.parametrize("case,exc,word", [  # word: the message after "causal_conv1d: " (a regex)
+    ("W5", ValueError, "weight has W=5 taps"),
+    ("weight_shape", ValueError, r"weight must be \[D, W\] = \[64, W\]"),
+    ("weight_cpu", ValueError, r"weight must be on x's device \(cuda:0\)"),
+    ("bias_device", ValueError, r"bias must be on x's device \(cuda:0\)"),
+    ("residual_shape", ValueError, r"residual must have x's shape \[2, 20, 64\]"),
+    ("state_shape", ValueError, r"initial_state must be \[N, D, W\] = \[2, 64, 4\]"),
+    ("cu_batch", ValueError, "cu_seqlens requires B == 1"),
+    ("cu_host_decreasing", ValueError, "cu_seqlens must be non-decreasing"),
+    ("cu_host_last", ValueError, "cu_seqlens must end at T=20"),
+    ("activation", ValueError, "activation must be None, 'silu' or 'swish', got 'relu'"),
+    ("x_int", ValueError, "x must be a floating tensor"),
+    ("x_type", TypeError, "x must be a tensor, got list"),
 ])
 def test_bad_inputs_raise_naming_the_argument(case, exc, word):
     inp = make(2, 20, 64, 4)
@@ -443,7 +462,7 @@ def test_bad_inputs_raise_naming_the_argument(case, exc, word):
         x = torch.ones(2, 20, 64, device=DEV, dtype=torch.int32)
     elif case == "x_type":
         x = x.tolist()
-    with pytest.raises(exc, match=word):
+    with pytest.raises(exc, match="causal_conv1d: " + word):
         _cc().causal_conv1d(x, w, **kw)
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import KDA_TOL, rel_rms
+from helpers import as_stored_fp32, KDA_TOL, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -204,7 +204,7 @@ def test_stages_match_chunked_reference(name):
     }
     rows = _last_rows(case.get("cu"), B, T)
     G = flat(st["g2"])[rows]
-    checks["exp2(G)"] = (torch.exp2(G), ws["gdecay"][: len(rows)])
+    checks["exp2(G)"] = (as_stored_fp32(torch.exp2(G)), ws["gdecay"][: len(rows)])
     h_ref = st["h"]
     if kw.get("state_v_first"):
         hs = hs.transpose(-1, -2)
@@ -399,7 +399,7 @@ def _intra_stage_errors(case):
         got = got[valid]
         assert torch.isfinite(got).all(), f"{key} has NaN/Inf"
         errs[key] = rel_rms(ref[valid], got)
-    errs["exp2(G)"] = rel_rms(torch.exp2(flat(st["g2"])[rows]), ws["gdecay"][: len(rows)])
+    errs["exp2(G)"] = rel_rms(as_stored_fp32(torch.exp2(flat(st["g2"])[rows])), ws["gdecay"][: len(rows)])
     return errs, ws
 
 
