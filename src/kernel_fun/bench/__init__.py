@@ -1,6 +1,6 @@
 """kernel-fun's benchmark: ``python -m kernel_fun.bench`` (see docs/benchmark.md).
 
-Times kernel_fun and fla on the named cases of ../shared/spec/anchors-h200.md in one process,
+Times kernel_fun and fla on the named cases of bench/anchors-h200.md in one process,
 prints a table (ms, fla/ours, TB/s and % of the measured copy roofline) and writes
 ``<out>/<gpu>.json``, ``<out>/<gpu>.md`` and ``<out>/<gpu>.png``.
 

@@ -1,7 +1,7 @@
 """The benchmark's cases: one named list, one dataclass per case, and the byte model.
 
 Pure Python (no torch): ``python -m kernel_fun.bench --list`` and the CPU tests use it as is.
-The shapes are the named cases of ../shared/spec/anchors-h200.md; ``anchor_fla_ms`` holds fla's
+The shapes are the named cases of bench/anchors-h200.md; ``anchor_fla_ms`` holds fla's
 numbers measured there (H200, fla 0.5.2), printed next to ours so machine drift shows.
 
 Byte model (``Case.bytes(pass_)``): the fewest HBM bytes the call must move - every input read

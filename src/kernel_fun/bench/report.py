@@ -153,7 +153,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         "fla/ours > 1 means kernel-fun is faster. TB/s = minimal HBM bytes / median time; "
         "%roof = that over the copy roofline; floor ms = bytes / copy roofline; "
-        "fla anchor = fla's time in ../shared/spec/anchors-h200.md (drift check). "
+        "fla anchor = fla's time in bench/anchors-h200.md (drift check). "
         "\"not run\" rows were not timed; the note says why. See docs/benchmark.md.",
         "",
         "| " + " | ".join(TABLE_HEADER) + " |",

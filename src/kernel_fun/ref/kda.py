@@ -19,7 +19,7 @@ Public functions
         S <- S + (beta_t k_t) outer (v_t - S^T k_t)
         o_t = S^T (scale * q_t)
 ``chunk_kda_reference(<same args>, chunk_size=64, return_stages=False)``
-    The chunked algorithm (shared/seeds/kernel-fun-ALGORITHM.md), stage by stage. With
+    The chunked algorithm (docs/kda.md maps each stage to its kernel), stage by stage. With
     ``return_stages=True`` it returns ``(o, ht, stages)``.
 
 Shapes and dtypes
