@@ -196,14 +196,14 @@ void intra(const kda::KdaFwdParams& p) {
 template <typename WT, int K, int BV>
 void scan(const kda::KdaFwdParams& p) {
   if (p.N == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::scan_threads<BV>()), kda::ScanSmem<WT, K, BV>::kBytes,
+  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::dev::scan_threads<BV>()), kda::dev::ScanStage<WT, K, BV>::kBytes,
                  kda::kda_fwd_scan_kernel<WT, K, BV>, p);
 }
 
 template <typename WT, int K, int BV>
 void dh_scan(const kda::KdaBwdParams& p) {
   if (p.N == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::dh_scan_threads<BV>()), kda::DhScanSmem<WT, K, BV>::kBytes,
+  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::dev::scan_threads<BV>()), kda::dev::ScanStage<WT, K, BV>::kBytes,
                  kda::kda_bwd_dh_scan_kernel<WT, K, BV>, p);
 }
 

@@ -103,6 +103,18 @@ KF_KDA_MMA_16816(__nv_bfloat16, "bf16")
 KF_KDA_MMA_16816(__half, "f16")
 #undef KF_KDA_MMA_16816
 
+// The fp32 C fragments of n-tiles 2i and 2i+1 are, packed to T, the A fragment of k-step i (the
+// same rows and 16 consecutive columns): a result feeds the next product from registers.
+// kNeg packs the negated values.
+template <typename T, bool kNeg = false>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  const float s = kNeg ? -1.f : 1.f;
+  a[0] = Elem<T>::pack2(s * c0[0], s * c0[1]);
+  a[1] = Elem<T>::pack2(s * c0[2], s * c0[3]);
+  a[2] = Elem<T>::pack2(s * c1[0], s * c1[1]);
+  a[3] = Elem<T>::pack2(s * c1[2], s * c1[3]);
+}
+
 // tf32 m16n8k8 (fp32 range, 10-bit mantissa): the intra kernel's products of gate-scaled operands.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
 #ifdef KF_EMU

@@ -1,0 +1,178 @@
+// The parts the two chunk scans share: kda_fwd_scan (the state h, chunk 0 to last) and
+// kda_bwd_dh_scan (its gradient dh, last chunk to 0). Both run one CTA per (V-slice of BV columns,
+// value head, sequence) with BV / 16 warps; warp w owns value columns [16 w, 16 w + 16) of the
+// slice and keeps its state TRANSPOSED in fp32 registers, sT[j][e] = state row k = 8 j + 2 t +
+// (e & 1), value column col0 + 8 (e >> 1) with col0 = v0 + 16 w + g (mma.sync C fragments over K).
+// Both read the forward intra's workspace (w, qg, kg, Aqk, Akk, exp2(G)) and one [64][BV] value
+// tile per chunk (v forward, do backward) through a double-buffered shared-memory stage.
+#pragma once
+
+#include <type_traits>
+
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+
+namespace kernel_fun::kda::dev {
+
+// One stage of the scans' shared memory (WT elements; rows padded by 8 so ldmatrix rows hit
+// distinct banks): sW, sQg, sKg [64][K+8]; sAqk, sAkk [64][72] (16x16 blocks above the diagonal
+// are never loaded or read); sVal [64][BV+8]; sDec [K] fp32 = exp2(G). Two stages: chunk c+1 is
+// filled by cp.async while chunk c computes; the one CTA-wide barrier per chunk hands it over.
+template <typename WT, int K, int BV>
+struct ScanStage {
+  static constexpr int KP = K + 8;
+  static constexpr int AP = kChunk + 8;
+  static constexpr int VP = BV + 8;
+  static constexpr int kW = 0;
+  static constexpr int kQg = kW + kChunk * KP;
+  static constexpr int kKg = kQg + kChunk * KP;
+  static constexpr int kAqk = kKg + kChunk * KP;
+  static constexpr int kAkk = kAqk + kChunk * AP;
+  static constexpr int kVal = kAkk + kChunk * AP;
+  static constexpr int kDec = kVal + kChunk * VP;  // fp32 [K] (offset in WT units)
+  static constexpr int kStageElems = kDec + 2 * K;
+  static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems;
+  static_assert((kStageElems * sizeof(WT)) % 16 == 0, "stages must stay 16-byte aligned");
+  static_assert(kBytes <= 227 * 1024, "scan shared memory exceeds the sm_90 per-CTA limit");
+};
+
+template <int BV>
+constexpr int scan_threads() {
+  return BV / 16 * 32;
+}
+
+// Where a chunk's operands come from: the forward intra's workspace ([B*T, HV, K] and
+// [B*T, HV, 64] in WT; exp2(G) [chunks, HV, K] fp32) and the value tile ([B*T, HV, V]: v or do).
+template <typename WT>
+struct ScanSources {
+  const WT* w;
+  const WT* qg;
+  const WT* kg;
+  const WT* Aqk;
+  const WT* Akk;
+  const WT* val;
+  const float* gdecay;
+};
+
+// Async load of chunk cc of sequence seq into the stage at base (rows past the sequence end are
+// zero-filled). with_q = false skips qg and Aqk (the backward's re-scan computes no output).
+template <typename WT, int K, int BV, int NT>
+__device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>& src, const KdaProblem& p,
+                                                const SeqInfo& seq, int cc, int hv, int v0, bool with_q) {
+  using S = ScanStage<WT, K, BV>;
+  const int tid = threadIdx.x, HV = p.HV;
+  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
+  const int rows = min(kChunk, seq.len - cc * kChunk);
+  constexpr int KV8 = K / 8;
+  for (int i = tid; i < kChunk * KV8; i += NT) {
+    const int r = i / KV8, c8 = (i % KV8) * 8;
+    const bool ok = r < rows;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * K + c8;
+    const int nb = ok ? 16 : 0;
+    const int so = r * S::KP + c8;
+    cp_async16(base + S::kW + so, src.w + off, nb);
+    if (with_q) cp_async16(base + S::kQg + so, src.qg + off, nb);
+    cp_async16(base + S::kKg + so, src.kg + off, nb);
+  }
+  for (int i = tid; i < kChunk * 8; i += NT) {
+    const int r = i / 8, c8 = (i % 8) * 8;
+    if ((c8 >> 4) > (r >> 4)) continue;  // above the diagonal: never read
+    const bool ok = r < rows;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8;
+    const int nb = ok ? 16 : 0;
+    const int so = r * S::AP + c8;
+    if (with_q) cp_async16(base + S::kAqk + so, src.Aqk + off, nb);
+    cp_async16(base + S::kAkk + so, src.Akk + off, nb);
+  }
+  constexpr int BV8 = BV / 8;
+  for (int i = tid; i < kChunk * BV8; i += NT) {
+    const int r = i / BV8, c8 = (i % BV8) * 8;
+    const bool ok = r < rows;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * p.V + v0 + c8;
+    cp_async16(base + S::kVal + r * S::VP + c8, src.val + off, ok ? 16 : 0);
+  }
+  float* dec = reinterpret_cast<float*>(base + S::kDec);
+  const float* gdec = src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K;
+  for (int i = tid; i < K / 4; i += NT) cp_async16(dec + 4 * i, gdec + 4 * i, 16);
+}
+
+// Offset of state element (j, e) of this lane in a [K, V] (or, state_v_first, [V, K]) state.
+template <int K>
+__device__ __forceinline__ int64_t state_index(const KdaProblem& p, int col0, int t, int j, int e) {
+  const int k = 8 * j + 2 * t + (e & 1);
+  const int col = col0 + 8 * (e >> 1);
+  return p.opt.state_v_first ? static_cast<int64_t>(col) * K + k : static_cast<int64_t>(k) * p.V + col;
+}
+
+// sT from an fp32 state (initial_state, dht) at src + base, or zeros when src is null.
+template <int K>
+__device__ __forceinline__ void load_state(float (&sT)[K / 8][4], const float* src, int64_t base,
+                                           const KdaProblem& p, int col0, int t) {
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sT[j][e] = src ? src[base + state_index<K>(p, col0, t, j, e)] : 0.f;
+}
+
+// sT into a state at dst + base, in dst's type (fp32 final states, WT intermediate states).
+template <typename WT, int K, typename OT>
+__device__ __forceinline__ void store_state(OT* dst, int64_t base, const float (&sT)[K / 8][4],
+                                            const KdaProblem& p, int col0, int t) {
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<OT, float>) {
+        dst[base + state_index<K>(p, col0, t, j, e)] = sT[j][e];
+      } else {
+        dst[base + state_index<K>(p, col0, t, j, e)] = Elem<WT>::from_float(sT[j][e]);
+      }
+    }
+}
+
+// sT into one chunk's checkpoint hc ([V][K] in WT, k pairs adjacent: kda_bwd_grads' layout).
+template <typename WT, int K>
+__device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t) {
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      *reinterpret_cast<uint32_t*>(hc + static_cast<int64_t>(col0 + 8 * hh) * K + 8 * j + 2 * t) =
+          Elem<WT>::pack2(sT[j][2 * hh], sT[j][2 * hh + 1]);
+}
+
+// sT[:, k] *= exp2(G)[k]: the chunk's decay of every state row.
+template <int K>
+__device__ __forceinline__ void decay_state(float (&sT)[K / 8][4], const float* sDec, int t) {
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j) {
+    const float2 d = *reinterpret_cast<const float2*>(sDec + 8 * j + 2 * t);
+    sT[j][0] *= d.x;
+    sT[j][1] *= d.y;
+    sT[j][2] *= d.x;
+    sT[j][3] *= d.y;
+  }
+}
+
+// A warp's [16 values] x [64 tokens] fp32 result (acc[j][e] = token 8 j + 2 t + (e & 1), value
+// g + 8 (e >> 1)) into out ([B*T, HV, V] in WT): each lane swaps with the lane of the
+// neighbouring value (g ^ 1) so it stores two adjacent values of one token; rows >= rows are
+// past the sequence end and not stored.
+template <typename WT>
+__device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[8][4], int64_t tok0, int rows,
+                                                 int HV, int hv, int V, int cols0, int g, int t) {
+  const bool odd = g & 1;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float x0 = acc[j][2 * hh], x1 = acc[j][2 * hh + 1];
+      const float recv = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
+      const int tok = 8 * j + 2 * t + (odd ? 1 : 0);
+      const int col = cols0 + 8 * hh + (g & ~1);
+      const uint32_t pk = odd ? Elem<WT>::pack2(recv, x1) : Elem<WT>::pack2(x0, recv);
+      if (tok < rows) *reinterpret_cast<uint32_t*>(out + ((tok0 + tok) * HV + hv) * V + col) = pk;
+    }
+}
+
+}  // namespace kernel_fun::kda::dev
