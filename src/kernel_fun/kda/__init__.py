@@ -15,6 +15,7 @@ autograd formula of kernel_fun::kda_forward), under the same support rules.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -192,7 +193,12 @@ def _call_meta(q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use
 @torch.compiler.assume_constant_result
 def _limits() -> tuple[int, int]:
     """The C++ support check's size limits: (max HV and max sequences, max tokens)."""
-    grid, tokens = _ext.ops().kda_limits(torch.empty(0))
+    return _limits_of(_ext.ops())
+
+
+@functools.lru_cache(maxsize=4)
+def _limits_of(ops) -> tuple[int, int]:
+    grid, tokens = ops.kda_limits(torch.empty(0))
     return int(grid), int(tokens)
 
 
@@ -223,30 +229,45 @@ def _size_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> str | None:
 def _plan(meta: tuple) -> tuple:
     """(reason, options, uses_A_log, uses_dt_bias) for a valid CUDA call described by
     ``_call_meta``: reason is None when our kernels serve it as far as all but its sizes go, else
-    why not; options is the call's encoded KdaOptions. The environment switches, the extension
-    and the C++ support check on meta stand-ins of supported sizes (the sizes are
-    ``_size_reason``'s), the same eagerly and at trace time."""
-    (q_dtype, v_dtype, g_dtype, beta_dtype, cu_dtype, h0_dtype, kw_names, has_cp, scale, l2norm,
-     gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first, has_A_log, chunk_size) = meta
+    why not; options is the call's encoded KdaOptions. The environment switches and keywords and
+    the extension (read on every call), then the C++ support check on meta stand-ins of supported
+    sizes (the sizes are ``_size_reason``'s); the same eagerly and at trace time."""
+    kw_names, has_cp = meta[6], meta[7]
+    options, uses_A_log, uses_dt_bias = _options(meta)
+    why = _dispatch.common_reason(FAMILY, dict.fromkeys(kw_names), _KNOWN_KWARGS, True if has_cp else None)
+    if why is None:
+        ok, status = _ext.status()
+        why = None if ok else status
+    if why is None:
+        why = _support_reason(meta, options, _ext.ops())
+    return why, options, uses_A_log, uses_dt_bias
+
+
+@functools.lru_cache(maxsize=512)
+def _options(meta: tuple) -> tuple[str, bool, bool]:
+    """(encoded KdaOptions, uses_A_log, uses_dt_bias) of the call ``_call_meta`` describes."""
+    (_, _, _, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
+     has_A_log, chunk_size) = meta
     opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
                                 lower_bound=lower_bound, A_log=True if has_A_log else None,
                                 state_v_first=state_v_first, chunk_size=chunk_size)
-    plan = (None, opts.encode(), opts.uses_A_log, opts.uses_dt_bias)
-    why = _dispatch.common_reason(FAMILY, dict.fromkeys(kw_names), _KNOWN_KWARGS, True if has_cp else None)
-    if why is None:
-        ok, why = _ext.status()
-        why = None if ok else why
-    if why is None and h0_dtype is not None and h0_dtype != torch.float32:
-        why = f"initial_state dtype {h0_dtype} (kernels take float32)"
-    if why is None:
-        stand_in = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
-        B, T, H, K = 1, 64, 1, 64  # sizes every rule of the C++ check accepts
-        cu_t = None if cu_dtype is None else stand_in((2,), cu_dtype)
-        why = _ext.ops().kda_support(stand_in((B, T, H, K), q_dtype), stand_in((B, T, H, K), q_dtype),
-                                     stand_in((B, T, H, K), v_dtype), stand_in((B, T, H, K), g_dtype),
-                                     stand_in((B, T, H), beta_dtype), cu_t, plan[1]) or None
-    return (why,) + plan[1:]
+    return opts.encode(), opts.uses_A_log, opts.uses_dt_bias
+
+
+@functools.lru_cache(maxsize=512)
+def _support_reason(meta: tuple, options: str, ops) -> str | None:
+    """The C++ support check on meta stand-ins of sizes it accepts, for the dtypes and options of
+    the call: once per distinct call and op library (the eager hot path pays a dict lookup)."""
+    q_dtype, v_dtype, g_dtype, beta_dtype, cu_dtype, h0_dtype = meta[:6]
+    if h0_dtype is not None and h0_dtype != torch.float32:
+        return f"initial_state dtype {h0_dtype} (kernels take float32)"
+    stand_in = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
+    B, T, H, K = 1, 64, 1, 64  # sizes every rule of the C++ check accepts
+    cu_t = None if cu_dtype is None else stand_in((2,), cu_dtype)
+    return ops.kda_support(stand_in((B, T, H, K), q_dtype), stand_in((B, T, H, K), q_dtype),
+                           stand_in((B, T, H, K), v_dtype), stand_in((B, T, H, K), g_dtype),
+                           stand_in((B, T, H), beta_dtype), cu_t, options) or None
 
 
 def _route(q, v, cu_seqlens, meta: tuple) -> tuple:
