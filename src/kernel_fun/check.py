@@ -42,7 +42,7 @@ CCONV_VARLEN = dict(B=1, T=100, D=256, W=4, cu=(0, 1, 3, 3, 100))
 CCONV_DECODE = dict(N=4, D=256, W=4)
 
 # The ops whose calls prove our kernels served a forward+backward (not fla, not the CPU reference).
-KDA_OPS = ("kda_forward", "kda_backward")
+KDA_OPS = ("kda_fwd", "kda_bwd")
 CCONV_OPS = ("cconv_fwd", "cconv_bwd")
 
 
@@ -122,22 +122,18 @@ def _equal(a, b) -> bool:
 
 # ------------------------------------------------------------------------------- engagement
 @contextlib.contextmanager
-def count_kernel_ops(namespace: str = "kernel_fun"):
-    """Counts calls of torch.ops.<namespace> ops by name while active. A dispatch mode sees every
-    family's ops without a counter of their own, and autograd's worker threads inherit it, so the
-    backward's ops are counted too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def count_kernel_ops():
+    """Launches of our kernel ops while active, by op name (kernel_fun._ext.op_calls: counted in
+    C++ at every launch, so the backward's launches count too). Filled when the block ends."""
+    from kernel_fun import _ext
 
     counts: collections.Counter = collections.Counter()
-
-    class _Counter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == namespace:
-                counts[func.name().split("::", 1)[1]] += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Counter():
+    before = _ext.op_calls()
+    try:
         yield counts
+    finally:
+        after = _ext.op_calls()
+        counts.update({name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)})
 
 
 def require_ran(counts, ops: Iterable[str]) -> None:
