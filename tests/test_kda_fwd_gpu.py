@@ -257,15 +257,16 @@ def test_empty_sequence_passes_initial_state_through():
 
 # ------------------------------------------------------------------------------------------------
 def test_support_reasons():
+    from kernel_fun import _ext
     from kernel_fun.kda._options import KdaOptions
-    kern = _kernel()
 
     def reason(K=128, V=128, dtype=torch.bfloat16, chunk_size=64):
         q = torch.empty(1, 8, 2, K, dtype=dtype, device="cuda")
         v = torch.empty(1, 8, 2, V, dtype=dtype, device="cuda")
         g = torch.empty(1, 8, 2, K, device="cuda")
         b = torch.empty(1, 8, 2, dtype=dtype, device="cuda")
-        return kern.support_reason(q, q, v, g, b, KdaOptions(scale=0.1, l2norm=True, chunk_size=chunk_size))
+        opts = KdaOptions(scale=0.1, l2norm=True, chunk_size=chunk_size)
+        return _ext.ops().kda_support(q, q, v, g, b, None, opts.encode()) or None
 
     assert reason() is None
     assert reason(K=64, V=512) is None

@@ -1,7 +1,7 @@
 """The KDA forward and backward on our sm_90a kernels (csrc/kda/, docs/kda.md).
 
-``support_reason`` says whether the kernels can serve a (validated, CUDA) call; ``forward`` runs
-them. Gradients flow through two functional custom ops, ``kernel_fun::kda_forward`` and
+``forward`` runs our kernels on a call the front (kernel_fun.kda) has validated and routed here.
+Gradients flow through two functional custom ops, ``kernel_fun::kda_forward`` and
 ``kernel_fun::kda_backward`` (the latter registered as the former's autograd formula), so a
 ``torch.compile(fullgraph=True)`` training step sees our ops as single nodes with no graph break.
 ``forward_stages`` / ``backward_stages`` also return the workspace, for per-stage tests.
@@ -9,9 +9,10 @@ them. Gradients flow through two functional custom ops, ``kernel_fun::kda_forwar
 No call synchronises with the host: cu_seqlens is read natively (int32 or int64) on the device;
 cu_seqlens_cpu is used only to size the optional intermediate-states output.
 
-What the forward saves for the backward: its inputs only (q, k, v, g, beta, A_log, dt_bias,
-initial_state, cu_seqlens; no copies). The backward recomputes the forward's workspace and the
-per-chunk states itself (kda_backward in csrc/kda/bwd/kda_bwd.cu).
+What the forward saves for the backward: its inputs (q, k, v, g, beta, A_log, dt_bias,
+initial_state, cu_seqlens; no copies) and, when autograd will need them, the intra factors Aqk,
+Akk and M ([B*T, HV, 64] each); the backward rebuilds the rest of the workspace and the
+per-chunk states itself (kda_backward in csrc/kda/bwd/kda_bwd.cu, docs/kda-backward.md).
 """
 
 from __future__ import annotations
@@ -40,14 +41,6 @@ def _decode(options: str) -> KdaOptions:
                       state_v_first=kv["state_v_first"] == "1", chunk_size=int(kv["chunk_size"]))
 
 
-def support_reason(q, k, v, g, beta, opts: KdaOptions, cu_seqlens=None, initial_state=None) -> str | None:
-    """None when our kernels can run this call, else why not (the C++ op decides; metadata only)."""
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        return f"initial_state dtype {initial_state.dtype} (kernels take float32)"
-    reason = _ext.ops().kda_support(q, k, v, g, beta, cu_seqlens, opts.encode())
-    return reason or None
-
-
 def _state_shape(N, HV, K, V, state_v_first):
     return (N, HV, V, K) if state_v_first else (N, HV, K, V)
 
@@ -60,13 +53,18 @@ def _aligned(t):
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def gate_params(opts: KdaOptions, A_log, dt_bias):
-    """A_log / dt_bias as the ops take them (flat fp32, None when the gate does not read them).
-    Done outside the custom ops, so autograd maps their gradients back to the caller's shape and
-    dtype (A_log in any shape with HV elements, dt_bias in any float dtype)."""
-    A = A_log.reshape(-1).to(torch.float32) if (opts.uses_A_log and A_log is not None) else None
-    D = dt_bias.reshape(-1).to(torch.float32) if (opts.uses_dt_bias and dt_bias is not None) else None
+def _flat_f32(A_log, dt_bias):
+    """A_log / dt_bias as the ops take them (flat fp32, or None). Done outside the custom ops, so
+    autograd maps their gradients back to the caller's shape and dtype (A_log in any shape with HV
+    elements, dt_bias in any float dtype)."""
+    A = None if A_log is None else A_log.reshape(-1).to(torch.float32)
+    D = None if dt_bias is None else dt_bias.reshape(-1).to(torch.float32)
     return A, D
+
+
+def gate_params(opts: KdaOptions, A_log, dt_bias):
+    """_flat_f32 of the parameters the gate of opts reads (None for the others)."""
+    return _flat_f32(A_log if opts.uses_A_log else None, dt_bias if opts.uses_dt_bias else None)
 
 
 # ---------------------------------------------------------------- the functional custom ops
@@ -173,8 +171,7 @@ def forward(q, k, v, g, beta, *, options: str, initial_state, output_final_state
     Differentiable (through kernel_fun::kda_forward's registered backward). options: the call's
     encoded KdaOptions; A_log / dt_bias: the caller's tensors, or None when the gate does not use them.
     Traceable by torch.compile: the custom op is the only thing that touches data."""
-    A = None if A_log is None else A_log.reshape(-1).to(torch.float32)
-    D = None if dt_bias is None else dt_bias.reshape(-1).to(torch.float32)
+    A, D = _flat_f32(A_log, dt_bias)  # the front passes only what the gate reads
     if return_intermediate_states:
         return _forward_with_states(q, k, v, g, beta, _decode(options), initial_state, output_final_state,
                                     cu_seqlens, cu_seqlens_cpu, A, D)
