@@ -213,6 +213,8 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     assert seen[-1][1]["cu_seqlens_cpu"] is None
     with pytest.raises(ValueError, match="max_num_seqs"), torch.no_grad():
         chunk_kda(q, q, v, g, beta, **kw, use_graph=True, max_num_seqs=3)
+    ok, why = is_supported(q, v, k=q, g=g, beta=beta, **kw, use_graph=True, max_num_seqs=3)
+    assert not ok and "max_num_seqs + 1 = 4 entries" in why
     # is_supported binds chunk_kda's own signature: valid keywords pass validation and reach the
     # device check; a bad value or an unknown positional is an invalid-input reason
     ok, why = is_supported(q, v, k=q, g=g, beta=beta, **kw)

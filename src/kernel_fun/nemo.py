@@ -37,6 +37,12 @@ def _packed(q, k, v, g, beta, cu_seqlens):
     return (*flat, cu)
 
 
+def _device_reason(q: torch.Tensor) -> str | None:
+    if q.device.type != "cuda":
+        return f"tensors on {q.device} (kernel-fun's kernels run on CUDA devices)"
+    return None
+
+
 def fused_kda_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                  beta: torch.Tensor, cu_seqlens: torch.Tensor | None, mode: str = "chunk",
                                  cp_context=None, use_qk_l2norm_in_kernel: bool = True,
@@ -48,8 +54,9 @@ def fused_kda_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return "context parallelism (cp_context) is fla's"
     if not use_qk_l2norm_in_kernel:
         return "use_qk_l2norm_in_kernel=False (fused_chunk_kda always l2-normalises q and k)"
-    if q.device.type != "cuda":
-        return f"tensors on {q.device} (kernel-fun's kernels run on CUDA devices)"
+    why = _device_reason(q)
+    if why is not None:
+        return why
     from kernel_fun.kda import is_supported
 
     ok, why = is_supported(q, v, k=k, g=g, beta=beta, cu_seqlens=cu_seqlens,
@@ -64,7 +71,9 @@ def fused_chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     from kernel_fun import _dispatch
     from kernel_fun.kda import chunk_kda
 
-    why = fused_kda_unsupported_reason(q, k, v, g, beta, cu_seqlens)
+    # The CPU reference would serve CPU tensors without complaint: refuse them here. Every other
+    # reason comes from chunk_kda itself, which strict mode turns into KernelFunUnsupported.
+    why = _device_reason(q)
     if why is not None:
         raise _dispatch.KernelFunUnsupported(f"kernel-fun fused_chunk_kda: {why}")
     shape = v.shape

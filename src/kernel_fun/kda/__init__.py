@@ -86,7 +86,7 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
 
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
               allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
-              kwargs, trust_device_cu: bool = False) -> torch.Tensor | None:
+              kwargs, use_graph: bool = False, max_num_seqs: int | None = None) -> torch.Tensor | None:
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
@@ -139,10 +139,14 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_be
                 _fail(ValueError, f"dt_bias must have HV*K={HV * K} elements")
             if dt_bias.device != dev:
                 _fail(ValueError, f"dt_bias is on {dt_bias.device} but q is on {dev}")
+    if use_graph and max_num_seqs is not None and isinstance(cu_seqlens, torch.Tensor) and \
+            cu_seqlens.shape[0] != max_num_seqs + 1:
+        _fail(ValueError, f"use_graph: cu_seqlens must hold exactly max_num_seqs + 1 = {max_num_seqs + 1} "
+                          f"entries (pad with empty tail sequences), got {cu_seqlens.shape[0]}")
     # use_graph: the contents change between replays; torch.compile: reading them would be a
     # data-dependent guard (a graph break), so a compiled graph trusts them as fla's use_graph does.
     # Meta offsets (shape inference) have no contents to read either, unless a host copy is given.
-    trust_device_cu = (trust_device_cu or torch.compiler.is_compiling()
+    trust_device_cu = (use_graph or torch.compiler.is_compiling()
                        or (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta"
                            and cu_seqlens_cpu is None))
     if trust_device_cu and cu_seqlens is not None:
@@ -346,14 +350,9 @@ def chunk_kda(
     )
     kwargs = dict(kwargs)
     state_v_first = _take_kwargs(kwargs, state_v_first)
-    if use_graph and cu_seqlens is not None:
-        n_seqs = cu_seqlens.shape[0] - 1
-        if max_num_seqs is not None and max_num_seqs != n_seqs:
-            _fail(ValueError, f"use_graph: cu_seqlens must hold exactly max_num_seqs + 1 = {max_num_seqs + 1} "
-                              f"entries (pad with empty tail sequences), got {n_seqs + 1}")
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                        kwargs, trust_device_cu=bool(use_graph))
+                        kwargs, use_graph=bool(use_graph), max_num_seqs=max_num_seqs)
     if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state):
         _fail(ValueError, "return_intermediate_states is for inference only (no gradients)")
     if scale is None:
@@ -414,7 +413,7 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
         _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
                   a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
                   a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra,
-                  trust_device_cu=bool(a["use_graph"]))
+                  use_graph=bool(a["use_graph"]), max_num_seqs=a["max_num_seqs"])
     except (ValueError, TypeError) as e:
         return False, f"invalid input: {e}"
     if q.device.type != "cuda":
