@@ -106,7 +106,8 @@ def test_nemo_fused_chunk_kda_runs_our_kernels():
     (counted), dense input as packed documents; gradients flow."""
     import torch
     from kernel_fun import nemo
-    from kernel_fun.kda import _kernel, chunk_kda
+    from kernel_fun import _ext
+    from kernel_fun.kda import chunk_kda
     gen = torch.Generator(device="cuda").manual_seed(0)
     B, T, H, K, V = 2, 200, 2, 128, 128
     q = torch.randn(B, T, H, K, device="cuda", generator=gen).bfloat16().requires_grad_(True)
@@ -115,9 +116,9 @@ def test_nemo_fused_chunk_kda_runs_our_kernels():
     g = (-5 * torch.rand(B, T, H, K, device="cuda", generator=gen)).float()
     beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
     assert nemo.fused_kda_unsupported_reason(q, k, v, g, beta, None) is None
-    before = _kernel.CALLS["kda_forward"]
+    before = _ext.op_calls()["kda_fwd"]
     o, none = nemo.fused_chunk_kda(q, k, v, g, beta, None)
-    assert none is None and _kernel.CALLS["kda_forward"] == before + 1
+    assert none is None and _ext.op_calls()["kda_fwd"] == before + 1
     ref, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     from helpers import rel_rms
     assert o.shape == ref.shape and rel_rms(ref.float(), o.float()) < 2e-3  # same math; packed vs dense path

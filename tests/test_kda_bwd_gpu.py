@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_fun import _ext
 from helpers import KDA_TOL, KDA_VARLEN_TOL, rel_rms
 from test_kda_fwd_gpu import make_case, options
 
@@ -38,16 +39,16 @@ def _grads_ours(inputs, kw, do, dht):
     for n in ("A_log", "dt_bias", "initial_state"):
         if call.get(n) is not None:
             call[n] = extra[n] = call[n].detach().clone().requires_grad_(True)
-    before = dict(_kernel().CALLS)
+    before = _ext.op_calls()
     o, ht = chunk_kda(*leaves, **call)
     loss = (o.float() * do.float()).sum()
     if dht is not None:
         loss = loss + (ht * dht).sum()
     want = leaves + list(extra.values())
     grads = torch.autograd.grad(loss, want, allow_unused=True)
-    after = _kernel().CALLS
-    assert after["kda_forward"] == before.get("kda_forward", 0) + 1, "our forward did not run"
-    assert after["kda_backward"] == before.get("kda_backward", 0) + 1, "our backward did not run"
+    after = _ext.op_calls()
+    assert after["kda_fwd"] == before["kda_fwd"] + 1, "our forward did not run"
+    assert after["kda_bwd"] == before["kda_bwd"] + 1, "our backward did not run"
     out = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
     for n, gr in zip(extra, grads[5:]):
         out[{"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}[n]] = gr
@@ -290,12 +291,12 @@ def test_compile_fullgraph_training_step_runs_our_kernels():
     eager = torch.autograd.grad(eager_loss, leaves)
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)  # a graph break raises
-    before = dict(_kernel().CALLS)
+    before = _ext.op_calls()
     loss = compiled(*leaves)
     grads = torch.autograd.grad(loss, leaves)
-    after = _kernel().CALLS
-    assert after["kda_forward"] > before.get("kda_forward", 0), "the compiled graph did not run our forward"
-    assert after["kda_backward"] > before.get("kda_backward", 0), "the compiled graph did not run our backward"
+    after = _ext.op_calls()
+    assert after["kda_fwd"] > before["kda_fwd"], "the compiled graph did not run our forward"
+    assert after["kda_bwd"] > before["kda_bwd"], "the compiled graph did not run our backward"
     assert torch.equal(loss, eager_loss)
     for e, c in zip(eager, grads):
         assert torch.equal(e, c)

@@ -17,7 +17,6 @@ per-chunk states itself (kda_backward in csrc/kda/bwd/kda_bwd.cu, docs/kda-backw
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
@@ -26,11 +25,6 @@ from kernel_fun import _ext
 from kernel_fun.kda._options import KdaOptions
 
 CHUNK = 64
-
-# Invocations of the two custom ops (their eager implementations, which compiled graphs call too):
-# tests count these to prove our kernels ran, not fla's.
-CALLS: collections.Counter = collections.Counter()
-
 
 @functools.lru_cache(maxsize=256)
 def _decode(options: str) -> KdaOptions:
@@ -76,7 +70,6 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """(o, final_state, Aqk, Akk, M). final_state is an empty tensor unless output_final_state;
     Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead of recomputing the
     forward intra) are empty tensors unless save_factors."""
-    CALLS["kda_forward"] += 1
     o, ht, Aqk, Akk, M = _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors)
     _ext.ops().kda_fwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A_log, dt_bias,
                        None if initial_state is None else initial_state.contiguous(), cu_seqlens, options, o,
@@ -111,7 +104,6 @@ def kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     """(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0): dg / dbeta in g's / beta's dtypes; dA_log,
     ddt_bias (fp32, flat) and dh0 (fp32) are empty tensors when A_log / dt_bias / initial_state is
     None. Aqk / Akk / M: the forward's saved factors (all three), or None to recompute them."""
-    CALLS["kda_backward"] += 1
     dq, dk, dv, dg, dbeta, dA, dD, dh0 = _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state)
     _ext.ops().kda_bwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A_log, dt_bias,
                        None if initial_state is None else initial_state.contiguous(), cu_seqlens, _aligned(do),
