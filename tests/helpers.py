@@ -1,9 +1,15 @@
-"""Metrics and tolerances shared by every test (fla's own, from tests/ops/test_kda.py and
-tests/modules/test_conv.py)."""
+"""What the tests share: metrics and tolerances (fla's own, from tests/ops/test_kda.py and
+tests/modules/test_conv.py), the fp64 KDA references called on a test case's (inputs, kw), and
+the host emulator's loader."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
+
+HERE = Path(__file__).resolve().parent
 
 # rel-RMS tolerances against the fp64 reference.
 KDA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
@@ -46,4 +52,55 @@ def as_stored_fp32(ref: torch.Tensor) -> torch.Tensor:
     chunk's gate sum, which underflow for strong decays: fp64 keeps 1e-270, fp32 cannot."""
     ref = ref.detach().double()
     return torch.where(ref.abs() < 2.0 ** -126, torch.zeros_like(ref), ref.float().double())
+
+
+def load_module(name: str, path: Path):
+    """Import a file of this tree by path (the emulator's build and bindings, the tree's reference)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def emu_skip_reason() -> str | None:
+    """Why the host emulator (tests/emu) cannot be built here, or None."""
+    return load_module("kf_emu_build", HERE / "emu" / "build.py").skip_reason()
+
+
+def emu_module():
+    """The emulator's Python bindings, its library compiled once (cached by source hash)."""
+    mod = load_module("kf_emu_kda", HERE / "emu" / "kda_emu.py")
+    mod.lib()
+    return mod
+
+
+def _kda_ref_kwargs(kw: dict, names: tuple) -> dict:
+    """The reference's keyword arguments from a test case's kw: the given names, and A_log /
+    dt_bias (when the gate is in the kernel) and initial_state in fp64."""
+    rk = {n: kw[n] for n in names if kw.get(n) is not None}
+    for n in ("A_log", "dt_bias", "initial_state"):
+        if kw.get(n) is not None and (n == "initial_state" or kw.get("use_gate_in_kernel")):
+            rk[n] = kw[n].double()
+    return rk
+
+
+def kda_reference(inputs, kw: dict, return_stages: bool = False, ref=None):
+    """The fp64 chunked forward reference on a case's (inputs, kw); ref: the module holding
+    chunk_kda_reference (default kernel_fun.ref.kda)."""
+    if ref is None:
+        from kernel_fun.ref import kda as ref
+    rk = _kda_ref_kwargs(kw, ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
+                              "cu_seqlens"))
+    return ref.chunk_kda_reference(*(x.double() for x in inputs), **rk, return_stages=return_stages)
+
+
+def kda_bwd_reference(inputs, kw: dict, do: torch.Tensor, dht: torch.Tensor | None):
+    """The explicit fp64 stage-by-stage backward reference: (gradients, stages)."""
+    from kernel_fun.ref.kda_bwd import chunk_kda_bwd_reference
+
+    rk = _kda_ref_kwargs(kw, ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                              "allow_neg_eigval", "lower_bound", "state_v_first", "cu_seqlens"))
+    return chunk_kda_bwd_reference(*(x.double() for x in inputs), do.double(),
+                                   None if dht is None else dht.double(), **rk, return_stages=True)
 

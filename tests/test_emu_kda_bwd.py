@@ -6,50 +6,21 @@ gradients dh_{c+1}, dAqk, dL) against the explicit fp64 stage reference
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-from helpers import KDA_TOL, rel_rms
+from helpers import KDA_TOL, emu_module, emu_skip_reason, kda_bwd_reference, rel_rms
 from test_emu_kda_fwd import make_case
 
-HERE = Path(__file__).resolve().parent
 STAGE_TOL = 1e-2
 
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_build = _load("kf_emu_build", HERE / "emu" / "build.py")
-_why = _build.skip_reason()
+_why = emu_skip_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"kf_emu cannot be built: {_why}")
 
 
 @pytest.fixture(scope="module")
 def emu():
-    mod = _load("kf_emu_kda", HERE / "emu" / "kda_emu.py")
-    mod.lib()
-    return mod
-
-
-def _reference(inputs, kw, do, dht):
-    from kernel_fun.ref.kda_bwd import chunk_kda_bwd_reference
-
-    q, k, v, g, beta = (x.double() for x in inputs)
-    rk = {n: kw.get(n) for n in ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                                  "allow_neg_eigval", "lower_bound", "state_v_first", "cu_seqlens")}
-    rk = {n: x for n, x in rk.items() if x is not None}
-    for n in ("A_log", "dt_bias", "initial_state"):
-        if kw.get(n) is not None and (n == "initial_state" or kw.get("use_gate_in_kernel")):
-            rk[n] = kw[n].double()
-    return chunk_kda_bwd_reference(q, k, v, g, beta, do.double(), None if dht is None else dht.double(), **rk,
-                                   return_stages=True)
+    return emu_module()
 
 
 CASES = {
@@ -96,7 +67,7 @@ def test_backward_matches_fp64_reference(name, path, emu):
         _, _, _, ws = emu.forward_stages(*inputs, **kw)
         saved = (ws["Aqk"], ws["Akk"], ws["M"])
     grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved)
-    ref, rst = _reference(inputs, kw, do, dht)
+    ref, rst = kda_bwd_reference(inputs, kw, do, dht)
     bad = {}
     for key, tol in (("dq", KDA_TOL["dq"]), ("dk", KDA_TOL["dk"]), ("dv", KDA_TOL["dv"]), ("dg", KDA_TOL["dg"]),
                      ("dbeta", KDA_TOL["dbeta"]), ("dh0", KDA_TOL["dh0"]), ("dA_log", DA_LOG_TOL),

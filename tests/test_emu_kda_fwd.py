@@ -10,43 +10,32 @@ layout bug, or a kernel change that broke them.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import as_stored_fp32, rel_rms
+from helpers import as_stored_fp32, emu_module, emu_skip_reason, kda_reference, load_module, rel_rms
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TOL = 1e-2  # rel-RMS; the workspace and o are stored in bf16 / fp16 (their rounding alone is ~3e-3)
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_build = _load("kf_emu_build", HERE / "emu" / "build.py")
-_why = _build.skip_reason()
+_why = emu_skip_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"kf_emu cannot be built: {_why}")
 
 
 @pytest.fixture(scope="module")
 def emu():
-    mod = _load("kf_emu_kda", HERE / "emu" / "kda_emu.py")
-    mod.lib()  # compile once (cached by source hash)
-    return mod
+    return emu_module()
 
 
 @pytest.fixture(scope="module")
 def ref():
     # this tree's reference (not whatever kernel_fun an environment has installed)
-    return _load("kf_emu_ref_kda", ROOT / "src" / "kernel_fun" / "ref" / "kda.py")
+    return load_module("kf_emu_ref_kda", ROOT / "src" / "kernel_fun" / "ref" / "kda.py")
 
 
 # ------------------------------------------------------------------------------------------------ cases
@@ -124,28 +113,13 @@ def _last_rows(cu, B, T):
     return [min(c0 + 64, e) - 1 for s, e in segs for c0 in range(s, e, 64)]
 
 
-def _reference(ref, inputs, kw):
-    q, k, v, g, beta = (x.double() for x in inputs)
-    rk = {n: kw.get(n) for n in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
-                                 "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "cu_seqlens")}
-    rk = {n: x for n, x in rk.items() if x is not None}
-    if rk.get("initial_state") is not None:
-        rk["initial_state"] = rk["initial_state"].double()
-    use_gate = kw.get("use_gate_in_kernel", False)
-    A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
-    return ref.chunk_kda_reference(
-        q, k, v, g, beta, **rk, use_gate_in_kernel=use_gate, lower_bound=kw.get("lower_bound"),
-        A_log=A_log.double() if (use_gate and A_log is not None) else None,
-        dt_bias=dt_bias.double() if (use_gate and dt_bias is not None) else None, return_stages=True)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_and_stages_match_fp64_reference(name, emu, ref):
     case = dict(CASES[name])
     bv, misalign = case.pop("bv", None), case.pop("misalign", False)
     inputs, kw = make_case(**case)
     o, ht, hs, ws = emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv, misalign=misalign)
-    o_ref, ht_ref, st = _reference(ref, inputs, kw)
+    o_ref, ht_ref, st = kda_reference(inputs, kw, return_stages=True, ref=ref)
     B, T = inputs[0].shape[:2]
     K = inputs[0].shape[3]
     scale = kw.get("scale") or K ** -0.5
@@ -202,7 +176,7 @@ def test_results_do_not_depend_on_the_thread_schedule(emu, name):
     case = dict(CASES[name])
     bv, misalign = case.pop("bv", None), case.pop("misalign", False)
     inputs, kw = make_case(**case)
-    run = lambda: emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv)  # noqa: E731
+    run = lambda: emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv, misalign=misalign)  # noqa: E731
     base = run()
     try:
         for order, greedy, seed in [("reverse", False, 0), ("forward", True, 0), ("reverse", True, 0),

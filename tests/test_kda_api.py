@@ -165,7 +165,7 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     """chunk_kda and is_supported hand our kernel layer the same, complete keyword set (meta tensors
     reach the kernel path; the kernel layer is replaced by a recorder)."""
     from kernel_fun import _dispatch, _ext
-    from kernel_fun.kda import _kernel, _plan
+    from kernel_fun.kda import _kernel
 
     seen = []
 

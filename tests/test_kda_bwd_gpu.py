@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernel_fun import _ext
-from helpers import KDA_TOL, KDA_VARLEN_TOL, rel_rms
+from helpers import KDA_TOL, KDA_VARLEN_TOL, kda_bwd_reference, rel_rms
 from test_kda_fwd_gpu import make_case, options
 
 pytestmark = pytest.mark.gpu
@@ -157,19 +157,6 @@ def test_varlen_gradients_match_fp64_naive(name):
 
 # ------------------------------------------------------------------------------------------------
 # each backward kernel's stage against the explicit fp64 stage reference (kernel_fun.ref.kda_bwd)
-def _stage_reference(inputs, kw, do, dht):
-    from kernel_fun.ref.kda_bwd import chunk_kda_bwd_reference
-    q, k, v, g, beta = (x.double() for x in inputs)
-    rk = {n: kw.get(n) for n in ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                                  "allow_neg_eigval", "lower_bound", "state_v_first", "cu_seqlens")}
-    rk = {n: x for n, x in rk.items() if x is not None}
-    for n in ("A_log", "dt_bias", "initial_state"):
-        if kw.get(n) is not None and (n == "initial_state" or kw.get("use_gate_in_kernel")):
-            rk[n] = kw[n].double()
-    return chunk_kda_bwd_reference(q, k, v, g, beta, do.double(), None if dht is None else dht.double(), **rk,
-                                   return_stages=True)
-
-
 def _backward_stages(inputs, kw, do, dht, poison=False):
     q, k, v, g, beta = inputs
     return _kernel().backward_stages(
@@ -183,7 +170,7 @@ def test_stages_match_fp64_stage_reference(name):
     inputs, kw = make_case(**CASES[name])
     do, dht = _do_dht(inputs, kw)
     grads, st = _backward_stages(inputs, kw, do, dht, poison=True)
-    _, rst = _stage_reference(inputs, kw, do, dht)
+    _, rst = kda_bwd_reference(inputs, kw, do, dht)
     q, v = inputs[0], inputs[2]
     B, T, HV, V = v.shape
     K = q.shape[-1]

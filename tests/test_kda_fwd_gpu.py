@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import as_stored_fp32, KDA_TOL, rel_rms
+from helpers import as_stored_fp32, KDA_TOL, kda_reference, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -82,20 +82,7 @@ def make_case(B=1, T=100, H=2, HV=None, K=128, V=128, dtype=torch.bfloat16, gate
 
 def reference(inputs, kw, return_stages=False):
     """fp64 chunked reference on the GPU."""
-    from kernel_fun.ref.kda import chunk_kda_reference
-    q, k, v, g, beta = (x.double() for x in inputs)
-    rk = {n: kw.get(n) for n in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
-                                 "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "state_v_first", "cu_seqlens")}
-    rk = {n: x for n, x in rk.items() if x is not None}
-    if rk.get("initial_state") is not None:
-        rk["initial_state"] = rk["initial_state"].double()
-    use_gate = kw.get("use_gate_in_kernel", False)
-    A_log, dt_bias = kw.get("A_log"), kw.get("dt_bias")
-    return chunk_kda_reference(
-        q, k, v, g, beta, **rk, use_gate_in_kernel=use_gate, lower_bound=kw.get("lower_bound"),
-        A_log=A_log.double() if (use_gate and A_log is not None) else None,
-        dt_bias=dt_bias.double() if (use_gate and dt_bias is not None) else None,
-        return_stages=return_stages)
+    return kda_reference(inputs, kw, return_stages=return_stages)
 
 
 def options(inputs, kw):
