@@ -30,28 +30,33 @@ def _kernel():
     return _kernel
 
 
-def _grads_ours(inputs, kw, do, dht):
-    """Gradients through the public chunk_kda (our kernels, counted) for loss = <o, do> + <ht, dht>."""
-    from kernel_fun.kda import chunk_kda
+def _grads_through(fn, inputs, kw, do, dht):
+    """Every gradient of loss = <o, do> + <ht, dht> through fn (chunk_kda's signature), by name."""
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     call = {n: x for n, x in kw.items() if x is not None}
     extra = {}
     for n in ("A_log", "dt_bias", "initial_state"):
         if call.get(n) is not None:
             call[n] = extra[n] = call[n].detach().clone().requires_grad_(True)
-    before = _ext.op_calls()
-    o, ht = chunk_kda(*leaves, **call)
+    o, ht = fn(*leaves, **call)
     loss = (o.float() * do.float()).sum()
     if dht is not None:
         loss = loss + (ht * dht).sum()
-    want = leaves + list(extra.values())
-    grads = torch.autograd.grad(loss, want, allow_unused=True)
-    after = _ext.op_calls()
-    assert after["kda_fwd"] == before["kda_fwd"] + 1, "our forward did not run"
-    assert after["kda_bwd"] == before["kda_bwd"] + 1, "our backward did not run"
+    grads = torch.autograd.grad(loss, leaves + list(extra.values()), allow_unused=True)
     out = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
     for n, gr in zip(extra, grads[5:]):
         out[{"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}[n]] = gr
+    return out
+
+
+def _grads_ours(inputs, kw, do, dht):
+    """Gradients through the public chunk_kda, with our forward and backward counted as launched."""
+    from kernel_fun.kda import chunk_kda
+    before = _ext.op_calls()
+    out = _grads_through(chunk_kda, inputs, kw, do, dht)
+    after = _ext.op_calls()
+    assert after["kda_fwd"] == before["kda_fwd"] + 1, "our forward did not run"
+    assert after["kda_bwd"] == before["kda_bwd"] + 1, "our backward did not run"
     return out
 
 
@@ -300,18 +305,7 @@ def test_gradient_parity_with_fla(name, monkeypatch):
     do, dht = _do_dht(inputs, kw)
     ours = _grads_ours(inputs, kw, do, dht)
     ref = _grads_naive(inputs, kw, do, dht)
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    call = {n: x for n, x in kw.items() if x is not None}
-    extra = {}
-    for n in ("A_log", "dt_bias", "initial_state"):
-        if call.get(n) is not None:
-            call[n] = extra[n] = call[n].detach().clone().requires_grad_(True)
-    o, ht = fla_chunk_kda(*leaves, **call)
-    loss = (o.float() * do.float()).sum() + (ht * dht).sum()
-    grads = torch.autograd.grad(loss, leaves + list(extra.values()), allow_unused=True)
-    fla = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
-    for n, gr in zip(extra, grads[5:]):
-        fla[{"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}[n]] = gr
+    fla = _grads_through(fla_chunk_kda, inputs, kw, do, dht)
     report = {}
     for key, r in ref.items():
         if r is None or fla.get(key) is None:
