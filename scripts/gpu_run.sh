@@ -52,7 +52,7 @@ run_tests() {  # $1 marker expression, $2 log file, $3 time limit in seconds
   local sel=()
   [ -n "${KF_TESTS:-}" ] && sel=(-k "$KF_TESTS")
   # shellcheck disable=SC2086
-  timeout "$3" python3 -m pytest -q -m "$1" -p no:cacheprovider -rfE "${sel[@]}" \
+  timeout "$3" python3 -m pytest -q -m "$1" -p no:cacheprovider -rfEs "${sel[@]}" \
     ${KF_PYTEST:-tests} > "$2" 2>&1
   local r=$?
   echo "[$1] $(grep -E "passed|failed|error|skipped|no tests ran" "$2" | tail -1)"

@@ -111,3 +111,30 @@ def test_backward_does_not_depend_on_the_thread_schedule(emu, name):
                     assert torch.equal(t, got[key]), (order, greedy, key)
     finally:
         emu.set_schedule()
+
+
+@pytest.mark.parametrize("case", [
+    dict(B=3, T=130, K=64, V=64, h0=True),                                  # uneven last slice
+    dict(B=4, T=70, H=1, HV=2, K=64, V=64, h0=True, gate="bounded"),        # GVA group sums per slice
+    dict(B=3, T=100, K=128, V=128, h0=True, neg_eig=True, state_v_first=True),
+])
+def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
+    """kda_backward in slices of 1 or 2 batches (csrc/kda/bwd/kda_bwd_slice.h: per-slice workspace,
+    every per-token / per-sequence pointer advanced, the gate partials summed once at the end) gives
+    exactly the gradients of one pass over the whole batch, dA_log / ddt_bias / dh0 included."""
+    inputs, kw = make_case(**case)
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    gen = torch.Generator().manual_seed(11)
+    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
+    dht = torch.randn(*((B, HV, V, K) if kw.get("state_v_first") else (B, HV, K, V)), generator=gen)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw)
+    saved = (ws["Aqk"], ws["Akk"], ws["M"])
+    whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved)[0]
+    for nb in (1, 2):
+        sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, slice_b=nb)[0]
+        for key, t in whole.items():
+            if t is not None:
+                assert torch.isfinite(sliced[key]).all(), (nb, key)
+                assert torch.equal(t, sliced[key]), (nb, key)

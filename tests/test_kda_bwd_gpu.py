@@ -224,6 +224,56 @@ def test_bitwise_deterministic():
         assert torch.equal(t, b[key]), key
 
 
+@pytest.mark.parametrize("slice_b", ["1", "3"])
+def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, monkeypatch):
+    """The backward run in batch slices (KERNEL_FUN_KDA_BWD_SLICE forces the slice; the scan width
+    is pinned so both runs pick the same) gives exactly the gradients of one pass, dA_log, ddt_bias
+    and dh0 (summed / written across slices) included."""
+    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", "64")
+    inputs, kw = make_case(B=4, T=300, H=2, HV=4, V=128, h0=True)
+    do, dht = _do_dht(inputs, kw)
+    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", "4")
+    whole = _grads_ours(inputs, kw, do, dht)
+    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", slice_b)
+    sliced = _grads_ours(inputs, kw, do, dht)
+    for key, t in whole.items():
+        assert torch.equal(t, sliced[key]), key
+
+
+def _bwd_workspace_bytes(B, T, HV, K, V, slice_b):
+    """kda::workspace() of a fixed-length backward with saved factors and an in-kernel gate, with
+    slice_b batches per slice: w, qg, kg, exp2(G), h_ckpt, dh_ckpt per slice; pbias, pA whole."""
+    nts = -(-T // 64)
+    rows, c = slice_b * T, slice_b * nts
+    return (3 * rows * HV * K * 2 + c * HV * K * 4 + 2 * c * HV * V * K * 2
+            + B * nts * HV * (K + 1) * 4 + (B + 1) * 4)
+
+
+def test_backward_memory_is_gradients_plus_one_slice_of_workspace():
+    """Peak memory of the backward (from after the forward to the gradients): the gradients plus the
+    workspace of one batch slice, nothing else: no zero-filled gradients of the outputs the loss does
+    not use (the saved factors, 3 x 32 MiB here), no whole-batch checkpoints (B16 T1024 H16 K128
+    V256: 512 scan CTAs, so the launcher runs 4 slices of 4 batches; whole-batch workspace 704 MiB)."""
+    B, T, H, K, V = 16, 1024, 16, 128, 256
+    inputs, kw = make_case(B=B, T=T, H=H, V=V, final=False)
+    leaves = [x.detach().clone().to(torch.bfloat16).requires_grad_(True) for x in inputs]
+    call = {n: x for n, x in kw.items() if x is not None}
+    from kernel_fun.kda import chunk_kda
+    o, _ = chunk_kda(*leaves, **call)
+    do = torch.randn_like(o)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    before = _ext.op_calls()["kda_bwd"]
+    o.backward(do)
+    torch.cuda.synchronize()
+    assert _ext.op_calls()["kda_bwd"] == before + 1
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = sum(x.numel() * x.element_size() for x in leaves)  # same shapes and dtypes as the inputs
+    bound = grads + _bwd_workspace_bytes(B, T, H, K, V, 4) + (16 << 20)  # allocator rounding
+    assert peak <= bound, f"backward peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+
+
 def test_extreme_gates_give_finite_gradients():
     """Per-step gates of -1000 on 90% of the entries and exp(A_log) = 16: finite and within tolerance."""
     for case in (dict(T=300, gate="precomputed", extreme=0.9, h0=True, dtype=torch.float16),

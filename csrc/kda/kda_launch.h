@@ -5,7 +5,8 @@
 //   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
-//             -> kda_bwd_dh_scan -> kda_bwd_grads -> kda_bwd_finish
+//             -> kda_bwd_dh_scan -> kda_bwd_grads -> (GVA) group sums, per batch slice
+//             (bwd/kda_bwd_slice.h); then kda_bwd_gate_params (bwd/kda_bwd_finish.cuh)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,16 +21,24 @@ void kda_chunk_map(const KdaProblem& p, cudaStream_t stream);
 // Forward stages (fwd/).
 void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
-// The V-slice width the scan uses for this problem (64 or 128).
+// The V-slice width the scan uses for this problem (64 or 128), and the scan's modelled cost (waves of
+// CTAs x per-chunk step cost; comparable between problems of one K and V).
 int kda_fwd_scan_bv(const KdaFwdParams& p);
+double kda_fwd_scan_cost(const KdaFwdParams& p);
 
 // Backward stages (bwd/).
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream);
-void kda_bwd_finish(const KdaBwdParams& p, cudaStream_t stream);
 
-// The whole forward / backward, in stage order.
+// Batches per backward slice (bwd/kda_bwd_slice.h) for this problem: B (one pass) for varlen or
+// B = 1, else the smallest slice whose scans model no more total time than one pass over the
+// whole batch. KERNEL_FUN_KDA_BWD_SLICE=n forces n (tests, benchmarking). Decides the size of the
+// backward's workspace (kda::workspace(..., slice_B)).
+int kda_bwd_slice_batches(const KdaProblem& p);
+
+// The whole forward / backward, in stage order. The backward runs its stages once per batch slice
+// of p.slice_B batches (the size its workspace was allocated for), then kda_bwd_gate_params once.
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream);
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream);
 

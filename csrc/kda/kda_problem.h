@@ -102,6 +102,8 @@ struct KdaBwdParams : KdaFwdParams {
   float* dh0 = nullptr;        // layout of h0, or null
 
   void* dh_ckpt = nullptr;     // [max_chunks, HV, V, K] WT: dh_{c+1}, the state gradient chunk c reads
+  int slice_B = 0;             // batches per backward slice (kda_bwd_slice.h; 0 or >= B: one pass),
+                               // the size the per-slice workspace buffers were allocated for
   float* dqhat = nullptr;      // [B*T, HV, K] fp32: d(normalised q) per value head (GVA), or null
   float* dkhat = nullptr;      // [B*T, HV, K] fp32
   float* pbias = nullptr;      // [max_chunks, HV, K] per-chunk sums of d(g + dt_bias), or null
@@ -128,10 +130,15 @@ struct WorkBuffer {
 
 // The forward (backward == false) or the whole backward's workspace. Buffers not needed for this
 // problem (GVA sums when HV == H, gate partials without an in-kernel gate, the factors the forward
-// saved: saved_factors) are absent.
-inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false) {
-  const int64_t rows = static_cast<int64_t>(p.B) * p.T;
-  const int64_t HV = p.HV, K = p.K, V = p.V, C = p.max_chunks;
+// saved: saved_factors) are absent. slice_B > 0 (fixed-length backward, bwd/kda_bwd_slice.h): the
+// per-token and per-chunk buffers hold slice_B batches, reused slice after slice; the gate
+// partials pbias / pA stay full-size (summed once after the last slice).
+inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
+                                         int slice_B = 0) {
+  const bool sliced = backward && slice_B > 0 && slice_B < p.B && !p.cu_seqlens;
+  const int64_t rows = static_cast<int64_t>(sliced ? slice_B : p.B) * p.T;
+  const int64_t HV = p.HV, K = p.K, V = p.V, Cfull = p.max_chunks;
+  const int64_t C = sliced ? slice_B * ((int64_t{p.T} + kChunk - 1) / kChunk) : Cfull;
   const DType wt = p.dtype, f32 = DType::kFloat32;
   std::vector<WorkBuffer> b = {
       {WorkBuffer::kW, "w", {rows, HV, K}, wt},
@@ -153,8 +160,8 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kDkhat, "dkhat", {rows, HV, K}, f32});
   }
   if (p.opt.gate_mode != GateMode::kPrecomputed) {
-    b.push_back({WorkBuffer::kPbias, "pbias", {C, HV, K}, f32});
-    b.push_back({WorkBuffer::kPA, "pA", {C, HV}, f32});
+    b.push_back({WorkBuffer::kPbias, "pbias", {Cfull, HV, K}, f32});
+    b.push_back({WorkBuffer::kPA, "pA", {Cfull, HV}, f32});
   }
   return b;
 }

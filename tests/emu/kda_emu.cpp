@@ -15,6 +15,7 @@
 #include "kda/bwd/kda_bwd_finish.cuh"
 #include "kda/bwd/kda_bwd_grads.cuh"
 #include "kda/bwd/kda_bwd_prep.cuh"
+#include "kda/bwd/kda_bwd_slice.h"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
 
@@ -92,6 +93,7 @@ struct KdaEmuArgs {
   int64_t dtype, g_dtype, beta_dtype;
   int64_t bv;  // the scans' V-slice width (64 or 128)
   int64_t saved_factors;  // backward: Aqk / Akk / M are the forward's (kda_bwd_prep instead of the intra)
+  int64_t slice_b;        // backward: batches per slice (bwd/kda_bwd_slice.h); 0 = one pass
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -172,6 +174,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.beta_dtype = static_cast<DType>(a.beta_dtype);
   p.chunk_offsets = a.chunk_offsets;
   p.saved_factors = a.saved_factors != 0;
+  p.slice_B = static_cast<int>(a.slice_b);
   if (p.cu_seqlens) {  // kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64)
     p.chunk_offsets[0] = 0;
     for (int n = 0; n < p.N; ++n) {
@@ -222,9 +225,13 @@ void grads(const kda::KdaBwdParams& p) {
 }
 
 template <typename WT>
-void finish(const kda::KdaBwdParams& p) {
+void gate_params(const kda::KdaBwdParams& p) {
   if (p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias))
     kf_emu::launch(dim3(p.HV), dim3(128), 0, kda::kda_bwd_gate_params_kernel, p);
+}
+
+template <typename WT>
+void group_sums(const kda::KdaBwdParams& p) {
   if (p.HV != p.H) {
     const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
     if (items > 0)
@@ -239,17 +246,29 @@ void forward(const kda::KdaBwdParams& p) {
 }
 
 template <typename WT, int K, int BV>
-void backward(const kda::KdaBwdParams& p) {
-  kda::KdaBwdParams r = p;  // the re-scan: states only
-  r.o = nullptr;
-  r.ht = nullptr;
-  r.h_states = nullptr;
+void backward_pass(const kda::KdaBwdParams& r) {
   if (r.saved_factors) prep<WT, K>(r);
   else intra<WT, K>(r);
   scan<WT, K, BV>(r);
   dh_scan<WT, K, BV>(r);
   grads<WT, K>(r);
-  finish<WT>(r);
+  group_sums<WT>(r);
+}
+
+template <typename WT, int K, int BV>
+void backward(const kda::KdaBwdParams& p) {
+  kda::KdaBwdParams r = p;  // the re-scan: states only
+  r.o = nullptr;
+  r.ht = nullptr;
+  r.h_states = nullptr;
+  const int nb = (r.cu_seqlens || r.slice_B <= 0 || r.slice_B >= r.B) ? r.B : r.slice_B;
+  if (nb == r.B) {
+    backward_pass<WT, K, BV>(r);
+  } else {
+    for (int b0 = 0; b0 < r.B; b0 += nb)
+      backward_pass<WT, K, BV>(kda::kda_bwd_batch_slice(r, b0, nb < r.B - b0 ? nb : r.B - b0));
+  }
+  gate_params<WT>(r);
 }
 
 template <typename WT, int K>

@@ -1,10 +1,12 @@
 // KDA backward: dispatch over (dtype, K, V-slice), the two small finishing kernels, and the
 // backward's stage sequence (kda_launch.h).
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "kda/bwd/kda_bwd_finish.cuh"
 #include "kda/bwd/kda_bwd_launch.h"
+#include "kda/bwd/kda_bwd_slice.h"
 #include "kda/device/primitives.cuh"
 #include "kda/device/sequence.cuh"
 #include "kda/kda_launch.h"
@@ -70,32 +72,66 @@ void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream) {
   }
 }
 
-void kda_bwd_finish(const KdaBwdParams& p, cudaStream_t stream) {
+namespace {
+
+void gate_params(const KdaBwdParams& p, cudaStream_t stream) {
   if (p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias)) {
     kda_bwd_gate_params_kernel<<<p.HV, 128, 0, stream>>>(p);
     KF_CHECK_LAUNCH();
   }
-  if (p.HV != p.H) {
-    const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
-    if (items == 0) return;
-    const int64_t blocks = (items + 7) / 8;
-    if (p.dtype == DType::kBFloat16) kda_bwd_group_sum_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-    else kda_bwd_group_sum_kernel<__half><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-    KF_CHECK_LAUNCH();
-  }
 }
 
-void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
-  // Rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with M) and the state
-  // before every chunk, then the reverse scan, the per-chunk gradients and the reductions.
-  // p.o / p.ht / p.h_states are null here.
-  kda_chunk_map(p, stream);
+void group_sums(const KdaBwdParams& p, cudaStream_t stream) {
+  if (p.HV == p.H) return;
+  const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
+  if (items == 0) return;
+  const int64_t blocks = (items + 7) / 8;
+  if (p.dtype == DType::kBFloat16) kda_bwd_group_sum_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+  else kda_bwd_group_sum_kernel<__half><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+  KF_CHECK_LAUNCH();
+}
+
+// Rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with M) and the state
+// before every chunk, then the reverse scan, the per-chunk gradients and (GVA) the group sums.
+void backward_pass(const KdaBwdParams& p, cudaStream_t stream) {
   if (p.saved_factors) kda_bwd_prep(p, stream);
   else kda_fwd_intra(p, stream);
   kda_fwd_scan(p, stream);
   kda_bwd_dh_scan(p, stream);
   kda_bwd_grads(p, stream);
-  kda_bwd_finish(p, stream);
+  group_sums(p, stream);
+}
+
+}  // namespace
+
+int kda_bwd_slice_batches(const KdaProblem& p) {
+  if (p.cu_seqlens || p.B <= 1) return p.B;
+  if (const char* env = std::getenv("KERNEL_FUN_KDA_BWD_SLICE")) {  // tests / benchmarking
+    const int forced = std::atoi(env);
+    if (forced >= 1) return forced < p.B ? forced : p.B;
+  }
+  KdaFwdParams f;
+  static_cast<KdaProblem&>(f) = p;
+  const double whole = kda_fwd_scan_cost(f);
+  for (int nb = 1; nb < p.B; ++nb) {
+    const int slices = (p.B + nb - 1) / nb;
+    f.B = f.N = nb;
+    // the last slice may be smaller: its scan costs at most a full slice's
+    if (slices * kda_fwd_scan_cost(f) <= whole) return nb;
+  }
+  return p.B;
+}
+
+void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
+  // p.o / p.ht / p.h_states are null here.
+  kda_chunk_map(p, stream);
+  const int nb = (p.cu_seqlens || p.slice_B <= 0 || p.slice_B >= p.B) ? p.B : p.slice_B;
+  if (nb == p.B) {
+    backward_pass(p, stream);
+  } else {
+    for (int b0 = 0; b0 < p.B; b0 += nb) backward_pass(kda_bwd_batch_slice(p, b0, nb < p.B - b0 ? nb : p.B - b0), stream);
+  }
+  gate_params(p, stream);
 }
 
 }  // namespace kernel_fun::kda
