@@ -152,3 +152,28 @@ def test_fla_kda_layer_runs_our_kernels_through_the_patch():
     assert ran["kda_fwd"] == 1 and ran["kda_bwd"] == 1 and ran["cconv_fwd"] == 3 and ran["cconv_bwd"] == 3, ran
     assert rel_rms(ref.float(), out.float()) <= KDA_TOL["o"]
     assert rel_rms(ref_dx.float(), dx.float()) <= 1e-2
+
+
+def test_fla_06_arguments_keep_every_benchmark_case_on_our_kernels():
+    """A fla 0.6.0 caller passes use_graph / max_num_seqs (with use_graph, cu_seqlens padded to
+    max_num_seqs + 1 entries): is_supported says yes for every KDA case of the benchmark, in the
+    training form (inputs requiring grad), with and without use_graph."""
+    from kernel_fun.bench.cases import select
+    from kernel_fun.bench.run import make_inputs
+    from kernel_fun.kda import is_supported
+    for case in select("kda"):
+        inp = make_inputs(case, torch, "cuda", seed=0)
+        for t in inp["leaves"]:
+            t.requires_grad_(True)
+        kw = dict(inp["kwargs"])
+        cu = kw.get("cu_seqlens")
+        variants = [{}, dict(use_graph=False, max_num_seqs=None)]  # a 0.5.2 call, 0.6.0's defaults spelled out
+        if cu is not None:
+            n = cu.numel() - 1
+            padded = torch.cat([cu, cu[-1:].expand(3)])  # 3 empty tail sequences: max_num_seqs = n + 3
+            variants.append(dict(use_graph=True, max_num_seqs=n + 3, cu_seqlens=padded, cu_seqlens_cpu=None))
+        for extra in variants:
+            ok, why = is_supported(*inp["sup_args"], **inp["sup_kwargs"], **{**kw, **extra})
+            assert ok, f"{case.name} {extra}: {why}"
+        del inp
+        torch.cuda.empty_cache()

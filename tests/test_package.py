@@ -36,6 +36,15 @@ def test_every_out_param_op_has_a_schema_and_a_fake():
         assert any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments), \
             f"{name} must mark its outputs Tensor(a!)"
         assert torch._library.simple_registry.singleton.find(f"kernel_fun::{name}").fake_impl.kernel is not None
+    # and the other way: every registered op that writes caller-allocated outputs is listed
+    for full in torch._C._dispatch_get_all_op_names():
+        ns, _, name = full.partition("::")
+        if ns != "kernel_fun" or name.startswith("_"):
+            continue
+        schema = getattr(torch.ops.kernel_fun, name.split(".")[0]).default._schema
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if writes and not schema.returns:
+            assert name in _fakes.OUT_PARAM_OPS, f"kernel_fun::{name} writes outputs but has no fake (_fakes.OUT_PARAM_OPS)"
 
 
 def test_build_info_reports_cuda_and_cutlass():

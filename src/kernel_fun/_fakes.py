@@ -3,8 +3,8 @@
 Every op that launches a kernel writes into caller-allocated outputs (``Tensor(a!)`` in its
 schema) and returns nothing, so its fake is a no-op: output shapes are decided in Python before
 the call. Imported by ``_ext`` once the library has loaded (the schemas must exist first).
-Add each new kernel op to ``OUT_PARAM_OPS``; tests/test_ops_registry.py checks the list against
-the library.
+Add each new kernel op to ``OUT_PARAM_OPS``; tests/test_package.py checks the list against the
+library both ways.
 """
 
 from __future__ import annotations
