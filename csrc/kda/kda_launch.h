@@ -21,20 +21,18 @@ void kda_chunk_map(const KdaProblem& p, cudaStream_t stream);
 // Forward stages (fwd/).
 void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
-// The V-slice width the scan uses for this problem (64 or 128), and the scan's modelled cost (waves of
-// CTAs x per-chunk step cost; comparable between problems of one K and V).
+// The V-slice width the scan uses for this problem (64 or 128): kda_policy.h's scan_choice, or
+// KERNEL_FUN_KDA_SCAN_BV.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
-double kda_fwd_scan_cost(const KdaFwdParams& p);
 
 // Backward stages (bwd/).
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream);
 
-// Batches per backward slice (bwd/kda_bwd_slice.h) for this problem: B (one pass) for varlen or
-// B = 1, else the smallest slice whose scans model no more total time than one pass over the
-// whole batch. KERNEL_FUN_KDA_BWD_SLICE=n forces n (tests, benchmarking). Decides the size of the
-// backward's workspace (kda::workspace(..., slice_B)).
+// Batches per backward slice (bwd/kda_bwd_slice.h): kda_policy.h's bwd_slice_batches, or
+// KERNEL_FUN_KDA_BWD_SLICE=n (tests, benchmarking; fixed-length batches only). Decides the size of
+// the backward's workspace (kda::workspace(..., slice_B)).
 int kda_bwd_slice_batches(const KdaProblem& p);
 
 // The whole forward / backward, in stage order. The backward runs its stages once per batch slice

@@ -128,6 +128,11 @@ struct WorkBuffer {
   bool is_int = false;  // chunk_offsets (int32)
 };
 
+// Whether a backward of p runs in slices of slice_B batches (bwd/kda_bwd_slice.h): fixed length only.
+inline bool sliced_backward(const KdaProblem& p, int slice_B) {
+  return !p.cu_seqlens && slice_B > 0 && slice_B < p.B;
+}
+
 // The forward (backward == false) or the whole backward's workspace. Buffers not needed for this
 // problem (GVA sums when HV == H, gate partials without an in-kernel gate, the factors the forward
 // saved: saved_factors) are absent. slice_B > 0 (fixed-length backward, bwd/kda_bwd_slice.h): the
@@ -135,7 +140,7 @@ struct WorkBuffer {
 // partials pbias / pA stay full-size (summed once after the last slice).
 inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
                                          int slice_B = 0) {
-  const bool sliced = backward && slice_B > 0 && slice_B < p.B && !p.cu_seqlens;
+  const bool sliced = backward && sliced_backward(p, slice_B);
   const int64_t rows = static_cast<int64_t>(sliced ? slice_B : p.B) * p.T;
   const int64_t HV = p.HV, K = p.K, V = p.V, Cfull = p.max_chunks;
   const int64_t C = sliced ? slice_B * ((int64_t{p.T} + kChunk - 1) / kChunk) : Cfull;

@@ -2,7 +2,7 @@
 // (kf_emu.h) and exposed as two C functions for ctypes (tests/emu/kda_emu.py): the forward and the
 // backward stage sequences of kda_forward / kda_backward (csrc/kda/{fwd,bwd}/*.cu), with the same
 // grids, block and shared-memory sizes as the real launchers. The varlen chunk map (a cub kernel on
-// the GPU) is computed here on the host; the scans' V-slice width is the caller's (`bv`).
+// the GPU) is computed here on the host; the scans' V-slice width is the caller's (`bv`) or, with 0, kda_policy.h's choice.
 #include "kf_emu.h"  // first: the CUDA surface the kernels compile against
 
 #include <cstdio>
@@ -16,6 +16,7 @@
 #include "kda/bwd/kda_bwd_grads.cuh"
 #include "kda/bwd/kda_bwd_prep.cuh"
 #include "kda/bwd/kda_bwd_slice.h"
+#include "kda/kda_policy.h"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
 
@@ -91,7 +92,7 @@ struct KdaEmuArgs {
   int64_t cu_int64;
   int64_t B, T, H, HV, K, V, N, max_chunks;
   int64_t dtype, g_dtype, beta_dtype;
-  int64_t bv;  // the scans' V-slice width (64 or 128)
+  int64_t bv;  // the scans' V-slice width (64 or 128), or 0: the launcher's choice (kda_policy.h)
   int64_t saved_factors;  // backward: Aqk / Akk / M are the forward's (kda_bwd_prep instead of the intra)
   int64_t slice_b;        // backward: batches per slice (bwd/kda_bwd_slice.h); 0 = one pass
 };
@@ -261,13 +262,7 @@ void backward(const kda::KdaBwdParams& p) {
   r.o = nullptr;
   r.ht = nullptr;
   r.h_states = nullptr;
-  const int nb = (r.cu_seqlens || r.slice_B <= 0 || r.slice_B >= r.B) ? r.B : r.slice_B;
-  if (nb == r.B) {
-    backward_pass<WT, K, BV>(r);
-  } else {
-    for (int b0 = 0; b0 < r.B; b0 += nb)
-      backward_pass<WT, K, BV>(kda::kda_bwd_batch_slice(r, b0, nb < r.B - b0 ? nb : r.B - b0));
-  }
+  kda::for_each_batch_slice(r, [](const kda::KdaBwdParams& s) { backward_pass<WT, K, BV>(s); });
   gate_params<WT>(r);
 }
 
@@ -279,7 +274,7 @@ void run(const kda::KdaBwdParams& p, int bv, bool bwd) {
 
 void run_any(const KdaEmuArgs& a, bool bwd) {
   const kda::KdaBwdParams p = make_params(a);
-  const int bv = static_cast<int>(a.bv);
+  const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
   if (bv != 64 && bv != 128) throw std::invalid_argument("kda_emu: bv must be 64 or 128");
   if (p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
   const bool bf = p.dtype == DType::kBFloat16;

@@ -118,28 +118,6 @@ class _Guarded:
                     raise RuntimeError(f"kf_emu: out-of-bounds write next to {name!r}")
 
 
-def scan_bv(V: int, K: int, HV: int, N: int) -> int:
-    """kda_fwd_scan_bv (kda_fwd.cu): the V-slice width the real launcher picks."""
-    k_sms = 132
-    rows = HV * N
-    kw = K / 128.0
-    best, best_cost = 64, 0.0
-    for bv in (128, 64):
-        if V % bv:
-            continue
-        warps = bv // 16
-        fill_kb = 52.0 * kw + 18.0 + bv / 8.0
-        warp_kb = 48.0 * kw + 12.0
-        per_sm = 2 if 2 * fill_kb <= 110 else 1
-        chunk = max(per_sm * (fill_kb + warps * warp_kb), 190.0 * kw + 60.0)
-        ctas = rows * (V // bv)
-        waves = (ctas + k_sms * per_sm - 1) // (k_sms * per_sm)
-        cost = waves * chunk
-        if best_cost == 0 or cost < best_cost:
-            best, best_cost = bv, cost
-    return best
-
-
 def _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
              lower_bound, A_log, state_v_first):
     from kernel_fun.kda._options import KdaOptions
@@ -234,7 +212,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
             lens = (cu[1:] - cu[:-1]).to(torch.int64)
             lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
         h_states = gz.alloc("h_states", (*lead, HV, *((V, K) if state_v_first else (K, V))), q.dtype)
-    a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or scan_bv(V, K, HV, N)))
+    a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0))
     L = lib()
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
@@ -269,7 +247,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     st = dict(dA=gz.alloc("dbg_dA", (B * T, HV, CHUNK), torch.float32, fill=0.0),
               dL=gz.alloc("dbg_dL", (B * T, HV, CHUNK), torch.float32, fill=0.0))
     a = KdaEmuArgs(**f, dout=_ptr(do_), dht=_ptr(dht_), **{n: _ptr(t) for n, t in grads.items()},
-                   dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or scan_bv(V, K, HV, f["N"])),
+                   dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or 0),
                    slice_b=int(slice_b))
     L = lib()
     if L.kda_emu_backward(ctypes.byref(a)):

@@ -10,6 +10,7 @@
 #include "kda/device/primitives.cuh"
 #include "kda/device/sequence.cuh"
 #include "kda/kda_launch.h"
+#include "kda/kda_policy.h"
 
 namespace kernel_fun::kda {
 
@@ -105,32 +106,16 @@ void backward_pass(const KdaBwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 int kda_bwd_slice_batches(const KdaProblem& p) {
-  if (p.cu_seqlens || p.B <= 1) return p.B;
-  if (const char* env = std::getenv("KERNEL_FUN_KDA_BWD_SLICE")) {  // tests / benchmarking
-    const int forced = std::atoi(env);
-    if (forced >= 1) return forced < p.B ? forced : p.B;
-  }
-  KdaFwdParams f;
-  static_cast<KdaProblem&>(f) = p;
-  const double whole = kda_fwd_scan_cost(f);
-  for (int nb = 1; nb < p.B; ++nb) {
-    const int slices = (p.B + nb - 1) / nb;
-    f.B = f.N = nb;
-    // the last slice may be smaller: its scan costs at most a full slice's
-    if (slices * kda_fwd_scan_cost(f) <= whole) return nb;
-  }
-  return p.B;
+  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_SLICE");  // tests / benchmarking
+  const int forced = env && !p.cu_seqlens ? std::atoi(env) : 0;
+  if (forced >= 1) return forced < p.B ? forced : p.B;
+  return bwd_slice_batches(p);
 }
 
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
   kda_chunk_map(p, stream);
-  const int nb = (p.cu_seqlens || p.slice_B <= 0 || p.slice_B >= p.B) ? p.B : p.slice_B;
-  if (nb == p.B) {
-    backward_pass(p, stream);
-  } else {
-    for (int b0 = 0; b0 < p.B; b0 += nb) backward_pass(kda_bwd_batch_slice(p, b0, nb < p.B - b0 ? nb : p.B - b0), stream);
-  }
+  for_each_batch_slice(p, [stream](const KdaBwdParams& s) { backward_pass(s, stream); });
   gate_params(p, stream);
 }
 

@@ -79,4 +79,16 @@ inline KdaBwdParams kda_bwd_batch_slice(const KdaBwdParams& full, int b0, int nb
   return s;
 }
 
+// Runs pass(params) on each slice of p.slice_B batches in order, or once on p itself (varlen, or
+// p.slice_B unset or >= B). The one place the slice loop is written (the launcher and the emulator).
+template <typename Pass>
+void for_each_batch_slice(const KdaBwdParams& p, Pass&& pass) {
+  if (!sliced_backward(p, p.slice_B)) {
+    pass(p);
+    return;
+  }
+  const int nb = p.slice_B;
+  for (int b0 = 0; b0 < p.B; b0 += nb) pass(kda_bwd_batch_slice(p, b0, nb < p.B - b0 ? nb : p.B - b0));
+}
+
 }  // namespace kernel_fun::kda

@@ -10,6 +10,7 @@
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
 #include "kda/kda_launch.h"
+#include "kda/kda_policy.h"
 
 namespace kernel_fun::kda {
 
@@ -68,53 +69,12 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
   }
 }
 
-// Every warp does the whole chunk for its 16 value columns, so a CTA's per-chunk time is set by
-// what its warps share: shared-memory bandwidth (128 B/clk/SM) for the chunk's fill plus every
-// warp's ldmatrix reads of the K-wide tiles (~60 KB per warp per chunk at K=128), with a floor of
-// one warp's own serial chain. Modelled cost = waves x per-chunk time; the smallest wins.
-// BV=32 is not supported: on the H200 it never won (B1 T32768 H32: 1.65 ms at 32 vs 1.53 at 64;
-// B1 T8192 H16: 0.415 vs 0.400; K=V=64: 0.182 vs 0.152).
-namespace {
-
-// The scan's modelled time for each V-slice width (waves of CTAs x the per-chunk cost of one CTA
-// step) and the cheaper width. A serial scan is latency-bound: one CTA per (sequence, head,
-// V-slice) and, at K = 128, one CTA per SM (its double-buffered stage is > 110 KB), so what counts
-// is how many waves of 132 CTAs the grid needs.
-struct ScanChoice {
-  int bv;
-  double cost;
-};
-ScanChoice scan_choice(const KdaFwdParams& p) {
-  constexpr int kSMs = 132;
-  const long rows = static_cast<long>(p.HV) * p.N;
-  const double kw = p.K / 128.0;
-  ScanChoice best{64, 0.0};
-  for (int bv : {128, 64}) {
-    if (p.V % bv != 0) continue;
-    const int warps = bv / 16;
-    const double fill_kb = 52.0 * kw + 18.0 + bv / 8.0;  // w, qg, kg + Aqk, Akk + v, padded
-    const double warp_kb = 48.0 * kw + 12.0;             // ldmatrix bytes one warp reads
-    const double smem_kb = 2 * fill_kb;                  // double-buffered stage
-    const int per_sm = smem_kb <= 110 ? 2 : 1;
-    const double chunk = std::max(per_sm * (fill_kb + warps * warp_kb), 190.0 * kw + 60.0);
-    const long ctas = rows * (p.V / bv);
-    const long waves = (ctas + static_cast<long>(kSMs) * per_sm - 1) / (static_cast<long>(kSMs) * per_sm);
-    const double cost = waves * chunk;
-    if (best.cost == 0 || cost < best.cost) best = {bv, cost};
-  }
-  return best;
-}
-
-}  // namespace
-
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
   const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV");  // benchmarking override: 64 or 128
   const int forced = env ? std::atoi(env) : 0;
   if ((forced == 64 || forced == 128) && p.V % forced == 0) return forced;
   return scan_choice(p).bv;
 }
-
-double kda_fwd_scan_cost(const KdaFwdParams& p) { return scan_choice(p).cost; }
 
 template <typename WT, int K>
 static void scan_bv(const KdaFwdParams& p, cudaStream_t s) {
