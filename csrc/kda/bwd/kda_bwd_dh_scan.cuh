@@ -32,26 +32,15 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
   KF_DYN_SMEM(float4, smem_f4);
   WT* sm = reinterpret_cast<WT*>(smem_f4);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int lrow = lane & 7, lmat = lane >> 3;
-  const int vs = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
-  const int HV = p.HV, V = p.V;
-  const int v0 = vs * BV;
-  const int vw = 16 * warp;  // this warp's value columns within the slice
-  const dev::SeqInfo seq = dev::seq_info(p, n);
-  const int nchunks = (seq.len + kChunk - 1) / kChunk;
+  const dev::ScanPlace<K, BV> pl(p);
+  const int g = pl.g, t = pl.t, lrow = pl.lrow, lmat = pl.lmat, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
+  const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
+  const dev::SeqInfo& seq = pl.seq;
 
-  // dhT[j][e]: value column col0 + 8 (e >> 1), state row k = 8 j + 2 t + (e & 1)
-  float dhT[NK][4];
-  const int col0 = v0 + vw + g;
-  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
-  dev::load_state<K>(dhT, p.dht, sbase, p, col0, t);
+  float dhT[NK][4];  // the state gradient, in ScanPlace's fragment layout
+  dev::load_state<K>(dhT, p.dht, pl.sbase, p, col0, t);
 
-  const dev::ScanSources<WT> src{reinterpret_cast<const WT*>(p.w),   reinterpret_cast<const WT*>(p.qg),
-                                 reinterpret_cast<const WT*>(p.kg),  reinterpret_cast<const WT*>(p.Aqk),
-                                 reinterpret_cast<const WT*>(p.Akk), reinterpret_cast<const WT*>(p.dout),
-                                 p.gdecay};
+  const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
   auto load_chunk = [&](int cc, int st) {
     dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, true);
   };
@@ -71,14 +60,9 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
     if (c > 0) load_chunk(c - 1, st ^ 1);
     dev::cp_async_commit();
 
-    const WT* base = sm + st * S::kStageElems;
-    const WT* sW = base + S::kW;
-    const WT* sQg = base + S::kQg;
-    const WT* sKg = base + S::kKg;
-    const WT* sAqk = base + S::kAqk;
-    const WT* sAkk = base + S::kAkk;
-    const WT* sDo = base + S::kVal;
-    const float* sDec = reinterpret_cast<const float*>(base + S::kDec);
+    const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
+    const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
+    const float* sDec = op.dec;
 
     // ---------------- 0: the checkpoint dh_{c+1} for chunk c, [chunk][hv][v][k] (k pairs adjacent)
     dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
@@ -166,7 +150,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
   }
   dev::cp_async_wait<0>();
 
-  if (p.dh0) dev::store_state<WT, K>(p.dh0, sbase, dhT, p, col0, t);
+  if (p.dh0) dev::store_state<WT, K>(p.dh0, pl.sbase, dhT, p, col0, t);
 }
 
 #ifndef KF_EMU

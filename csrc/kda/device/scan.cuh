@@ -54,6 +54,43 @@ struct ScanSources {
   const float* gdecay;
 };
 
+// What both scans read from params: the workspace and the value tile (v, or do for the dh scan).
+template <typename WT>
+__device__ __forceinline__ ScanSources<WT> scan_sources(const KdaFwdParams& p, const void* val) {
+  return {reinterpret_cast<const WT*>(p.w),   reinterpret_cast<const WT*>(p.qg),  reinterpret_cast<const WT*>(p.kg),
+          reinterpret_cast<const WT*>(p.Aqk), reinterpret_cast<const WT*>(p.Akk), reinterpret_cast<const WT*>(val),
+          p.gdecay};
+}
+
+// Where a scan thread works: its CTA's (V-slice blockIdx.x, value head blockIdx.y, sequence
+// blockIdx.z), its warp's 16 value columns (vw within the slice) and its fragment coordinates. A
+// state fragment sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
+template <int K, int BV>
+struct ScanPlace {
+  int lane, warp, g, t, lrow, lmat;
+  int hv, v0, vw, col0;
+  SeqInfo seq;
+  int nchunks;
+  int64_t sbase;  // the sequence's [K, V] state in h0 / ht / dht / dh0
+  __device__ __forceinline__ explicit ScanPlace(const KdaProblem& p)
+      : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3), lrow(lane & 7), lmat(lane >> 3),
+        hv(blockIdx.y), v0(blockIdx.x * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, blockIdx.z)),
+        nchunks((seq.len + kChunk - 1) / kChunk),
+        sbase((static_cast<int64_t>(blockIdx.z) * p.HV + blockIdx.y) * K * p.V) {}
+};
+
+// The operands of one landed stage (base = the stage's first element).
+template <typename WT, int K, int BV>
+struct ScanOperands {
+  const WT *w, *qg, *kg, *Aqk, *Akk, *val;
+  const float* dec;  // exp2(G) [K]
+  __device__ __forceinline__ explicit ScanOperands(const WT* base)
+      : w(base + ScanStage<WT, K, BV>::kW), qg(base + ScanStage<WT, K, BV>::kQg), kg(base + ScanStage<WT, K, BV>::kKg),
+        Aqk(base + ScanStage<WT, K, BV>::kAqk), Akk(base + ScanStage<WT, K, BV>::kAkk),
+        val(base + ScanStage<WT, K, BV>::kVal),
+        dec(reinterpret_cast<const float*>(base + ScanStage<WT, K, BV>::kDec)) {}
+};
+
 // Async load of chunk cc of sequence seq into the stage at base (rows past the sequence end are
 // zero-filled). with_q = false skips qg and Aqk (the backward's re-scan computes no output).
 template <typename WT, int K, int BV, int NT>

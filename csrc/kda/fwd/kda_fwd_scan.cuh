@@ -39,27 +39,16 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   KF_DYN_SMEM(float4, smem_f4);
   WT* sm = reinterpret_cast<WT*>(smem_f4);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int lrow = lane & 7, lmat = lane >> 3;
-  const int vs = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
-  const int HV = p.HV, V = p.V;
-  const int v0 = vs * BV;
-  const int vw = 16 * warp;  // this warp's value columns within the slice
-  const dev::SeqInfo seq = dev::seq_info(p, n);
-  const int nchunks = (seq.len + kChunk - 1) / kChunk;
+  const dev::ScanPlace<K, BV> pl(p);
+  const int g = pl.g, t = pl.t, lrow = pl.lrow, lmat = pl.lmat, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
+  const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
+  const dev::SeqInfo& seq = pl.seq;
 
-  // hT[j][e]: value column col0 + 8 (e >> 1), state row k = 8 j + 2 t + (e & 1)
-  float hT[NK][4];
-  const int col0 = v0 + vw + g;
-  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
-  dev::load_state<K>(hT, p.h0, sbase, p, col0, t);
+  float hT[NK][4];  // the state, in ScanPlace's fragment layout
+  dev::load_state<K>(hT, p.h0, pl.sbase, p, col0, t);
 
   const bool with_o = p.o != nullptr;  // uniform: the backward's re-scan wants only the states
-  const dev::ScanSources<WT> src{reinterpret_cast<const WT*>(p.w),   reinterpret_cast<const WT*>(p.qg),
-                                 reinterpret_cast<const WT*>(p.kg),  reinterpret_cast<const WT*>(p.Aqk),
-                                 reinterpret_cast<const WT*>(p.Akk), reinterpret_cast<const WT*>(p.v),
-                                 p.gdecay};
+  const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
   auto load_chunk = [&](int cc, int st) {
     dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o);
   };
@@ -78,14 +67,9 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
     if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
     dev::cp_async_commit();
 
-    const WT* base = sm + st * S::kStageElems;
-    const WT* sW = base + S::kW;
-    const WT* sQg = base + S::kQg;
-    const WT* sKg = base + S::kKg;
-    const WT* sAqk = base + S::kAqk;
-    const WT* sAkk = base + S::kAkk;
-    const WT* sV = base + S::kVal;
-    const float* sDec = reinterpret_cast<const float*>(base + S::kDec);
+    const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
+    const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
+    const float* sDec = op.dec;
 
     if (p.h_ckpt)  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k], k pairs
       dev::store_state_ckpt<WT, K>(
@@ -177,7 +161,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   }
   dev::cp_async_wait<0>();
 
-  if (p.ht) dev::store_state<WT, K>(p.ht, sbase, hT, p, col0, t);
+  if (p.ht) dev::store_state<WT, K>(p.ht, pl.sbase, hT, p, col0, t);
 }
 
 #ifndef KF_EMU
