@@ -61,14 +61,8 @@ struct GradsSmem {
   static constexpr int oQ = 0;
   static constexpr int oK = oQ + kChunk * KQ * 2;
   static constexpr int oG = oK + kChunk * KQ * 2;
-  static constexpr int oBT = oG + kChunk * KP * 4;
-  static constexpr int oBO = oBT + 4 * K * 4;
-  static constexpr int oBS = oBO + 4 * K * 4;
-  static constexpr int oGt = oBS + 4 * K * 4;
-  static constexpr int oBeta = oGt + K * 4;
-  static constexpr int oRq = oBeta + kChunk * 4;
-  static constexpr int oRk = oRq + kChunk * 4;
-  static constexpr int oDec = oRk + kChunk * 4;       // [NPART][K] partial sums of h * dh
+  static constexpr int oGate = oG + kChunk * KP * 4;  // dev::GateScratch
+  static constexpr int oDec = oGate + dev::GateScratch<K>::kBytes;  // [NPART][K] partial sums of h * dh
   static constexpr int oDGp = oDec + NPART * K * 4;   // [4][K] per row block sums of kg * dkg, then partials
   static constexpr int oRowA = oDGp + 8 * K * 4;      // [4][64] per column quarter row sums
   static constexpr int oDot = oRowA + 4 * kChunk * 4;  // [2][64] l2norm row dots
@@ -107,7 +101,7 @@ struct GradsSmem {
   static constexpr int eDL = eA1 + kChunk * AF * 4;
   static constexpr int eEnd = eDL + kChunk * AF * 4;
   static constexpr size_t kBytes = (vEnd > eEnd ? vEnd : eEnd);
-  static_assert(oK % 16 == 0 && oG % 16 == 0 && oBT % 16 == 0 && oU % 16 == 0 && vStage % 16 == 0 &&
+  static_assert(oK % 16 == 0 && oG % 16 == 0 && oGate % 16 == 0 && oU % 16 == 0 && vStage % 16 == 0 &&
                     kStageBytes % 16 == 0 && eA1 % 16 == 0 && eDM % 16 == 0 && eZ % 16 == 0 && iXk % 16 == 0,
                 "16-byte aligned buffers");
   static_assert(eDAkk >= vAkk + kChunk * AP * 2, "the E phase keeps Akk in place");
@@ -178,12 +172,14 @@ struct GradsCtx {
   __device__ __forceinline__ WT* sQ() const { return at<WT>(S::oQ); }
   __device__ __forceinline__ WT* sK() const { return at<WT>(S::oK); }
   __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
-  __device__ __forceinline__ float* sBT() const { return at<float>(S::oBT); }
-  __device__ __forceinline__ float* sBO() const { return at<float>(S::oBO); }
-  __device__ __forceinline__ float* sBS() const { return at<float>(S::oBS); }
-  __device__ __forceinline__ float* sBeta() const { return at<float>(S::oBeta); }
-  __device__ __forceinline__ float* sRq() const { return at<float>(S::oRq); }
-  __device__ __forceinline__ float* sRk() const { return at<float>(S::oRk); }
+  __device__ __forceinline__ dev::GateScratch<K> gate() const { return dev::GateScratch<K>(sm + S::oGate); }
+  __device__ __forceinline__ float* sBT() const { return gate().BT; }
+  __device__ __forceinline__ float* sBO() const { return gate().BO; }
+  __device__ __forceinline__ float* sBS() const { return gate().BS; }
+  __device__ __forceinline__ float* sGt() const { return gate().Gt; }
+  __device__ __forceinline__ float* sBeta() const { return gate().beta; }
+  __device__ __forceinline__ float* sRq() const { return gate().rq; }
+  __device__ __forceinline__ float* sRk() const { return gate().rk; }
   __device__ __forceinline__ float* sA1() const { return at<float>(S::eA1); }
   __device__ __forceinline__ float* sDL() const { return at<float>(S::eDL); }
   __device__ __forceinline__ float qhat(int r, int d) const { return E::to_float(sQ()[r * KQ + d]) * sRq()[r]; }
@@ -837,7 +833,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   float* Xq = c.template at<float>(S::iXq);
   float* Xk = c.template at<float>(S::iXk);
   float* Xg = c.template at<float>(S::iXg);
-  float* sGt = c.template at<float>(S::oGt);
+  float* sGt = c.sGt();
   float* sDec = c.template at<float>(S::oDec);
   float* sDGp = c.template at<float>(S::oDGp);
   float* sCarry = c.template at<float>(S::iCarry);
@@ -1040,7 +1036,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   dev::gate_cumsum_beta<K, NTH, S::KP>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta());
   dev::cp_async_wait<0>();
   __syncthreads();
-  dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.template at<float>(S::oGt));
+  dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.sGt());
   dev::row_rstd<WT, K, NTH, S::KQ>(c.sQ(), c.sK(), p.opt.l2norm, c.sRq(), c.sRk());
   KF_GRADS_PHASE(1);
 

@@ -30,15 +30,9 @@ struct PrepSmem {
   static constexpr int oK = oQ + kChunk * KQ * 2;
   static constexpr int oKexp = oK + kChunk * KQ * 2;
   static constexpr int oAkk = oKexp + kChunk * KQ * 2;
-  static constexpr int oBT = oAkk + kChunk * AP * 2;
-  static constexpr int oBO = oBT + 4 * K * 4;
-  static constexpr int oBS = oBO + 4 * K * 4;
-  static constexpr int oGt = oBS + 4 * K * 4;
-  static constexpr int oBeta = oGt + K * 4;
-  static constexpr int oRq = oBeta + kChunk * 4;
-  static constexpr int oRk = oRq + kChunk * 4;
-  static constexpr size_t kBytes = oRk + kChunk * 4;
-  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oKexp % 16 == 0 && oAkk % 16 == 0 && oBT % 16 == 0,
+  static constexpr int oGate = oAkk + kChunk * AP * 2;  // dev::GateScratch
+  static constexpr size_t kBytes = oGate + dev::GateScratch<K>::kBytes;
+  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oKexp % 16 == 0 && oAkk % 16 == 0 && oGate % 16 == 0,
                 "16-byte aligned buffers");
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
@@ -55,13 +49,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
   WT* sK = reinterpret_cast<WT*>(sm + S::oK);
   WT* sKexp = reinterpret_cast<WT*>(sm + S::oKexp);
   WT* sAkk = reinterpret_cast<WT*>(sm + S::oAkk);
-  float* sBT = reinterpret_cast<float*>(sm + S::oBT);
-  float* sBO = reinterpret_cast<float*>(sm + S::oBO);
-  float* sBS = reinterpret_cast<float*>(sm + S::oBS);
-  float* sGt = reinterpret_cast<float*>(sm + S::oGt);
-  float* sBeta = reinterpret_cast<float*>(sm + S::oBeta);
-  float* sRq = reinterpret_cast<float*>(sm + S::oRq);
-  float* sRk = reinterpret_cast<float*>(sm + S::oRk);
+  const dev::GateScratch<K> gs(sm + S::oGate);
+  float *sBT = gs.BT, *sBO = gs.BO, *sBS = gs.BS, *sGt = gs.Gt, *sBeta = gs.beta, *sRq = gs.rq, *sRk = gs.rk;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hv = blockIdx.y, HV = p.HV;

@@ -196,6 +196,29 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
 
 // From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
 // sGt = G (the chunk total). Sums of terms <= 0: no cancellation. Threads < K.
+// The gate's per-chunk scratch in shared memory, one block that every kernel recomputing the gate
+// keeps (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads): the block totals T_b and the sums of the
+// totals before (O_b) and after (S_b) each block ([4][K] fp32 each, block_offsets), g2 at the last
+// valid row ([K]), beta and the l2norm row factors of q and k ([64] fp32 each). The block must start
+// 16-byte aligned; every piece then is.
+template <int K>
+struct GateScratch {
+  static constexpr int kBT = 0;
+  static constexpr int kBO = kBT + 4 * K * 4;
+  static constexpr int kBS = kBO + 4 * K * 4;
+  static constexpr int kGt = kBS + 4 * K * 4;
+  static constexpr int kBeta = kGt + K * 4;
+  static constexpr int kRq = kBeta + kChunk * 4;
+  static constexpr int kRk = kRq + kChunk * 4;
+  static constexpr int kBytes = kRk + kChunk * 4;
+  float *BT, *BO, *BS, *Gt, *beta, *rq, *rk;
+  __device__ __forceinline__ explicit GateScratch(char* base)
+      : BT(reinterpret_cast<float*>(base + kBT)), BO(reinterpret_cast<float*>(base + kBO)),
+        BS(reinterpret_cast<float*>(base + kBS)), Gt(reinterpret_cast<float*>(base + kGt)),
+        beta(reinterpret_cast<float*>(base + kBeta)), rq(reinterpret_cast<float*>(base + kRq)),
+        rk(reinterpret_cast<float*>(base + kRk)) {}
+};
+
 template <int K>
 __device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, float* sBS, float* sGt) {
   const int tid = threadIdx.x;

@@ -76,17 +76,10 @@ struct IntraSmem {
   static constexpr int oK = oQ + kQBytes;
   static constexpr int oA = oK + kKBytes;
   static constexpr int oL = oA + kABytes;
-  static constexpr int oBeta = oL + kABytes;
-  static constexpr int oRq = oBeta + kChunk * 4;
-  static constexpr int oRk = oRq + kChunk * 4;
-  static constexpr int oGt = oRk + kChunk * 4;
-  static constexpr int oBT = oGt + K * 4;     // [4][K] block totals
-  static constexpr int oBO = oBT + 4 * K * 4;  // [4][K] sum of the totals of the blocks before
-  static constexpr int oBS = oBO + 4 * K * 4;  // [4][K] sum of the totals of the blocks after
-  static constexpr int oWork = oBS + 4 * K * 4;  // int: next unit of the shared qg/kg work queue
+  static constexpr int oGate = oL + kABytes;  // dev::GateScratch
+  static constexpr int oWork = oGate + dev::GateScratch<K>::kBytes;  // int: next unit of the shared qg/kg work queue
   static constexpr size_t kBytes = oWork + 16;
-  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0 && oBT % 16 == 0 &&
-                    oBO % 16 == 0 && oBS % 16 == 0,
+  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0 && oGate % 16 == 0,
                 "16-byte aligned buffers");
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
@@ -122,13 +115,8 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   WT* sK = reinterpret_cast<WT*>(sm + S::oK);
   float* sA = reinterpret_cast<float*>(sm + S::oA);
   float* sL = reinterpret_cast<float*>(sm + S::oL);
-  float* sBeta = reinterpret_cast<float*>(sm + S::oBeta);
-  float* sRq = reinterpret_cast<float*>(sm + S::oRq);
-  float* sRk = reinterpret_cast<float*>(sm + S::oRk);
-  float* sGt = reinterpret_cast<float*>(sm + S::oGt);
-  float* sBT = reinterpret_cast<float*>(sm + S::oBT);
-  float* sBO = reinterpret_cast<float*>(sm + S::oBO);
-  float* sBS = reinterpret_cast<float*>(sm + S::oBS);
+  const dev::GateScratch<K> gs(sm + S::oGate);
+  float *sBeta = gs.beta, *sRq = gs.rq, *sRk = gs.rk, *sGt = gs.Gt, *sBT = gs.BT, *sBO = gs.BO, *sBS = gs.BS;
   int* sWork = reinterpret_cast<int*>(sm + S::oWork);
   float* sX = reinterpret_cast<float*>(sm + S::oQ);  // from P3 (q is dead once qg is written)
   float* sY = sA;                                    // P3 merge (Aqk is stored by then)
