@@ -82,8 +82,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
         // B[k][n = token] = kg[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
         uint32_t b[4];
         dev::ldsm_x4(b, sKg + (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8);
-        dev::mma_16816<WT>(dvT[2 * pp], a, b[0], b[1]);
-        dev::mma_16816<WT>(dvT[2 * pp + 1], a, b[2], b[3]);
+        dev::mma_16x16<WT>(dvT[2 * pp], dvT[2 * pp + 1], a, b);
       }
     }
     // doT as A fragments per 16-token block jj (transposed loads of the [token][v] tile), kept for C
@@ -96,8 +95,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
         // B[k = token][n = token'] = Aqk[token][token'] (nonzero for token >= token': pp <= jj)
         uint32_t b[4];
         dev::ldsm_x4_t(b, sAqk + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * pp + (lmat >> 1) * 8);
-        dev::mma_16816<WT>(dvT[2 * pp], adoT[jj], b[0], b[1]);
-        dev::mma_16816<WT>(dvT[2 * pp + 1], adoT[jj], b[2], b[3]);
+        dev::mma_16x16<WT>(dvT[2 * pp], dvT[2 * pp + 1], adoT[jj], b);
       }
     }
     // dv'T as A fragments over the token dimension (rounded to WT), and its negation for C
@@ -121,8 +119,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
         for (int pp = 0; pp <= jj; ++pp) {
           uint32_t b[4];
           dev::ldsm_x4_t(b, sAkk + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * pp + (lmat >> 1) * 8);
-          dev::mma_16816<WT>(acc[2 * pp], va[jj], b[0], b[1]);
-          dev::mma_16816<WT>(acc[2 * pp + 1], va[jj], b[2], b[3]);
+          dev::mma_16x16<WT>(acc[2 * pp], acc[2 * pp + 1], va[jj], b);
         }
       }
       dev::store_token_tile<WT>(dv, acc, seq.bos + static_cast<int64_t>(c) * kChunk,
@@ -141,10 +138,8 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
         uint32_t bq[4], bw[4];
         dev::ldsm_x4_t(bq, sQg + off);
         dev::ldsm_x4_t(bw, sW + off);
-        dev::mma_16816<WT>(dhT[2 * q], adoT[jj], bq[0], bq[1]);
-        dev::mma_16816<WT>(dhT[2 * q + 1], adoT[jj], bq[2], bq[3]);
-        dev::mma_16816<WT>(dhT[2 * q], vn[jj], bw[0], bw[1]);
-        dev::mma_16816<WT>(dhT[2 * q + 1], vn[jj], bw[2], bw[3]);
+        dev::mma_16x16<WT>(dhT[2 * q], dhT[2 * q + 1], adoT[jj], bq);
+        dev::mma_16x16<WT>(dhT[2 * q], dhT[2 * q + 1], vn[jj], bw);
       }
     }
   }

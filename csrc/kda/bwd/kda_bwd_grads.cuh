@@ -172,14 +172,14 @@ struct GradsCtx {
   __device__ __forceinline__ WT* sQ() const { return at<WT>(S::oQ); }
   __device__ __forceinline__ WT* sK() const { return at<WT>(S::oK); }
   __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
-  __device__ __forceinline__ dev::GateScratch<K> gate() const { return dev::GateScratch<K>(sm + S::oGate); }
-  __device__ __forceinline__ float* sBT() const { return gate().BT; }
-  __device__ __forceinline__ float* sBO() const { return gate().BO; }
-  __device__ __forceinline__ float* sBS() const { return gate().BS; }
-  __device__ __forceinline__ float* sGt() const { return gate().Gt; }
-  __device__ __forceinline__ float* sBeta() const { return gate().beta; }
-  __device__ __forceinline__ float* sRq() const { return gate().rq; }
-  __device__ __forceinline__ float* sRk() const { return gate().rk; }
+  using GS = dev::GateScratch<K>;  // its offsets (no pointer struct here: the hot loops index from sm)
+  __device__ __forceinline__ float* sBT() const { return at<float>(S::oGate + GS::kBT); }
+  __device__ __forceinline__ float* sBO() const { return at<float>(S::oGate + GS::kBO); }
+  __device__ __forceinline__ float* sBS() const { return at<float>(S::oGate + GS::kBS); }
+  __device__ __forceinline__ float* sGt() const { return at<float>(S::oGate + GS::kGt); }
+  __device__ __forceinline__ float* sBeta() const { return at<float>(S::oGate + GS::kBeta); }
+  __device__ __forceinline__ float* sRq() const { return at<float>(S::oGate + GS::kRq); }
+  __device__ __forceinline__ float* sRk() const { return at<float>(S::oGate + GS::kRk); }
   __device__ __forceinline__ float* sA1() const { return at<float>(S::eA1); }
   __device__ __forceinline__ float* sDL() const { return at<float>(S::eDL); }
   __device__ __forceinline__ float qhat(int r, int d) const { return E::to_float(sQ()[r * KQ + d]) * sRq()[r]; }
@@ -316,8 +316,7 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         uint32_t a[4], b[4];
         dev::ldsm_x4(a, aK + (16 * rb + (lmat & 1) * 8 + lrow) * KQ + 16 * kk + (lmat >> 1) * 8);
         dev::ldsm_x4(b, bS + (16 * vg + (lmat >> 1) * 8 + lrow) * KQ + 16 * kk + (lmat & 1) * 8);
-        dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
-        dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
       if (!is_dv) {
 #pragma unroll
@@ -334,8 +333,7 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         if (is_dv) dev::ldsm_x4_t(a, sAqk + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
         else dev::ldsm_x4(a, sAkk + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * jj + (lmat >> 1) * 8);
         dev::ldsm_x4_t(b, (is_dv ? bDo : bV) + (16 * jj + (lmat & 1) * 8 + lrow) * VSP + 16 * vg + (lmat >> 1) * 8);
-        dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
-        dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
       WT* out = is_dv ? sDVN : sVN;
       using E = dev::Elem<WT>;
@@ -369,12 +367,9 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         uint32_t bh[4], bd[4];
         dev::ldsm_x4_t(bh, bH + off);
         dev::ldsm_x4_t(bd, bDH + off);
-        dev::mma_16816<WT>(dqg[2 * np], ado, bh[0], bh[1]);
-        dev::mma_16816<WT>(dqg[2 * np + 1], ado, bh[2], bh[3]);
-        dev::mma_16816<WT>(dkg[2 * np], avn, bd[0], bd[1]);
-        dev::mma_16816<WT>(dkg[2 * np + 1], avn, bd[2], bd[3]);
-        dev::mma_16816<WT>(dwc[2 * np], adv, bh[0], bh[1]);
-        dev::mma_16816<WT>(dwc[2 * np + 1], adv, bh[2], bh[3]);
+        dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
+        dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
+        dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
       }
       if (cq <= rb) {  // column block above the diagonal: never needed
         // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
@@ -382,10 +377,8 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         uint32_t bn[4], bv[4];
         dev::ldsm_x4(bn, sVN + off);
         dev::ldsm_x4(bv, bV + off);
-        dev::mma_16816<WT>(dAq[0], ado, bn[0], bn[1]);
-        dev::mma_16816<WT>(dAq[1], ado, bn[2], bn[3]);
-        dev::mma_16816<WT>(dAk[0], adv, bv[0], bv[1]);
-        dev::mma_16816<WT>(dAk[1], adv, bv[2], bv[3]);
+        dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
+        dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
       }
     }
   }
@@ -497,8 +490,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
       dev::ldsm_x4(a, sDW + (16 * rb + (lmat & 1) * 8 + lrow) * KQ + 16 * kk + (lmat >> 1) * 8);
       // B[k][n = token'] = kexp[token'][k]: rows token', non-transposed
       dev::ldsm_x4(b, sKexp + (16 * cq + (lmat >> 1) * 8 + lrow) * KQ + 16 * kk + (lmat & 1) * 8);
-      dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
-      dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+      dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
     // every (row, column) of dAkk is owned by exactly one thread: write back in place
 #pragma unroll
@@ -524,8 +516,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
       // B[k = token'][n = column] = dw[token'][column]: transposed loads
       uint32_t b[4];
       dev::ldsm_x4_t(b, sDW + (16 * jj + (lmat & 1) * 8 + lrow) * KQ + cb + 16 * np + (lmat >> 1) * 8);
-      dev::mma_16816<WT>(dkA[2 * np], a, b[0], b[1]);
-      dev::mma_16816<WT>(dkA[2 * np + 1], a, b[2], b[3]);
+      dev::mma_16x16<WT>(dkA[2 * np], dkA[2 * np + 1], a, b);
     }
   }
 #pragma unroll
@@ -563,8 +554,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
       uint32_t a[4], b[4];
       dev::ldsm_x4(a, sDM + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * kk + (lmat >> 1) * 8);
       dev::ldsm_x4(b, sM + (16 * cq + (lmat >> 1) * 8 + lrow) * AP + 16 * kk + (lmat & 1) * 8);
-      dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
-      dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+      dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -584,8 +574,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
       uint32_t a[4], b[4];
       dev::ldsm_x4_t(a, sM + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
       dev::ldsm_x4_t(b, sZ + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * cq + (lmat >> 1) * 8);
-      dev::mma_16816<WT>(acc[0], a, b[0], b[1]);
-      dev::mma_16816<WT>(acc[1], a, b[2], b[3]);
+      dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {

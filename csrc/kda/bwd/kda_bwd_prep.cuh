@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
         // B[k = token][n = column] = kexp[token][column]: transposed loads
         uint32_t b[4];
         dev::ldsm_x4_t(b, sKexp + (16 * jj + (lmat & 1) * 8 + lrow) * KQ + cb + 16 * np + (lmat >> 1) * 8);
-        dev::mma_16816<WT>(acc[2 * np], a, b[0], b[1]);
-        dev::mma_16816<WT>(acc[2 * np + 1], a, b[2], b[3]);
+        dev::mma_16x16<WT>(acc[2 * np], acc[2 * np + 1], a, b);
       }
     }
     WT* w = reinterpret_cast<WT*>(p.w);

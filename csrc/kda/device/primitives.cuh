@@ -103,6 +103,15 @@ KF_KDA_MMA_16816(__nv_bfloat16, "bf16")
 KF_KDA_MMA_16816(__half, "f16")
 #undef KF_KDA_MMA_16816
 
+// A 16 x 16 output tile: the two m16n8k16 MMAs of one ldmatrix.x4 B fragment (b[0..1]: n-tile c0,
+// b[2..3]: n-tile c1).
+template <typename T>
+__device__ __forceinline__ void mma_16x16(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[4]) {
+  mma_16816<T>(c0, a, b[0], b[1]);
+  mma_16816<T>(c1, a, b[2], b[3]);
+}
+
 // The fp32 C fragments of n-tiles 2i and 2i+1 are, packed to T, the A fragment of k-step i (the
 // same rows and 16 consecutive columns): a result feeds the next product from registers.
 // kNeg packs the negated values.

@@ -93,13 +93,11 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
         const int off = (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8;
         uint32_t bw[4];
         dev::ldsm_x4(bw, sW + off);
-        dev::mma_16816<WT>(whT[2 * pp], a, bw[0], bw[1]);
-        dev::mma_16816<WT>(whT[2 * pp + 1], a, bw[2], bw[3]);
+        dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, bw);
         if (with_o) {
           uint32_t bq[4];
           dev::ldsm_x4(bq, sQg + off);
-          dev::mma_16816<WT>(oT[2 * pp], a, bq[0], bq[1]);
-          dev::mma_16816<WT>(oT[2 * pp + 1], a, bq[2], bq[3]);
+          dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, bq);
         }
       }
     }
@@ -119,8 +117,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
       for (int pp = jj; pp < 4; ++pp) {
         uint32_t b[4];
         dev::ldsm_x4(b, sAkk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
-        dev::mma_16816<WT>(whT[2 * pp], a, b[0], b[1]);
-        dev::mma_16816<WT>(whT[2 * pp + 1], a, b[2], b[3]);
+        dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, b);
       }
     }
     // v'T as A fragments over the token dimension (rounded to WT)
@@ -136,8 +133,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
       for (int pp = jj; pp < 4; ++pp) {
         uint32_t b[4];
         dev::ldsm_x4(b, sAqk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
-        dev::mma_16816<WT>(oT[2 * pp], va[jj], b[0], b[1]);
-        dev::mma_16816<WT>(oT[2 * pp + 1], va[jj], b[2], b[3]);
+        dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], va[jj], b);
       }
     }
     dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
@@ -154,8 +150,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
         // 16 jj + (m & 1) 8, state rows 16 q + (m >> 1) 8
         uint32_t b[4];
         dev::ldsm_x4_t(b, sKg + (16 * jj + (lmat & 1) * 8 + lrow) * KP + 16 * q + (lmat >> 1) * 8);
-        dev::mma_16816<WT>(hT[2 * q], va[jj], b[0], b[1]);
-        dev::mma_16816<WT>(hT[2 * q + 1], va[jj], b[2], b[3]);
+        dev::mma_16x16<WT>(hT[2 * q], hT[2 * q + 1], va[jj], b);
       }
     }
   }
