@@ -11,6 +11,12 @@
 #   KF_TEST_TIMEOUT  seconds our GPU tests may take (default 300)
 #   KF_FLA_TESTS     0 = skip the fla-parity GPU tests (slow on a fresh machine: fla's Triton
 #                    compile); KF_FLA_TEST_TIMEOUT bounds them (default 300)
+#   KF_FLA06     1 = also run the fla-parity tests against fla-core 0.6.0 (wheel in .whl/fla06/,
+#                installed to /tmp/site06 ahead of 0.5.2), in parallel with the 0.5.2 run
+#   KF_XDIST     N = run the fla-parity tests in N pytest-xdist workers (carried wheel): fla's
+#                Triton compile is single-threaded CPU work, so N processes compile N tests at once
+#   KF_PROBE     a shell command run on the quiet GPU after the build, before the tests (stage
+#                timings, ncu); its output goes to probe.log
 set -u
 out="${1:-${OUT:-$PWD/gpu-out}}"
 mkdir -p "$out"
@@ -25,6 +31,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >> "$out/env.txt" 2>&1 || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ "${KF_FLA06:-0}" = "1" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site06 .whl/fla06/*.whl >> "$out/env.txt" 2>&1 || { echo "fla 0.6.0 wheel install failed"; exit 1; }
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 # fla's Triton kernels: compiled kernels and autotune results (FLA_CACHE_RESULTS=1) land in
@@ -44,13 +54,21 @@ fi
 python3 -c "import kernel_fun, json; print(json.dumps(kernel_fun.versions()))" | tee -a "$out/env.txt"
 stamp "extension ready"
 
+if [ -n "${KF_PROBE:-}" ]; then
+  stamp "probe"
+  bash -c "$KF_PROBE" > "$out/probe.log" 2>&1
+  echo "[probe] rc=$? (probe.log)"; tail -40 "$out/probe.log"
+fi
+
 rc=0
 # Two pytest runs, each with its own time limit and log, so the fla-parity tests (fla's first
 # Triton compile/autotune of its KDA kernels takes minutes on a fresh machine) can never cut off
 # the summary of our own GPU tests: tests.log = -m "gpu and not fla", tests_fla.log = -m "gpu and fla".
-run_tests() {  # $1 marker expression, $2 log file, $3 time limit in seconds
+run_tests() {  # $1 marker expression, $2 log file, $3 time limit in seconds, $4 extra pytest args
   local sel=()
   [ -n "${KF_TESTS:-}" ] && sel=(-k "$KF_TESTS")
+  # shellcheck disable=SC2206
+  [ -n "${4:-}" ] && sel+=($4)
   # shellcheck disable=SC2086
   timeout "$3" python3 -m pytest -q -m "$1" -p no:cacheprovider -rfEs "${sel[@]}" \
     ${KF_PYTEST:-tests} > "$2" 2>&1
@@ -61,13 +79,30 @@ run_tests() {  # $1 marker expression, $2 log file, $3 time limit in seconds
   return $r
 }
 if [ "${KF_TESTS:-}" != "none" ]; then
+  # The fla-parity runs (fla 0.5.2, and 0.6.0 with KF_FLA06=1) start first, in the background: they
+  # spend minutes in fla's single-threaded Triton compile, which our own tests do not wait for.
+  pids=()
+  if [ "${KF_FLA_TESTS:-1}" != "0" ]; then
+    stamp "GPU fla-parity tests (background)"
+    xd=""
+    [ -n "${KF_XDIST:-}" ] && python3 -c "import xdist" 2>/dev/null && xd="-n ${KF_XDIST}"
+    ( run_tests "gpu and fla" "$out/tests_fla.log" "${KF_FLA_TEST_TIMEOUT:-300}" "$xd" | sed 's/^/[fla 0.5.2] /' ) &
+    pids+=($!)
+    if [ "${KF_FLA06:-0}" = "1" ]; then  # fla-core 0.6.0 first on the path
+      ( PYTHONPATH=/tmp/site06:$PYTHONPATH run_tests "gpu and fla" "$out/tests_fla06.log" \
+          "${KF_FLA_TEST_TIMEOUT:-300}" "$xd" | sed 's/^/[fla 0.6.0] /' ) &
+      pids+=($!)
+    fi
+  fi
   stamp "GPU tests"
   run_tests "gpu and not fla" "$out/tests.log" "${KF_TEST_TIMEOUT:-300}" || rc=$?
-  if [ "${KF_FLA_TESTS:-1}" != "0" ]; then
-    stamp "GPU fla-parity tests"
-    r=0; run_tests "gpu and fla" "$out/tests_fla.log" "${KF_FLA_TEST_TIMEOUT:-300}" || r=$?
-    [ $rc -eq 0 ] && rc=$r
-  fi
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for log in "$out"/tests_fla*.log; do
+    [ -f "$log" ] || continue
+    if ! grep -qE "[0-9]+ passed" "$log" || grep -qE "[0-9]+ (failed|error)|TIMED OUT|Timeout" "$log"; then
+      [ $rc -eq 0 ] && rc=1
+    fi
+  done
 fi
 
 if [ "${KF_BENCH:-}" != "none" ]; then
