@@ -126,10 +126,15 @@ def test_nemo_fused_chunk_kda_runs_our_kernels():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.fla  # fla's own layer: its Triton kernels compile on first use (minutes on a fresh machine)
 def test_fla_kda_layer_runs_our_kernels_through_the_patch():
     """fla's own KimiDeltaAttention layer (short convolutions on), forward and backward, with
-    kernel_fun.patch_fla enabled: our ops launch (counted in C++) in strict mode, the output is fla's
-    within the fwd tolerance, and disabling the patch restores fla's functions."""
+    kernel_fun.patch_fla enabled: our ops launch (counted in C++) in strict mode, the output and the
+    input gradient agree with fla's own layer, and disabling the patch restores fla's functions.
+
+    Two bf16 computations are compared with each other here (not with an fp64 reference), through
+    the layer's bf16 gated norm and output projection: the bound is 2x the per-kernel tolerance, as
+    in the kernel-level fla parity tests (measured on the H200, 2026-12-01: output 6.5e-3)."""
     fla_layers = pytest.importorskip("fla.layers.kda")
     import kernel_fun
     from helpers import KDA_TOL, rel_rms
@@ -150,8 +155,9 @@ def test_fla_kda_layer_runs_our_kernels_through_the_patch():
     assert fla_layers.chunk_kda is original
     ran = {k: after[k] - before[k] for k in after}
     assert ran["kda_fwd"] == 1 and ran["kda_bwd"] == 1 and ran["cconv_fwd"] == 3 and ran["cconv_bwd"] == 3, ran
-    assert rel_rms(ref.float(), out.float()) <= KDA_TOL["o"]
-    assert rel_rms(ref_dx.float(), dx.float()) <= 1e-2
+    e_o, e_dx = rel_rms(ref.float(), out.float()), rel_rms(ref_dx.float(), dx.float())
+    assert e_o <= 2 * KDA_TOL["o"], (e_o, e_dx)
+    assert e_dx <= 2 * KDA_TOL["dq"], (e_o, e_dx)
 
 
 def test_fla_06_arguments_keep_every_benchmark_case_on_our_kernels():
