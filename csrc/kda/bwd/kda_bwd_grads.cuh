@@ -109,15 +109,6 @@ struct GradsSmem {
   static_assert((kGradsThreads / (K / 8)) * K <= kChunk * AF, "F's gate partials fit in dA1's place");
 };
 
-__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float x) {
-  switch (t) {
-    case DType::kFloat32: reinterpret_cast<float*>(p)[i] = x; return;
-    case DType::kFloat16: reinterpret_cast<__half*>(p)[i] = __float2half_rn(x); return;
-    case DType::kBFloat16: reinterpret_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); return;
-    default: reinterpret_cast<double*>(p)[i] = static_cast<double>(x); return;
-  }
-}
-
 // Profiling (tests / scripts only): thread 0 of every CTA stamps clock64() at the phase boundaries
 // into p.dbg_clock[cta][16] when it is set (null in production: one uniform branch per phase).
 #ifdef KF_EMU
@@ -191,6 +182,12 @@ struct GradsCtx {
   __device__ __forceinline__ float e_Gg2(int r, int d) const {
     return dev::fast_exp2((sBT()[rb * K + d] - sG()[r * KP + d]) + sBS()[rb * K + d]);
   }
+  // Index of (row r, column d) in the [64][K] fp32 X arrays of the I / F phases: 8-float groups XOR-
+  // swizzled by r & 7. The C-fragment stores (8 rows x 4 column pairs per warp instruction) would hit
+  // one bank 8 times with a plain r * K + d; swizzled they take the 2 wavefronts a 64-bit store needs.
+  // Rows read along d (I3, the cumsum, the dots, dq / dk) stay conflict-free, and 8-aligned groups
+  // of 8 stay contiguous (ld8).
+  static __device__ __forceinline__ int xs(int r, int d) { return r * K + (d ^ ((r & 7) << 3)); }
   __device__ __forceinline__ int r0() const { return 16 * rb + g; }  // this thread's rows in a C fragment
   __device__ __forceinline__ int r1() const { return 16 * rb + g + 8; }
 };
@@ -218,18 +215,18 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
   const WT* gv = reinterpret_cast<const WT*>(p.v);
   const int v0 = s * kVS;
   constexpr int VPR = K / 8;
-  for (int i = c.tid; i < kVS * VPR; i += NTH) {
+  dev::strided<kVS * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
     dev::cp_async16(bH + r * KQ + c8, gh + static_cast<int64_t>(v0 + r) * K + c8, 16);
     dev::cp_async16(bDH + r * KQ + c8, gdh + static_cast<int64_t>(v0 + r) * K + c8, 16);
-  }
-  for (int i = c.tid; i < kChunk * (kVS / 8); i += NTH) {
+  });
+  dev::strided<kChunk * (kVS / 8), NTH>(c.tid, [&](int i) {
     const int r = i / (kVS / 8), c8 = (i % (kVS / 8)) * 8;
     const bool ok = r < c.len;
     const int64_t off = ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * c.V + v0 + c8;
     dev::cp_async16(bDo + r * VSP + c8, gdo + off, ok ? 16 : 0);
     dev::cp_async16(bV + r * VSP + c8, gv + off, ok ? 16 : 0);
-  }
+  });
 }
 
 // q, k (head h), w, kg, Aqk, Akk (full rows: the blocks above the diagonal are zeros) -> smem;
@@ -246,7 +243,7 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
   WT* sW = c.template at<WT>(S::vW);
   WT* sKg = c.template at<WT>(S::vKg);
   constexpr int VPR = K / 8;
-  for (int i = c.tid; i < kChunk * VPR; i += NTH) {
+  dev::strided<kChunk * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
     const bool ok = r < c.len;
     const int rr = ok ? r : 0;
@@ -255,18 +252,18 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
     dev::cp_async16(c.sK() + r * KQ + c8, k + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
     dev::cp_async16(sW + r * KQ + c8, gw + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
     dev::cp_async16(sKg + r * KQ + c8, gkg + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
-  }
+  });
   const WT* gAqk = reinterpret_cast<const WT*>(p.Aqk);
   const WT* gAkk = reinterpret_cast<const WT*>(p.Akk);
   WT* sAqk = c.template at<WT>(S::vAqk);
   WT* sAkk = c.template at<WT>(S::vAkk);
-  for (int i = c.tid; i < kChunk * 8; i += NTH) {
+  dev::strided<kChunk * 8, NTH>(c.tid, [&](int i) {
     const int r = i / 8, c8 = (i % 8) * 8;
     const bool ok = r < c.len;
     const int64_t off = ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * kChunk + c8;
     dev::cp_async16(sAqk + r * AP + c8, gAqk + off, ok ? 16 : 0);
     dev::cp_async16(sAkk + r * AP + c8, gAkk + off, ok ? 16 : 0);
-  }
+  });
 }
 
 // ---------------------------------------------------------------- V
@@ -413,11 +410,11 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
   float* sDbc = c.template at<float>(S::oDbc);
   {
     const WT* gM = reinterpret_cast<const WT*>(p.M);
-    for (int i = tid; i < kChunk * 8; i += NTH) {
+    dev::strided<kChunk * 8, NTH>(tid, [&](int i) {
       const int r = i / 8, c8 = (i % 8) * 8;
       const bool ok = r < c.len;
       dev::cp_async16(sM + r * AP + c8, gM + ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * kChunk + c8, ok ? 16 : 0);
-    }
+    });
     dev::cp_async_commit();
   }
   sDec[(tid / K) * K + tid % K] = dec_acc;
@@ -539,11 +536,11 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
     }
     sDbc[part * kChunk + j] = acc;
   }
-  for (int i = tid; i < kChunk * 32; i += NTH) {
+  dev::strided<kChunk * 32, NTH>(tid, [&](int i) {
     const int r = i / 32, s2 = (i % 32) * 2;
     *reinterpret_cast<uint32_t*>(sDM + r * AP + s2) =
         E::pack2(sDAkk[r * AF + s2] * c.sBeta()[s2], sDAkk[r * AF + s2 + 1] * c.sBeta()[s2 + 1]);
-  }
+  });
   __syncthreads();
 
   // ---- E3: Z = dM M^T ([16 x 16] per warp): B[k = b][n = j] = M[j][b], rows j non-transposed
@@ -739,11 +736,18 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
   for (int j = 0; j < NTK; ++j) {
     const int col = cb + 8 * j + 2 * t;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = e < 2 ? r0 : r1, d = col + (e & 1);
-      Xq[r * K + d] = dqh[j][e];
-      Xk[r * K + d] = dkA[j][e] + dkB[j][e];
-      Xg[r * K + d] = c.qhat(r, d) * dqh[j][e] + c.khat(r, d) * (dkA[j][e] - dkB[j][e]);
+    for (int h2 = 0; h2 < 2; ++h2) {  // (e = 2 h2, 2 h2 + 1): row r0 / r1, columns col, col + 1
+      const int r = h2 ? r1 : r0, x = Ctx::xs(r, col);
+      float xg[2];
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int e = 2 * h2 + e1;
+        xg[e1] = c.qhat(r, col + e1) * dqh[j][e] + c.khat(r, col + e1) * (dkA[j][e] - dkB[j][e]);
+      }
+      *reinterpret_cast<float2*>(Xq + x) = make_float2(dqh[j][2 * h2], dqh[j][2 * h2 + 1]);
+      *reinterpret_cast<float2*>(Xk + x) =
+          make_float2(dkA[j][2 * h2] + dkB[j][2 * h2], dkA[j][2 * h2 + 1] + dkB[j][2 * h2 + 1]);
+      *reinterpret_cast<float2*>(Xg + x) = make_float2(xg[0], xg[1]);
     }
   }
   __syncthreads();
@@ -794,7 +798,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float bi = sBeta[o + i];
-      const int x = (o + i) * K + d;
+      const int x = Ctx::xs(o + i, d);
       Xq[x] += rq[i];
       Xk[x] += bi * rk[i] + cs[i];
       Xg[x] += c.qhat(o + i, d) * rq[i] + kv[i] * (bi * rk[i] - cs[i]);
@@ -813,6 +817,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 template <typename WT, int K>
 __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
   constexpr int NTH = kGradsThreads, NPART = S::NPART;
   const KdaBwdParams& p = c.p;
@@ -831,31 +836,26 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   float* sRowD = c.template at<float>(S::iRowD);
   float* sDbc = c.template at<float>(S::oDbc);
   float* sDot = c.template at<float>(S::oDot);
-  // the raw gate inputs this thread's gate-backward items need, loaded first (in flight across the
-  // cumsum below): item = (row r_first + RSTEP i, 8 columns at d0)
+  // the gate backward's items: item = (row r_first + RSTEP it, 8 columns at d0). The first item's raw
+  // gate input is loaded here, in flight across the cumsum below; the loop over items is rolled (one
+  // copy of the gate derivatives' code: this epilogue runs once per CTA, so its size is instruction
+  // fetch time) and prefetches the next item's input while it computes the current one.
   constexpr int CG = K / 8;             // column groups
   constexpr int RSTEP = NTH / CG;       // rows per pass (32 at K = 128)
   constexpr int NIT = kChunk / RSTEP;   // passes (2 at K = 128)
   const GateMode mode = p.opt.gate_mode;
   const bool gate_in_kernel = mode != GateMode::kPrecomputed;
   const int cg = tid % CG, r_first = tid / CG, d0 = 8 * cg;
-  float graw[NIT][8];
-#pragma unroll
-  for (int it = 0; it < NIT; ++it) {
-    const int r = r_first + RSTEP * it;
-    const int64_t gi = ((tok0 + (r < len ? r : 0)) * HV + hv) * K + d0;
+  auto load_raw = [&](float (&x)[8], int r) {
     if (gate_in_kernel && r < len) {
-      if (p.g_dtype == DType::kFloat32) {
-        dev::ld8(graw[it], reinterpret_cast<const float*>(p.g) + gi);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) graw[it][e] = dev::load_any(p.g, gi + e, p.g_dtype);
-      }
+      dev::load8_any(x, p.g, ((tok0 + r) * HV + hv) * K + d0, p.g_dtype);
     } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) graw[it][e] = 0.f;
+      for (int e = 0; e < 8; ++e) x[e] = 0.f;
     }
-  }
+  };
+  float graw[8];
+  load_raw(graw, r_first);
   if (tid < K) {
     // the decay gradient dG = exp2(G) sum_v h dh + sum_r kg dkg (enters at the last valid row)
     float dec = 0.f;
@@ -868,7 +868,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
     const int d = tid % K, blk = tid / K;
     float acc = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc += Xg[(16 * blk + i) * K + d];
+    for (int i = 0; i < 16; ++i) acc += Xg[Ctx::xs(16 * blk + i, d)];
     sCarry[blk * K + d] = acc;
   }
   __syncthreads();
@@ -880,7 +880,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
     for (int b = blk + 1; b < 4; ++b) carry += sCarry[b * K + d];
 #pragma unroll
     for (int i = 15; i >= 0; --i) {
-      const int x = (16 * blk + i) * K + d;
+      const int x = Ctx::xs(16 * blk + i, d);
       carry += Xg[x];
       Xg[x] = carry;
     }
@@ -897,29 +897,28 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       bias[e] = (gate_in_kernel && p.dt_bias) ? p.dt_bias[hv * K + d0 + e] : 0.f;
       pb[e] = 0.f;
     }
-#pragma unroll
+#pragma unroll 1
     for (int it = 0; it < NIT; ++it) {
       const int r = r_first + RSTEP * it;
-      if (r >= len) continue;
-      const int64_t gi = ((tok0 + r) * HV + hv) * K + d0;
-      float dgate[8];
-      dev::ld8(dgate, Xg + r * K + d0);
-      if (gate_in_kernel) {
+      float gnext[8];
+      load_raw(gnext, r + RSTEP);  // zeros past the chunk (and past NIT)
+      if (r < len) {
+        float dgate[8];
+        dev::ld8(dgate, Xg + Ctx::xs(r, d0));
+        if (gate_in_kernel) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float ddx, ddA;
-          dev::gate_derivatives(mode, graw[it][e] + bias[e], a_exp, p.opt.lower_bound, ddx, ddA);
-          pa = fmaf(dgate[e], ddA, pa);
-          dgate[e] *= ddx;
-          pb[e] += dgate[e];
+          for (int e = 0; e < 8; ++e) {
+            float ddx, ddA;
+            dev::gate_derivatives(mode, graw[e] + bias[e], a_exp, p.opt.lower_bound, ddx, ddA);
+            pa = fmaf(dgate[e], ddA, pa);
+            dgate[e] *= ddx;
+            pb[e] += dgate[e];
+          }
         }
+        dev::store8_any(p.dg, ((tok0 + r) * HV + hv) * K + d0, p.g_dtype, dgate);
       }
-      if (p.g_dtype == DType::kFloat32) {
-        dev::st8(reinterpret_cast<float*>(p.dg) + gi, dgate);
-      } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) store_any(p.dg, gi + e, p.g_dtype, dgate[e]);
-      }
+      for (int e = 0; e < 8; ++e) graw[e] = gnext[e];
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) sPart[r_first * K + d0 + e] = pb[e];  // [RSTEP][K]
@@ -930,13 +929,13 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   // the l2norm row dots q^.dq^ and k^.dk^: one warp per 4 rows, K/32 columns per lane
   const bool gva = HV != p.H;
   if (p.opt.l2norm && !gva) {
+#pragma unroll 1
     for (int r = warp; r < kChunk; r += NTH / 32) {
       float dq = 0.f, dk = 0.f;
-#pragma unroll
-      for (int cc = lane; cc < K; cc += 32) {
-        dq = fmaf(c.qhat(r, cc), Xq[r * K + cc], dq);
-        dk = fmaf(c.khat(r, cc), Xk[r * K + cc], dk);
-      }
+      dev::strided<K, 32>(lane, [&](int cc) {
+        dq = fmaf(c.qhat(r, cc), Xq[Ctx::xs(r, cc)], dq);
+        dk = fmaf(c.khat(r, cc), Xk[Ctx::xs(r, cc)], dk);
+      });
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
         dq += __shfl_xor_sync(0xffffffffu, dq, off);
@@ -979,14 +978,16 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
         const float sg = dev::sigmoid_f(dev::load_any(p.beta, bi, p.beta_dtype));
         db *= p.opt.beta_sigmoid_scale * sg * (1.f - sg);
       }
-      store_any(p.dbeta, bi, p.beta_dtype, db);
+      dev::store_any(p.dbeta, bi, p.beta_dtype, db);
     }
   }
   // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (no GVA; coalesced pairs of columns), or dq^ / dk^ per
   // value head to the workspace (GVA: kda_bwd_finish sums the group first)
-  for (int i = tid; i < len * (K / 2); i += NTH) {
+#pragma unroll 1
+  for (int i = tid; i < len * (K / 2); i += NTH) {  // rolled: 8 passes of a large body
     const int r = i / (K / 2), cc = 2 * (i % (K / 2));
-    float xq0 = Xq[r * K + cc], xq1 = Xq[r * K + cc + 1], xk0 = Xk[r * K + cc], xk1 = Xk[r * K + cc + 1];
+    const int x = Ctx::xs(r, cc);  // cc even: cc + 1 is the next float
+    float xq0 = Xq[x], xq1 = Xq[x + 1], xk0 = Xk[x], xk1 = Xk[x + 1];
     if (gva) {
       const int64_t off = ((tok0 + r) * HV + hv) * K + cc;
       *reinterpret_cast<float2*>(p.dqhat + off) = make_float2(xq0, xq1);

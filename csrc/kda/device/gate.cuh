@@ -116,42 +116,6 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + d0 + e];
     }
   }
-  // dtype switch outside the per-row loop (RPT 16-byte loads in flight)
-  float xr[RPT][8];
-  const bool gal16 = (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
-  auto goff = [&](int j) { return ((tok0 + row0 + j) * HV + hv) * K + d0; };
-  if (gal16 && p.g_dtype == DType::kFloat32) {
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      float4 u0 = make_float4(0.f, 0.f, 0.f, 0.f), u1 = u0;
-      if (row0 + j < len) {
-        const float4* gp = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.g) + goff(j));
-        u0 = gp[0];
-        u1 = gp[1];
-      }
-      xr[j][0] = u0.x; xr[j][1] = u0.y; xr[j][2] = u0.z; xr[j][3] = u0.w;
-      xr[j][4] = u1.x; xr[j][5] = u1.y; xr[j][6] = u1.z; xr[j][7] = u1.w;
-    }
-  } else if (gal16 && (p.g_dtype == DType::kBFloat16 || p.g_dtype == DType::kFloat16)) {
-    const bool bf = p.g_dtype == DType::kBFloat16;
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);
-      if (row0 + j < len) u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.g) + goff(j));
-      const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f2 = bf ? Elem<__nv_bfloat16>::to_float2(w4[e]) : Elem<__half>::to_float2(w4[e]);
-        xr[j][2 * e] = f2.x;
-        xr[j][2 * e + 1] = f2.y;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < RPT; ++j)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xr[j][e] = row0 + j < len ? load_any(p.g, goff(j) + e, p.g_dtype) : 0.f;
-  }
   if (tid < kChunk) {
     float b = 0.f;
     if (tid < len) {
@@ -160,38 +124,62 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     }
     sBeta[tid] = b;
   }
-  // gate activation; rows past the end: gate 0
+  // Rolled over the thread's RPT rows (one copy of the load and of the 8 activations: this prologue
+  // runs once per CTA of the largest kernels, where straight-line code is instruction-fetch time),
+  // with the next row's load in flight while this one is activated: the gate of row j, the running
+  // (inclusive, thread-local) sum kept in registers and staged in sG. Rows past the end: gate 0.
+  auto load_row = [&](float (&x)[8], int j) {
+    const int r = row0 + j;
+    if (j < RPT && r < len) {
+      load8_any(x, p.g, ((tok0 + r) * HV + hv) * K + d0, p.g_dtype);
+    } else {
 #pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = 0.f;
+    }
+  };
+  float run[8], x[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) run[e] = 0.f;
+  load_row(x, 0);
+#pragma unroll 1
   for (int j = 0; j < RPT; ++j) {
+    float nx[8];
+    load_row(nx, j + 1);
     const bool ok = row0 + j < len;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float y = gate_activation(mode, xr[j][e], xr[j][e] + bias[e], a_exp, p.opt.lower_bound);
-      xr[j][e] = ok ? y : 0.f;
+      const float y = ok ? gate_activation(mode, x[e], x[e] + bias[e], a_exp, p.opt.lower_bound) : 0.f;
+      run[e] += y;
+      x[e] = run[e];
     }
+    st8(sG + (row0 + j) * KP + d0, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = nx[e];
   }
-  // block-local inclusive cumsum: the thread's rows, then the exclusive prefix of the sub-groups
-  // before it in the block (shuffles within the block's SUBS lanes)
-#pragma unroll
-  for (int j = 1; j < RPT; ++j)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) xr[j][e] += xr[j - 1][e];
+  // the exclusive prefix of the sub-groups before this one in the block (shuffles within the
+  // block's SUBS lanes), added to the thread's rows, times 1/ln2
+  float excl[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    float incl = xr[RPT - 1][e];  // inclusive prefix of the sub-group totals
+    float incl = run[e];  // inclusive prefix of the sub-group totals
 #pragma unroll
     for (int o = 1; o < SUBS; o <<= 1) {
       const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
       if (sub >= o) incl += v;
     }
-    const float excl = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) xr[j][e] = (sub == 0 ? xr[j][e] : excl + xr[j][e]) * kRcpLn2;
+    excl[e] = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
   }
+#pragma unroll 1
+  for (int j = 0; j < RPT; ++j) {
+    float x[8];
+    float* row = sG + (row0 + j) * KP + d0;
+    ld8(x, row);
 #pragma unroll
-  for (int j = 0; j < RPT; ++j) st8(sG + (row0 + j) * KP + d0, xr[j]);
-  // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
-  if (sub == SUBS - 1) st8(sBT + blk * K + d0, xr[RPT - 1]);
+    for (int e = 0; e < 8; ++e) x[e] = (sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
+    st8(row, x);
+    // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
+    if (sub == SUBS - 1 && j == RPT - 1) st8(sBT + blk * K + d0, x);
+  }
 }
 
 // From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
@@ -247,10 +235,10 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
   constexpr int VPR = K / 8;
   static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
   if (!l2norm) {  // uniform branch: no loads or shuffles when the factors are all 1
-    for (int r = threadIdx.x; r < kChunk; r += NTH) sRq[r] = sRk[r] = 1.f;
+    strided<kChunk, NTH>(threadIdx.x, [&](int r) { sRq[r] = sRk[r] = 1.f; });
     return;
   }
-  for (int i = threadIdx.x; i < kChunk * VPR; i += NTH) {
+  strided<kChunk * VPR, NTH>(threadIdx.x, [&](int i) {
     const int r = i / VPR, d0 = (i % VPR) * 8;
     const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
     const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
@@ -271,7 +259,7 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
       sRq[r] = 1.f / sqrtf(sq + 1e-6f);
       sRk[r] = 1.f / sqrtf(sk + 1e-6f);
     }
-  }
+  });
 }
 
 // The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from the block-local g2 and

@@ -55,6 +55,80 @@ __device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
   }
 }
 
+__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float x) {
+  switch (t) {
+    case DType::kFloat32: reinterpret_cast<float*>(p)[i] = x; return;
+    case DType::kFloat16: reinterpret_cast<__half*>(p)[i] = __float2half_rn(x); return;
+    case DType::kBFloat16: reinterpret_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); return;
+    default: reinterpret_cast<double*>(p)[i] = static_cast<double>(x); return;
+  }
+}
+
+// for (i = tid; i < N; i += NTH) with N, NTH compile-time and tid < NTH (the block size): a fixed
+// trip count that unrolls fully, instead of the generic strided loop (unrolled by 4, plus remainder
+// code) the compiler must emit when it cannot bound tid. Once-per-CTA loops of the big kernels are
+// instruction-fetch bound, so their code size is time.
+template <int N, int NTH, typename F>
+__device__ __forceinline__ void strided(int tid, F&& f) {
+#pragma unroll
+  for (int it = 0; it < (N + NTH - 1) / NTH; ++it) {
+    const int i = tid + it * NTH;
+    if (N % NTH == 0 || i < N) f(i);
+  }
+}
+
+// 8 consecutive elements of a runtime dtype at element i (i a multiple of 8) <-> 8 floats. fp32 and
+// the 16-bit types take one or two 16-byte accesses when the base pointer is 16-byte aligned (i % 8
+// == 0 keeps the element aligned too); anything else goes through a rolled scalar loop. The rolled
+// loop works on its own small local array, so v stays in registers on the fast paths: these run in
+// the once-per-chunk prologue / epilogue of the biggest kernels, where straight-line code size (the
+// instruction cache) matters more than the cold path's speed.
+__device__ __forceinline__ void load8_any(float (&v)[8], const void* p, int64_t i, DType t) {
+  const bool al16 = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+  if (al16 && t == DType::kFloat32) {
+    const float4* q = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p) + i);
+    const float4 a = q[0], b = q[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else if (al16 && (t == DType::kBFloat16 || t == DType::kFloat16)) {
+    const uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p) + i);
+    const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f2 = t == DType::kBFloat16 ? Elem<__nv_bfloat16>::to_float2(w4[e]) : Elem<__half>::to_float2(w4[e]);
+      v[2 * e] = f2.x;
+      v[2 * e + 1] = f2.y;
+    }
+  } else {
+    float tmp[8];
+#pragma unroll 1
+    for (int e = 0; e < 8; ++e) tmp[e] = load_any(p, i + e, t);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = tmp[e];
+  }
+}
+__device__ __forceinline__ void store8_any(void* p, int64_t i, DType t, const float (&v)[8]) {
+  const bool al16 = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+  if (al16 && t == DType::kFloat32) {
+    float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(p) + i);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else if (al16 && t == DType::kBFloat16) {
+    *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p) + i) =
+        make_uint4(Elem<__nv_bfloat16>::pack2(v[0], v[1]), Elem<__nv_bfloat16>::pack2(v[2], v[3]),
+                   Elem<__nv_bfloat16>::pack2(v[4], v[5]), Elem<__nv_bfloat16>::pack2(v[6], v[7]));
+  } else if (al16 && t == DType::kFloat16) {
+    *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p) + i) =
+        make_uint4(Elem<__half>::pack2(v[0], v[1]), Elem<__half>::pack2(v[2], v[3]), Elem<__half>::pack2(v[4], v[5]),
+                   Elem<__half>::pack2(v[6], v[7]));
+  } else {
+    float tmp[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) tmp[e] = v[e];
+#pragma unroll 1
+    for (int e = 0; e < 8; ++e) store_any(p, i + e, t, tmp[e]);
+  }
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   // ex2.approx: ~2 ulp, exp2(-inf) = 0, and every argument the kernels pass is <= 0 (or -inf).
 #ifdef KF_EMU
