@@ -1023,7 +1023,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   grads_load_chunk(c);
   grads_load_slice(c, 0, 0);
   dev::cp_async_commit();
-  dev::gate_cumsum_beta<K, NTH, S::KP>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta());
+  dev::gate_cumsum_beta<K, NTH, S::KP, /*kRollRows=*/true>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta());
   dev::cp_async_wait<0>();
   __syncthreads();
   dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.sGt());

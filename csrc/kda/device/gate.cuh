@@ -94,7 +94,13 @@ __device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
 // Thread = (16-row block, group of 8 columns, sub-group of RPT rows): 16-byte g loads, the gate on
 // RPT x 8 elements, a running sum over the thread's rows, then the prefix over the SUBS sub-groups
 // of the block by shuffles (adjacent lanes). No sums cross threads of different blocks.
-template <int K, int NTH, int KP>
+//
+// kRollRows: the row loops rolled (one copy of the load and of the 8 activations, the next row's
+// load in flight while this one is activated) for kda_bwd_grads, whose once-per-CTA code was
+// instruction-fetch bound (2 rows per thread there). Unrolled (every row's load in flight at once)
+// for kda_fwd_intra and kda_bwd_prep (4 rows per thread): rolled, they measured 3.37 -> 3.86 and
+// 1.77 -> 2.39 ms at prod8192.
+template <int K, int NTH, int KP, bool kRollRows = false>
 __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
                                                  float* sBT, float* sBeta) {
   constexpr int CG = K / 8;
@@ -124,10 +130,8 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     }
     sBeta[tid] = b;
   }
-  // Rolled over the thread's RPT rows (one copy of the load and of the 8 activations: this prologue
-  // runs once per CTA of the largest kernels, where straight-line code is instruction-fetch time),
-  // with the next row's load in flight while this one is activated: the gate of row j, the running
-  // (inclusive, thread-local) sum kept in registers and staged in sG. Rows past the end: gate 0.
+  // The gate of row j, the running (inclusive, thread-local) sum kept in registers and staged in sG.
+  // Rows past the end: gate 0.
   auto load_row = [&](float (&x)[8], int j) {
     const int r = row0 + j;
     if (j < RPT && r < len) {
@@ -137,14 +141,10 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       for (int e = 0; e < 8; ++e) x[e] = 0.f;
     }
   };
-  float run[8], x[8];
+  float run[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) run[e] = 0.f;
-  load_row(x, 0);
-#pragma unroll 1
-  for (int j = 0; j < RPT; ++j) {
-    float nx[8];
-    load_row(nx, j + 1);
+  auto activate_row = [&](float (&x)[8], int j) {
     const bool ok = row0 + j < len;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -153,8 +153,24 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       x[e] = run[e];
     }
     st8(sG + (row0 + j) * KP + d0, x);
+  };
+  if constexpr (kRollRows) {
+    float x[8];
+    load_row(x, 0);
+#pragma unroll 1
+    for (int j = 0; j < RPT; ++j) {
+      float nx[8];
+      load_row(nx, j + 1);
+      activate_row(x, j);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = nx[e];
+      for (int e = 0; e < 8; ++e) x[e] = nx[e];
+    }
+  } else {
+    float xr[RPT][8];
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) load_row(xr[j], j);
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) activate_row(xr[j], j);
   }
   // the exclusive prefix of the sub-groups before this one in the block (shuffles within the
   // block's SUBS lanes), added to the thread's rows, times 1/ln2
