@@ -29,6 +29,13 @@
 //       gate backward (dg; ddt_bias / dA_log partials), beta's sigmoid backward, l2norm backward
 //       (or, with GVA, dq^ / dk^ per value head to the workspace for kda_bwd_finish)
 //
+// CODE SIZE: every CTA runs each phase once, top to bottom, one CTA per SM, so the phases' straight-
+// line code is fetched again for each chunk. At ~11k SASS instructions a third of the stall samples
+// were instruction fetch (ncu, docs/notes/2026-12-01-kda-backward.md). Loops that run once per CTA
+// are rolled, or have fixed trip counts (dev::strided), and cold paths are rolled. Check the
+// instruction count (readelf on an nvcc -cubin, docs/gpu-workflow.md) when adding code here: 8240
+// instructions at bf16 / K = 128.
+//
 // THE NUMERICS LAW (kernel-fun-ALGORITHM.md): every exp2 argument is a difference g2[r] - g2[s]
 // with r >= s, built from the block-local cumsums and block totals (device/gate.cuh) as a sum of
 // terms <= 0; masks are selects; dA, dL, dg, h dh and every accumulator are fp32.
