@@ -93,6 +93,25 @@ def test_backward_matches_fp64_reference(name, path, emu):
     assert not bad, f"off the fp64 reference: {bad}"
 
 
+@pytest.mark.parametrize("g_dtype,misalign", [(torch.bfloat16, False), (torch.float16, True), (torch.float32, True)],
+                         ids=["bf16", "fp16-misaligned", "fp32-misaligned"])
+def test_backward_reads_g_and_writes_dg_in_any_dtype_and_alignment(g_dtype, misalign, emu):
+    """The gate's 8-wide loads (prologue and F phase) and dg's 8-wide stores take 16-byte accesses
+    for an aligned fp32 / bf16 / fp16 g and dg, and a scalar path otherwise (misalign: g, q, k and dg
+    one element off 16 bytes). K = 128: two gate rows per thread in kda_bwd_grads' rolled loop."""
+    inputs, kw = make_case(T=100, K=128, V=64, g_dtype=g_dtype, h0=True)
+    q, k, v, g, beta = inputs
+    B, T, HV, V = v.shape
+    gen = torch.Generator().manual_seed(11)
+    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
+    grads, _ = emu.backward_stages(*inputs, do, None, **kw, misalign=misalign)
+    ref, _ = kda_bwd_reference(inputs, kw, do, None)
+    assert grads["dg"].dtype == g_dtype
+    for key in ("dq", "dk", "dv", "dg", "dbeta"):
+        err = rel_rms(ref[key], grads[key].reshape(ref[key].shape))
+        assert err <= KDA_TOL[key], (key, err)
+
+
 @pytest.mark.parametrize("name", ["gva-varlen", "K128-V128"])
 def test_backward_does_not_depend_on_the_thread_schedule(emu, name):
     """Bitwise identical under every fiber schedule, including warp-greedy ones (a missing barrier

@@ -139,7 +139,10 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
         raise ValueError("q dtype must be bfloat16 or float16")
     gz = _Guarded()
     off = 1 if misalign else 0
-    x = dict(q=gz.copy_in("q", q.contiguous(), off), k=gz.copy_in("k", k.contiguous(), off),
+    # The backward's q / k are 16-byte aligned by contract (the front's _aligned, checked in csrc/api:
+    # kda_bwd_grads copies them with cp.async); g may sit anywhere in both directions.
+    off_qk = 0 if backward else off
+    x = dict(q=gz.copy_in("q", q.contiguous(), off_qk), k=gz.copy_in("k", k.contiguous(), off_qk),
              v=gz.copy_in("v", v.contiguous()), g=gz.copy_in("g", g.contiguous(), off),
              beta=gz.copy_in("beta", beta.contiguous()))
     if cu_seqlens is not None:
@@ -239,7 +242,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     do_ = gz.copy_in("do", do.to(dt).contiguous())
     dht_ = gz.copy_in("dht", dht.to(torch.float32).contiguous()) if dht is not None else None
     grads = dict(dq=gz.alloc("dq", (B, T, H, K), dt), dk=gz.alloc("dk", (B, T, H, K), dt),
-                 dv=gz.alloc("dv", (B, T, HV, V), dt), dg=gz.alloc("dg", tuple(g.shape), g.dtype),
+                 dv=gz.alloc("dv", (B, T, HV, V), dt),
+                 dg=gz.alloc("dg", tuple(g.shape), g.dtype, offset=1 if misalign else 0),
                  dbeta=gz.alloc("dbeta", tuple(beta.shape), beta.dtype),
                  dA_log=gz.alloc("dA_log", (HV,), torch.float32) if f["A_log"] else None,
                  ddt_bias=gz.alloc("ddt_bias", (HV * K,), torch.float32) if f["dt_bias"] else None,
