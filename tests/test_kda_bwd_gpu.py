@@ -160,6 +160,32 @@ def test_varlen_gradients_match_fp64_naive(name):
     _check_against_naive(VARLEN_CASES[name], KDA_VARLEN_TOL)
 
 
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_with_g_one_element_off_16_bytes(g_dtype):
+    """g a contiguous view one element into its storage: the front passes it on as it is, so the
+    kernels' 8-wide g loads (gate prologue, gate backward) take their scalar path."""
+    from kernel_fun.kda import chunk_kda
+    inputs, kw = make_case(T=300, h0=True, g_dtype=g_dtype)
+    do, dht = _do_dht(inputs, kw)
+    ref = _grads_naive(inputs, kw, do, dht)
+    q, k, v, g, beta = (x.detach().clone().requires_grad_(True) for x in inputs)
+    buf = torch.zeros(g.numel() + 1, dtype=g.dtype, device=g.device)
+    buf[1:].copy_(g.detach().reshape(-1))
+    buf.requires_grad_(True)
+    g_off = buf[1:].view(g.shape)
+    assert g_off.is_contiguous() and g_off.data_ptr() % 16 != 0
+    call = {n: x for n, x in kw.items() if x is not None}
+    before = _ext.op_calls()
+    o, ht = chunk_kda(q, k, v, g_off, beta, **call)
+    loss = (o.float() * do.float()).sum() + (ht * dht).sum()
+    dq, dk, dv, dbuf, dbeta = torch.autograd.grad(loss, [q, k, v, buf, beta])
+    after = _ext.op_calls()
+    assert after["kda_fwd"] == before["kda_fwd"] + 1 and after["kda_bwd"] == before["kda_bwd"] + 1
+    got = dict(dq=dq, dk=dk, dv=dv, dg=dbuf[1:].view(g.shape), dbeta=dbeta)
+    errs = {key: rel_rms(ref[key], t) for key, t in got.items()}
+    assert all(errs[key] <= KDA_TOL[key] for key in errs), errs
+
+
 # ------------------------------------------------------------------------------------------------
 # each backward kernel's stage against the explicit fp64 stage reference (kernel_fun.ref.kda_bwd)
 def _backward_stages(inputs, kw, do, dht, poison=False):
