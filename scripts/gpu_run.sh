@@ -61,9 +61,9 @@ if [ -n "${KF_PROBE:-}" ]; then
 fi
 
 rc=0
-# Two pytest runs, each with its own time limit and log, so the fla-parity tests (fla's first
+# Separate pytest runs, each with its own time limit and log, so the fla-parity tests (fla's first
 # Triton compile/autotune of its KDA kernels takes minutes on a fresh machine) can never cut off
-# the summary of our own GPU tests: tests.log = -m "gpu and not fla", tests_fla.log = -m "gpu and fla".
+# the summary of our own GPU tests: tests.log = -m "gpu and not fla", tests_fla*.log = -m "gpu and fla".
 run_tests() {  # $1 marker expression, $2 log file, $3 time limit in seconds, $4 extra pytest args
   local sel=()
   [ -n "${KF_TESTS:-}" ] && sel=(-k "$KF_TESTS")
@@ -86,22 +86,20 @@ if [ "${KF_TESTS:-}" != "none" ]; then
     stamp "GPU fla-parity tests (background)"
     xd=""
     [ -n "${KF_XDIST:-}" ] && python3 -c "import xdist" 2>/dev/null && xd="-n ${KF_XDIST}"
-    ( run_tests "gpu and fla" "$out/tests_fla.log" "${KF_FLA_TEST_TIMEOUT:-300}" "$xd" | sed 's/^/[fla 0.5.2] /' ) &
-    pids+=($!)
-    if [ "${KF_FLA06:-0}" = "1" ]; then  # fla-core 0.6.0 first on the path
-      ( PYTHONPATH=/tmp/site06:$PYTHONPATH run_tests "gpu and fla" "$out/tests_fla06.log" \
-          "${KF_FLA_TEST_TIMEOUT:-300}" "$xd" | sed 's/^/[fla 0.6.0] /' ) &
+    fla_run() {  # $1 label, $2 log; the subshell's status is run_tests' (pipefail: sed's is 0)
+      ( set -o pipefail
+        { python3 -c "import fla; print('fla', fla.__version__, 'from', fla.__file__)"
+          run_tests "gpu and fla" "$2" "${KF_FLA_TEST_TIMEOUT:-300}" "$xd"; } | sed "s/^/[$1] /" ) &
       pids+=($!)
-    fi
+    }
+    fla_run "fla 0.5.2" "$out/tests_fla.log"
+    [ "${KF_FLA06:-0}" = "1" ] && PYTHONPATH=/tmp/site06:$PYTHONPATH fla_run "fla 0.6.0" "$out/tests_fla06.log"
   fi
   stamp "GPU tests"
   run_tests "gpu and not fla" "$out/tests.log" "${KF_TEST_TIMEOUT:-300}" || rc=$?
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  for log in "$out"/tests_fla*.log; do
-    [ -f "$log" ] || continue
-    if ! grep -qE "[0-9]+ passed" "$log" || grep -qE "[0-9]+ (failed|error)|TIMED OUT|Timeout" "$log"; then
-      [ $rc -eq 0 ] && rc=1
-    fi
+  for pid in "${pids[@]}"; do
+    r=0; wait "$pid" || r=$?
+    [ $rc -eq 0 ] && rc=$r
   done
 fi
 
