@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cconv/cconv.h"
+#include "common/dtype_access.cuh"
 
 namespace kernel_fun::cconv::dev {
 
@@ -36,27 +37,6 @@ template <typename T> struct DTypeOf;
 template <> struct DTypeOf<float> { static constexpr DType value = DType::kFloat32; };
 template <> struct DTypeOf<__half> { static constexpr DType value = DType::kFloat16; };
 template <> struct DTypeOf<__nv_bfloat16> { static constexpr DType value = DType::kBFloat16; };
-
-// Tensors whose dtype is only known at run time (weight, bias, states, residual on the slow
-// path): a uniform switch, off the hot loop.
-__device__ __forceinline__ float load_any(const void* p, DType dt, int64_t i) {
-  switch (dt) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kFloat64: return static_cast<float>(static_cast<const double*>(p)[i]);
-  }
-  return 0.f;
-}
-
-__device__ __forceinline__ void store_any(void* p, DType dt, int64_t i, float v) {
-  switch (dt) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    case DType::kFloat64: static_cast<double*>(p)[i] = static_cast<double>(v); break;
-  }
-}
 
 // ---- rows of C channels ------------------------------------------------------------------------
 // A thread's row is C contiguous channels of T, moved as kPieces vector accesses of kCopy bytes

@@ -853,14 +853,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   const GateMode mode = p.opt.gate_mode;
   const bool gate_in_kernel = mode != GateMode::kPrecomputed;
   const int cg = tid % CG, r_first = tid / CG, d0 = 8 * cg;
-  auto load_raw = [&](float (&x)[8], int r) {
-    if (gate_in_kernel && r < len) {
-      dev::load8_any(x, p.g, ((tok0 + r) * HV + hv) * K + d0, p.g_dtype);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = 0.f;
-    }
-  };
+  auto load_raw = [&](float (&x)[8], int r) { dev::raw_gate8<K>(x, p, tok0, r, hv, d0, gate_in_kernel && r < len); };
   float graw[8];
   load_raw(graw, r_first);
   if (tid < K) {
@@ -922,7 +915,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
             pb[e] += dgate[e];
           }
         }
-        dev::store8_any(p.dg, ((tok0 + r) * HV + hv) * K + d0, p.g_dtype, dgate);
+        dev::store8_any(p.dg, p.g_dtype, ((tok0 + r) * HV + hv) * K + d0, dgate);
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) graw[e] = gnext[e];
@@ -982,10 +975,10 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       for (int w = 0; w < K / 32; ++w) db += sRowD[(b * (K / 32) + w) * 16 + i];
       const int64_t bi = (tok0 + r) * HV + hv;
       if (p.opt.beta_sigmoid_scale != 0.f) {
-        const float sg = dev::sigmoid_f(dev::load_any(p.beta, bi, p.beta_dtype));
+        const float sg = dev::sigmoid_f(load_any(p.beta, p.beta_dtype, bi));
         db *= p.opt.beta_sigmoid_scale * sg * (1.f - sg);
       }
-      dev::store_any(p.dbeta, bi, p.beta_dtype, db);
+      store_any(p.dbeta, p.beta_dtype, bi, db);
     }
   }
   // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (no GVA; coalesced pairs of columns), or dq^ / dk^ per

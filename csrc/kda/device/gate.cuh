@@ -88,6 +88,19 @@ __device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// The raw gate input g at token tok0 + r, value head hv, columns d0 .. d0 + 7 (8-aligned), as fp32;
+// zeros unless valid (rows past the chunk, or no gate to read).
+template <int K>
+__device__ __forceinline__ void raw_gate8(float (&x)[8], const KdaProblem& p, int64_t tok0, int r, int hv, int d0,
+                                          bool valid) {
+  if (valid) {
+    load8_any(x, p.g, p.g_dtype, ((tok0 + r) * p.HV + hv) * K + d0);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = 0.f;
+  }
+}
+
 // Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk into sG [64][KP]
 // (fp32), the block totals into sBT [4][K] (bit-identical to the block's last row), and beta
 // (after the optional sigmoid) into sBeta [64]. Rows >= len: gate 0, beta 0.
@@ -125,7 +138,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
   if (tid < kChunk) {
     float b = 0.f;
     if (tid < len) {
-      b = load_any(p.beta, (tok0 + tid) * HV + hv, p.beta_dtype);
+      b = load_any(p.beta, p.beta_dtype, (tok0 + tid) * HV + hv);
       if (p.opt.beta_sigmoid_scale != 0.f) b = p.opt.beta_sigmoid_scale * sigmoid_f(b);
     }
     sBeta[tid] = b;
@@ -133,13 +146,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
   // The gate of row j, the running (inclusive, thread-local) sum kept in registers and staged in sG.
   // Rows past the end: gate 0.
   auto load_row = [&](float (&x)[8], int j) {
-    const int r = row0 + j;
-    if (j < RPT && r < len) {
-      load8_any(x, p.g, ((tok0 + r) * HV + hv) * K + d0, p.g_dtype);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = 0.f;
-    }
+    raw_gate8<K>(x, p, tok0, row0 + j, hv, d0, j < RPT && row0 + j < len);
   };
   float run[8];
 #pragma unroll

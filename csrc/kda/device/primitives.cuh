@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "common/dtype_access.cuh"
 #include "common/dyn_smem.h"
 #include "kda/kda_problem.h"
 
@@ -45,25 +46,6 @@ template <> struct Elem<__half> {
   }
 };
 
-// A scalar of a runtime dtype (g and beta may come in any float dtype).
-__device__ __forceinline__ float load_any(const void* p, int64_t i, DType t) {
-  switch (t) {
-    case DType::kFloat32: return reinterpret_cast<const float*>(p)[i];
-    case DType::kFloat16: return __half2float(reinterpret_cast<const __half*>(p)[i]);
-    case DType::kBFloat16: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
-    default: return static_cast<float>(reinterpret_cast<const double*>(p)[i]);
-  }
-}
-
-__device__ __forceinline__ void store_any(void* p, int64_t i, DType t, float x) {
-  switch (t) {
-    case DType::kFloat32: reinterpret_cast<float*>(p)[i] = x; return;
-    case DType::kFloat16: reinterpret_cast<__half*>(p)[i] = __float2half_rn(x); return;
-    case DType::kBFloat16: reinterpret_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); return;
-    default: reinterpret_cast<double*>(p)[i] = static_cast<double>(x); return;
-  }
-}
-
 // for (i = tid; i < N; i += NTH) with N, NTH compile-time and tid < NTH (the block size): a fixed
 // trip count that unrolls fully, instead of the generic strided loop (unrolled by 4, plus remainder
 // code) the compiler must emit when it cannot bound tid. Once-per-CTA loops of the big kernels are
@@ -83,7 +65,7 @@ __device__ __forceinline__ void strided(int tid, F&& f) {
 // loop works on its own small local array, so v stays in registers on the fast paths: these run in
 // the once-per-chunk prologue / epilogue of the biggest kernels, where straight-line code size (the
 // instruction cache) matters more than the cold path's speed.
-__device__ __forceinline__ void load8_any(float (&v)[8], const void* p, int64_t i, DType t) {
+__device__ __forceinline__ void load8_any(float (&v)[8], const void* p, DType t, int64_t i) {
   const bool al16 = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
   if (al16 && t == DType::kFloat32) {
     const float4* q = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p) + i);
@@ -101,31 +83,31 @@ __device__ __forceinline__ void load8_any(float (&v)[8], const void* p, int64_t 
   } else {
     float tmp[8];
 #pragma unroll 1
-    for (int e = 0; e < 8; ++e) tmp[e] = load_any(p, i + e, t);
+    for (int e = 0; e < 8; ++e) tmp[e] = load_any(p, t, i + e);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = tmp[e];
   }
 }
-__device__ __forceinline__ void store8_any(void* p, int64_t i, DType t, const float (&v)[8]) {
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
+  return make_uint4(Elem<T>::pack2(v[0], v[1]), Elem<T>::pack2(v[2], v[3]), Elem<T>::pack2(v[4], v[5]),
+                    Elem<T>::pack2(v[6], v[7]));
+}
+__device__ __forceinline__ void store8_any(void* p, DType t, int64_t i, const float (&v)[8]) {
   const bool al16 = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
   if (al16 && t == DType::kFloat32) {
     float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(p) + i);
     q[0] = make_float4(v[0], v[1], v[2], v[3]);
     q[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else if (al16 && t == DType::kBFloat16) {
+  } else if (al16 && (t == DType::kBFloat16 || t == DType::kFloat16)) {
     *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p) + i) =
-        make_uint4(Elem<__nv_bfloat16>::pack2(v[0], v[1]), Elem<__nv_bfloat16>::pack2(v[2], v[3]),
-                   Elem<__nv_bfloat16>::pack2(v[4], v[5]), Elem<__nv_bfloat16>::pack2(v[6], v[7]));
-  } else if (al16 && t == DType::kFloat16) {
-    *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p) + i) =
-        make_uint4(Elem<__half>::pack2(v[0], v[1]), Elem<__half>::pack2(v[2], v[3]), Elem<__half>::pack2(v[4], v[5]),
-                   Elem<__half>::pack2(v[6], v[7]));
+        t == DType::kBFloat16 ? pack8<__nv_bfloat16>(v) : pack8<__half>(v);
   } else {
     float tmp[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) tmp[e] = v[e];
 #pragma unroll 1
-    for (int e = 0; e < 8; ++e) store_any(p, i + e, t, tmp[e]);
+    for (int e = 0; e < 8; ++e) store_any(p, t, i + e, tmp[e]);
   }
 }
 
