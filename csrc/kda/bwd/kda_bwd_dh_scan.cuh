@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
   WT* sm = reinterpret_cast<WT*>(smem_f4);
 
   const dev::ScanPlace<K, BV> pl(p);
-  const int g = pl.g, t = pl.t, lrow = pl.lrow, lmat = pl.lmat, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
+  const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
   const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
 
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
       for (int pp = 0; pp < 4; ++pp) {
         // B[k][n = token] = kg[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
         uint32_t b[4];
-        dev::ldsm_x4(b, sKg + (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8);
+        dev::ldsm_b(b, sKg, KP, 16 * pp, 16 * kk);
         dev::mma_16x16<WT>(dvT[2 * pp], dvT[2 * pp + 1], a, b);
       }
     }
@@ -89,12 +89,12 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
     uint32_t adoT[4][4];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-      dev::ldsm_x4_t(adoT[jj], sDo + (16 * jj + (lmat >> 1) * 8 + lrow) * VP + vw + (lmat & 1) * 8);
+      dev::ldsm_a_t(adoT[jj], sDo, VP, 16 * jj, vw);
 #pragma unroll
       for (int pp = 0; pp <= jj; ++pp) {
         // B[k = token][n = token'] = Aqk[token][token'] (nonzero for token >= token': pp <= jj)
         uint32_t b[4];
-        dev::ldsm_x4_t(b, sAqk + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * pp + (lmat >> 1) * 8);
+        dev::ldsm_b_t(b, sAqk, AP, 16 * jj, 16 * pp);
         dev::mma_16x16<WT>(dvT[2 * pp], dvT[2 * pp + 1], adoT[jj], b);
       }
     }
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
 #pragma unroll
         for (int pp = 0; pp <= jj; ++pp) {
           uint32_t b[4];
-          dev::ldsm_x4_t(b, sAkk + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * pp + (lmat >> 1) * 8);
+          dev::ldsm_b_t(b, sAkk, AP, 16 * jj, 16 * pp);
           dev::mma_16x16<WT>(acc[2 * pp], acc[2 * pp + 1], va[jj], b);
         }
       }
@@ -132,12 +132,10 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int q = 0; q < K / 16; ++q) {
-        // B[k = token][n = state row] = qg / w [token][k]: transposed loads; matrix m = tokens
-        // 16 jj + (m & 1) 8, state rows 16 q + (m >> 1) 8
-        const int off = (16 * jj + (lmat & 1) * 8 + lrow) * KP + 16 * q + (lmat >> 1) * 8;
+        // B[k = token][n = state row] = qg / w [token][k]: transposed loads
         uint32_t bq[4], bw[4];
-        dev::ldsm_x4_t(bq, sQg + off);
-        dev::ldsm_x4_t(bw, sW + off);
+        dev::ldsm_b_t(bq, sQg, KP, 16 * jj, 16 * q);
+        dev::ldsm_b_t(bw, sW, KP, 16 * jj, 16 * q);
         dev::mma_16x16<WT>(dhT[2 * q], dhT[2 * q + 1], adoT[jj], bq);
         dev::mma_16x16<WT>(dhT[2 * q], dhT[2 * q + 1], vn[jj], bw);
       }

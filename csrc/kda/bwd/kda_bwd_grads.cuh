@@ -140,7 +140,7 @@ struct GradsCtx {
 
   const KdaBwdParams& p;
   char* sm;
-  int tid, lane, warp, g, t, lrow, lmat, rb, cq, cb;
+  int tid, lane, warp, g, t, rb, cq, cb;
   int hv, h, HV, V;
   int64_t tok0;
   int len, gchunk;
@@ -152,8 +152,6 @@ struct GradsCtx {
     warp = tid >> 5;
     g = lane >> 2;
     t = lane & 3;
-    lrow = lane & 7;
-    lmat = lane >> 3;
     rb = warp & 3;
     cq = warp >> 2;
     cb = cq * KW;
@@ -283,7 +281,7 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
   constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
-  const int lrow = c.lrow, lmat = c.lmat, rb = c.rb, cq = c.cq, g = c.g, t = c.t;
+  const int rb = c.rb, cq = c.cq, g = c.g, t = c.t;
   const WT* sAqk = c.template at<WT>(S::vAqk);
   const WT* sAkk = c.template at<WT>(S::vAkk);
   const WT* sKg = c.template at<WT>(S::vKg);
@@ -318,8 +316,8 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) {
         uint32_t a[4], b[4];
-        dev::ldsm_x4(a, aK + (16 * rb + (lmat & 1) * 8 + lrow) * KQ + 16 * kk + (lmat >> 1) * 8);
-        dev::ldsm_x4(b, bS + (16 * vg + (lmat >> 1) * 8 + lrow) * KQ + 16 * kk + (lmat & 1) * 8);
+        dev::ldsm_a(a, aK, KQ, 16 * rb, 16 * kk);
+        dev::ldsm_b(b, bS, KQ, 16 * vg, 16 * kk);
         dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
       if (!is_dv) {
@@ -334,9 +332,9 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
         if (is_dv ? jj < rb : jj > rb) continue;
         uint32_t a[4], b[4];
-        if (is_dv) dev::ldsm_x4_t(a, sAqk + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
-        else dev::ldsm_x4(a, sAkk + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * jj + (lmat >> 1) * 8);
-        dev::ldsm_x4_t(b, (is_dv ? bDo : bV) + (16 * jj + (lmat & 1) * 8 + lrow) * VSP + 16 * vg + (lmat >> 1) * 8);
+        if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
+        else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
+        dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, 16 * vg);
         dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
       WT* out = is_dv ? sDVN : sVN;
@@ -360,27 +358,24 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       uint32_t ado[4], avn[4], adv[4];
-      const int aoff = (16 * rb + (lmat & 1) * 8 + lrow) * VSP + 16 * kv + (lmat >> 1) * 8;
-      dev::ldsm_x4(ado, bDo + aoff);
-      dev::ldsm_x4(avn, sVN + aoff);
-      dev::ldsm_x4(adv, sDVN + aoff);
+      dev::ldsm_a(ado, bDo, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(avn, sVN, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(adv, sDVN, VSP, 16 * rb, 16 * kv);
 #pragma unroll
       for (int np = 0; np < NTK / 2; ++np) {
         // B[k = v][n = state column] = h / dh [v][k]: transposed loads
-        const int off = (16 * kv + (lmat & 1) * 8 + lrow) * KQ + c.cb + 16 * np + (lmat >> 1) * 8;
         uint32_t bh[4], bd[4];
-        dev::ldsm_x4_t(bh, bH + off);
-        dev::ldsm_x4_t(bd, bDH + off);
+        dev::ldsm_b_t(bh, bH, KQ, 16 * kv, c.cb + 16 * np);
+        dev::ldsm_b_t(bd, bDH, KQ, 16 * kv, c.cb + 16 * np);
         dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
         dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
         dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
       }
       if (cq <= rb) {  // column block above the diagonal: never needed
         // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
-        const int off = (16 * cq + (lmat >> 1) * 8 + lrow) * VSP + 16 * kv + (lmat & 1) * 8;
         uint32_t bn[4], bv[4];
-        dev::ldsm_x4(bn, sVN + off);
-        dev::ldsm_x4(bv, bV + off);
+        dev::ldsm_b(bn, sVN, VSP, 16 * cq, 16 * kv);
+        dev::ldsm_b(bv, bV, VSP, 16 * cq, 16 * kv);
         dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
         dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
       }
@@ -401,7 +396,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
   using E = dev::Elem<WT>;
   constexpr int KQ = S::KQ, AP = S::AP, AF = S::AF, NTK = Ctx::NTK, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
-  const int lrow = c.lrow, lmat = c.lmat, rb = c.rb, cq = c.cq, g = c.g, t = c.t, cb = c.cb, tid = c.tid;
+  const int rb = c.rb, cq = c.cq, g = c.g, t = c.t, cb = c.cb, tid = c.tid;
   const int r0 = c.r0(), r1 = c.r1();
   WT* sM = c.template at<WT>(S::eM);
   WT* sAkk = c.template at<WT>(S::vAkk);
@@ -491,9 +486,9 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
       uint32_t a[4], b[4];
-      dev::ldsm_x4(a, sDW + (16 * rb + (lmat & 1) * 8 + lrow) * KQ + 16 * kk + (lmat >> 1) * 8);
+      dev::ldsm_a(a, sDW, KQ, 16 * rb, 16 * kk);
       // B[k][n = token'] = kexp[token'][k]: rows token', non-transposed
-      dev::ldsm_x4(b, sKexp + (16 * cq + (lmat >> 1) * 8 + lrow) * KQ + 16 * kk + (lmat & 1) * 8);
+      dev::ldsm_b(b, sKexp, KQ, 16 * cq, 16 * kk);
       dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
     // every (row, column) of dAkk is owned by exactly one thread: write back in place
@@ -514,12 +509,12 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
   for (int jj = 0; jj < 4; ++jj) {
     if (jj < rb) continue;  // Akk^T[row][token'] = Akk[token'][row], token' >= row
     uint32_t a[4];
-    dev::ldsm_x4_t(a, sAkk + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
+    dev::ldsm_a_t(a, sAkk, AP, 16 * jj, 16 * rb);
 #pragma unroll
     for (int np = 0; np < NTK / 2; ++np) {
       // B[k = token'][n = column] = dw[token'][column]: transposed loads
       uint32_t b[4];
-      dev::ldsm_x4_t(b, sDW + (16 * jj + (lmat & 1) * 8 + lrow) * KQ + cb + 16 * np + (lmat >> 1) * 8);
+      dev::ldsm_b_t(b, sDW, KQ, 16 * jj, cb + 16 * np);
       dev::mma_16x16<WT>(dkA[2 * np], dkA[2 * np + 1], a, b);
     }
   }
@@ -556,8 +551,8 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t a[4], b[4];
-      dev::ldsm_x4(a, sDM + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * kk + (lmat >> 1) * 8);
-      dev::ldsm_x4(b, sM + (16 * cq + (lmat >> 1) * 8 + lrow) * AP + 16 * kk + (lmat & 1) * 8);
+      dev::ldsm_a(a, sDM, AP, 16 * rb, 16 * kk);
+      dev::ldsm_b(b, sM, AP, 16 * cq, 16 * kk);
       dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
 #pragma unroll
@@ -576,8 +571,8 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
     for (int jj = 0; jj < 4; ++jj) {
       if (jj < rb) continue;
       uint32_t a[4], b[4];
-      dev::ldsm_x4_t(a, sM + (16 * jj + (lmat >> 1) * 8 + lrow) * AP + 16 * rb + (lmat & 1) * 8);
-      dev::ldsm_x4_t(b, sZ + (16 * jj + (lmat & 1) * 8 + lrow) * AP + 16 * cq + (lmat >> 1) * 8);
+      dev::ldsm_a_t(a, sM, AP, 16 * jj, 16 * rb);
+      dev::ldsm_b_t(b, sZ, AP, 16 * jj, 16 * cq);
       dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
 #pragma unroll

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
   // w = Akk @ kexp on tensor cores: warp (rb = warp & 3, half = warp >> 2) takes rows 16 rb and
   // columns [half K/2, (half + 1) K/2); Akk is lower triangular (token blocks jj <= rb).
   {
-    const int g = lane >> 2, t = lane & 3, lrow = lane & 7, lmat = lane >> 3;
+    const int g = lane >> 2, t = lane & 3;
     const int rb = warp & 3, cb = (warp >> 2) * (K / 2);
     constexpr int NT = K / 16;  // n-tiles of 8 in the warp's K/2 columns
     float acc[NT][4];
@@ -124,12 +124,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
     for (int jj = 0; jj < 4; ++jj) {
       if (jj > rb) continue;
       uint32_t a[4];
-      dev::ldsm_x4(a, sAkk + (16 * rb + (lmat & 1) * 8 + lrow) * AP + 16 * jj + (lmat >> 1) * 8);
+      dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         // B[k = token][n = column] = kexp[token][column]: transposed loads
         uint32_t b[4];
-        dev::ldsm_x4_t(b, sKexp + (16 * jj + (lmat & 1) * 8 + lrow) * KQ + cb + 16 * np + (lmat >> 1) * 8);
+        dev::ldsm_b_t(b, sKexp, KQ, 16 * jj, cb + 16 * np);
         dev::mma_16x16<WT>(acc[2 * np], acc[2 * np + 1], a, b);
       }
     }

@@ -224,6 +224,34 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
                : "r"(smem_u32(p)));
 #endif
 }
+
+// The m16n8k16 operand fragments by ldmatrix.x4 from a row-major smem tile (leading dimension ld
+// elements, rows r0.., columns c0..). Lane l gives the address of row l & 7 of 8 x 8 matrix l >> 3;
+// the four matrices are the fragment's quarters in the order the MMA wants them:
+//   ldsm_a   A [m = tile rows r0 + 0..15][k = columns c0 + 0..15]   (tile [m][k])
+//   ldsm_a_t A [m = columns c0 + 0..15][k = tile rows r0 + 0..15]   (tile [k][m], transposed load)
+//   ldsm_b   B [k = columns c0 + 0..15][n = tile rows r0 + 0..15]   (tile [n][k]; n-tiles n, n + 8)
+//   ldsm_b_t B [k = tile rows r0 + 0..15][n = columns c0 + 0..15]   (tile [k][n], transposed load)
+template <typename T>
+__device__ __forceinline__ void ldsm_a(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(r, tile + (r0 + ((l >> 3) & 1) * 8 + (l & 7)) * ld + c0 + (l >> 4) * 8);
+}
+template <typename T>
+__device__ __forceinline__ void ldsm_a_t(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(r, tile + (r0 + (l >> 4) * 8 + (l & 7)) * ld + c0 + ((l >> 3) & 1) * 8);
+}
+template <typename T>
+__device__ __forceinline__ void ldsm_b(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(r, tile + (r0 + (l >> 4) * 8 + (l & 7)) * ld + c0 + ((l >> 3) & 1) * 8);
+}
+template <typename T>
+__device__ __forceinline__ void ldsm_b_t(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(r, tile + (r0 + ((l >> 3) & 1) * 8 + (l & 7)) * ld + c0 + (l >> 4) * 8);
+}
 // 16-byte async copy; src_bytes == 0 zero-fills the destination (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
 #ifdef KF_EMU

@@ -67,13 +67,13 @@ __device__ __forceinline__ ScanSources<WT> scan_sources(const KdaFwdParams& p, c
 // state fragment sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
 template <int K, int BV>
 struct ScanPlace {
-  int lane, warp, g, t, lrow, lmat;
+  int lane, warp, g, t;
   int hv, v0, vw, col0;
   SeqInfo seq;
   int nchunks;
   int64_t sbase;  // the sequence's [K, V] state in h0 / ht / dht / dh0
   __device__ __forceinline__ explicit ScanPlace(const KdaProblem& p)
-      : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3), lrow(lane & 7), lmat(lane >> 3),
+      : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3),
         hv(blockIdx.y), v0(blockIdx.x * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, blockIdx.z)),
         nchunks((seq.len + kChunk - 1) / kChunk),
         sbase((static_cast<int64_t>(blockIdx.z) * p.HV + blockIdx.y) * K * p.V) {}

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   WT* sm = reinterpret_cast<WT*>(smem_f4);
 
   const dev::ScanPlace<K, BV> pl(p);
-  const int g = pl.g, t = pl.t, lrow = pl.lrow, lmat = pl.lmat, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
+  const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
   const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
 
@@ -89,14 +89,13 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
       dev::pack_a<WT>(a, hT[2 * kk], hT[2 * kk + 1]);
 #pragma unroll
       for (int pp = 0; pp < 4; ++pp) {
-        // B[k][n = token] = w[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
-        const int off = (16 * pp + (lmat >> 1) * 8 + lrow) * KP + 16 * kk + (lmat & 1) * 8;
+        // B[k][n = token] = w[token][k]
         uint32_t bw[4];
-        dev::ldsm_x4(bw, sW + off);
+        dev::ldsm_b(bw, sW, KP, 16 * pp, 16 * kk);
         dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, bw);
         if (with_o) {
           uint32_t bq[4];
-          dev::ldsm_x4(bq, sQg + off);
+          dev::ldsm_b(bq, sQg, KP, 16 * pp, 16 * kk);
           dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, bq);
         }
       }
@@ -112,11 +111,11 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
       // A[m = v][k = token j]: transposed loads of the [token][v] tile; matrix m = tokens
       // 16 jj + (m >> 1) 8, values vw + (m & 1) 8
       uint32_t a[4];
-      dev::ldsm_x4_t(a, sV + (16 * jj + (lmat >> 1) * 8 + lrow) * VP + vw + (lmat & 1) * 8);
+      dev::ldsm_a_t(a, sV, VP, 16 * jj, vw);
 #pragma unroll
       for (int pp = jj; pp < 4; ++pp) {
         uint32_t b[4];
-        dev::ldsm_x4(b, sAkk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
+        dev::ldsm_b(b, sAkk, AP, 16 * pp, 16 * jj);
         dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, b);
       }
     }
@@ -132,7 +131,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
 #pragma unroll
       for (int pp = jj; pp < 4; ++pp) {
         uint32_t b[4];
-        dev::ldsm_x4(b, sAqk + (16 * pp + (lmat >> 1) * 8 + lrow) * AP + 16 * jj + (lmat & 1) * 8);
+        dev::ldsm_b(b, sAqk, AP, 16 * pp, 16 * jj);
         dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], va[jj], b);
       }
     }
@@ -149,7 +148,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
         // B[k = token][n = state row] = kg[token][k]: transposed loads; matrix m = tokens
         // 16 jj + (m & 1) 8, state rows 16 q + (m >> 1) 8
         uint32_t b[4];
-        dev::ldsm_x4_t(b, sKg + (16 * jj + (lmat & 1) * 8 + lrow) * KP + 16 * q + (lmat >> 1) * 8);
+        dev::ldsm_b_t(b, sKg, KP, 16 * jj, 16 * q);
         dev::mma_16x16<WT>(hT[2 * q], hT[2 * q + 1], va[jj], b);
       }
     }
