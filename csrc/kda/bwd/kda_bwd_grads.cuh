@@ -1061,12 +1061,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_grads(const KdaBwdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = GradsSmem<K>::kBytes;
-  auto kern = kda_bwd_grads_kernel<WT, K>;
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kern<<<dim3(p.max_chunks, p.HV), kGradsThreads, smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
+  dev::launch_chunk_grid(kda_bwd_grads_kernel<WT, K>, p, kGradsThreads, GradsSmem<K>::kBytes, stream);
 }
 #endif
 

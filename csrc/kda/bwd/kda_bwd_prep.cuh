@@ -147,14 +147,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_prep(const KdaBwdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = PrepSmem<K>::kBytes;
-  auto kern = kda_bwd_prep_kernel<WT, K>;
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     cudaSharedmemCarveoutMaxShared));
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kern<<<dim3(p.max_chunks, p.HV), kPrepThreads, smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
+  dev::launch_chunk_grid(kda_bwd_prep_kernel<WT, K>, p, kPrepThreads, PrepSmem<K>::kBytes, stream);
 }
 #endif
 

@@ -60,4 +60,19 @@ __device__ __forceinline__ int total_chunks(const KdaProblem& p) {
   return p.cu_seqlens ? p.chunk_offsets[p.N] : p.N * ((p.T + kChunk - 1) / kChunk);
 }
 
+#ifndef KF_EMU
+// The per-chunk grid (one CTA per global chunk x value head; chunk_of maps blockIdx.x) of
+// kda_fwd_intra, kda_bwd_prep and kda_bwd_grads: dynamic smem opted in with the largest carveout,
+// nothing launched for an empty problem.
+template <typename Params>
+void launch_chunk_grid(void (*kern)(Params), const Params& p, int threads, size_t smem, cudaStream_t stream) {
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+  if (p.max_chunks == 0 || p.HV == 0) return;
+  kern<<<dim3(p.max_chunks, p.HV), threads, smem, stream>>>(p);
+  KF_CHECK_LAUNCH();
+}
+#endif
+
 }  // namespace kernel_fun::kda::dev

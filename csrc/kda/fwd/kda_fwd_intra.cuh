@@ -621,14 +621,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = IntraSmem<K>::kBytes;
-  auto kern = kda_fwd_intra_kernel<WT, K>;
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     cudaSharedmemCarveoutMaxShared));
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kern<<<dim3(p.max_chunks, p.HV), kIntraThreads, smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
+  dev::launch_chunk_grid(kda_fwd_intra_kernel<WT, K>, p, kIntraThreads, IntraSmem<K>::kBytes, stream);
 }
 #endif
 
