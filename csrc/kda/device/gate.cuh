@@ -159,9 +159,30 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       run[e] += y;
       x[e] = run[e];
     }
-    st8(sG + (row0 + j) * KP + d0, x);
   };
-  if constexpr (kRollRows) {
+  // The exclusive prefix of the sub-groups before this one in the block (shuffles within the
+  // block's SUBS lanes), added to each of the thread's rows, times 1/ln2.
+  float excl[8];
+  auto block_prefix = [&]() {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float incl = run[e];  // inclusive prefix of the sub-group totals
+#pragma unroll
+      for (int o = 1; o < SUBS; o <<= 1) {
+        const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
+        if (sub >= o) incl += v;
+      }
+      excl[e] = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
+    }
+  };
+  auto finish_row = [&](float (&x)[8], int j) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = (sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
+    st8(sG + (row0 + j) * KP + d0, x);
+    // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
+    if (sub == SUBS - 1 && j == RPT - 1) st8(sBT + blk * K + d0, x);
+  };
+  if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
     float x[8];
     load_row(x, 0);
 #pragma unroll 1
@@ -169,39 +190,25 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       float nx[8];
       load_row(nx, j + 1);
       activate_row(x, j);
+      st8(sG + (row0 + j) * KP + d0, x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] = nx[e];
     }
-  } else {
+    block_prefix();
+#pragma unroll 1
+    for (int j = 0; j < RPT; ++j) {
+      ld8(x, sG + (row0 + j) * KP + d0);
+      finish_row(x, j);
+    }
+  } else {  // every row in registers from its load to its one store
     float xr[RPT][8];
 #pragma unroll
     for (int j = 0; j < RPT; ++j) load_row(xr[j], j);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) activate_row(xr[j], j);
-  }
-  // the exclusive prefix of the sub-groups before this one in the block (shuffles within the
-  // block's SUBS lanes), added to the thread's rows, times 1/ln2
-  float excl[8];
+    block_prefix();
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    float incl = run[e];  // inclusive prefix of the sub-group totals
-#pragma unroll
-    for (int o = 1; o < SUBS; o <<= 1) {
-      const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
-      if (sub >= o) incl += v;
-    }
-    excl[e] = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
-  }
-#pragma unroll 1
-  for (int j = 0; j < RPT; ++j) {
-    float x[8];
-    float* row = sG + (row0 + j) * KP + d0;
-    ld8(x, row);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = (sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
-    st8(row, x);
-    // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
-    if (sub == SUBS - 1 && j == RPT - 1) st8(sBT + blk * K + d0, x);
+    for (int j = 0; j < RPT; ++j) finish_row(xr[j], j);
   }
 }
 
