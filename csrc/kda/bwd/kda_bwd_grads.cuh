@@ -848,9 +848,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   const GateMode mode = p.opt.gate_mode;
   const bool gate_in_kernel = mode != GateMode::kPrecomputed;
   const int cg = tid % CG, r_first = tid / CG, d0 = 8 * cg;
-  auto load_raw = [&](float (&x)[8], int r) { dev::raw_gate8<K>(x, p, tok0, r, hv, d0, gate_in_kernel && r < len); };
-  float graw[8];
-  load_raw(graw, r_first);
+  auto load_raw = [&](int r) { return dev::raw_gate8<K>(p, tok0, r, hv, d0, gate_in_kernel && r < len); };
+  dev::Raw8 graw = load_raw(r_first);
   if (tid < K) {
     // the decay gradient dG = exp2(G) sum_v h dh + sum_r kg dkg (enters at the last valid row)
     float dec = 0.f;
@@ -895,16 +894,17 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
 #pragma unroll 1
     for (int it = 0; it < NIT; ++it) {
       const int r = r_first + RSTEP * it;
-      float gnext[8];
-      load_raw(gnext, r + RSTEP);  // zeros past the chunk (and past NIT)
+      const dev::Raw8 gnext = load_raw(r + RSTEP);  // zeros past the chunk (and past NIT)
       if (r < len) {
         float dgate[8];
         dev::ld8(dgate, Xg + Ctx::xs(r, d0));
         if (gate_in_kernel) {
+          float gx[8];
+          dev::gate8_to_float(gx, graw, p);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             float ddx, ddA;
-            dev::gate_derivatives(mode, graw[e] + bias[e], a_exp, p.opt.lower_bound, ddx, ddA);
+            dev::gate_derivatives(mode, gx[e] + bias[e], a_exp, p.opt.lower_bound, ddx, ddA);
             pa = fmaf(dgate[e], ddA, pa);
             dgate[e] *= ddx;
             pb[e] += dgate[e];
@@ -912,8 +912,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
         }
         dev::store8_any(p.dg, p.g_dtype, ((tok0 + r) * HV + hv) * K + d0, dgate);
       }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) graw[e] = gnext[e];
+      graw = gnext;
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) sPart[r_first * K + d0 + e] = pb[e];  // [RSTEP][K]

@@ -88,17 +88,17 @@ __device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// The raw gate input g at token tok0 + r, value head hv, columns d0 .. d0 + 7 (8-aligned), as fp32;
-// zeros unless valid (rows past the chunk, or no gate to read).
+// The raw gate input g at token tok0 + r, value head hv, columns d0 .. d0 + 7 (8-aligned), as loaded
+// (dev::Raw8: convert with gate8_to_float where the values are needed, so that the loads of several
+// rows are in flight at once); zeros unless valid (rows past the chunk, or no gate to read).
 template <int K>
-__device__ __forceinline__ void raw_gate8(float (&x)[8], const KdaProblem& p, int64_t tok0, int r, int hv, int d0,
-                                          bool valid) {
-  if (valid) {
-    load8_any(x, p.g, p.g_dtype, ((tok0 + r) * p.HV + hv) * K + d0);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = 0.f;
-  }
+__device__ __forceinline__ Raw8 raw_gate8(const KdaProblem& p, int64_t tok0, int r, int hv, int d0, bool valid) {
+  Raw8 x = raw8_zero();
+  if (valid) load8_raw(x, p.g, p.g_dtype, ((tok0 + r) * p.HV + hv) * K + d0);
+  return x;
+}
+__device__ __forceinline__ void gate8_to_float(float (&v)[8], const Raw8& x, const KdaProblem& p) {
+  raw8_to_float(v, x, p.g, p.g_dtype);
 }
 
 // Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk into sG [64][KP]
@@ -135,24 +135,26 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + d0 + e];
     }
   }
-  if (tid < kChunk) {
-    float b = 0.f;
-    if (tid < len) {
-      b = load_any(p.beta, p.beta_dtype, (tok0 + tid) * HV + hv);
-      if (p.opt.beta_sigmoid_scale != 0.f) b = p.opt.beta_sigmoid_scale * sigmoid_f(b);
+  // beta (after the gate rows' loads are issued: its sigmoid waits on its own load)
+  auto load_beta = [&]() {
+    if (tid < kChunk) {
+      float b = 0.f;
+      if (tid < len) {
+        b = load_any(p.beta, p.beta_dtype, (tok0 + tid) * HV + hv);
+        if (p.opt.beta_sigmoid_scale != 0.f) b = p.opt.beta_sigmoid_scale * sigmoid_f(b);
+      }
+      sBeta[tid] = b;
     }
-    sBeta[tid] = b;
-  }
+  };
   // The gate of row j, the running (inclusive, thread-local) sum kept in registers and staged in sG.
   // Rows past the end: gate 0.
-  auto load_row = [&](float (&x)[8], int j) {
-    raw_gate8<K>(x, p, tok0, row0 + j, hv, d0, j < RPT && row0 + j < len);
-  };
+  auto load_row = [&](int j) { return raw_gate8<K>(p, tok0, row0 + j, hv, d0, j < RPT && row0 + j < len); };
   float run[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) run[e] = 0.f;
-  auto activate_row = [&](float (&x)[8], int j) {
+  auto activate_row = [&](float (&x)[8], const Raw8& raw, int j) {
     const bool ok = row0 + j < len;
+    gate8_to_float(x, raw, p);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float y = ok ? gate_activation(mode, x[e], x[e] + bias[e], a_exp, p.opt.lower_bound) : 0.f;
@@ -183,16 +185,15 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     if (sub == SUBS - 1 && j == RPT - 1) st8(sBT + blk * K + d0, x);
   };
   if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
+    Raw8 raw = load_row(0);
+    load_beta();
     float x[8];
-    load_row(x, 0);
 #pragma unroll 1
     for (int j = 0; j < RPT; ++j) {
-      float nx[8];
-      load_row(nx, j + 1);
-      activate_row(x, j);
+      const Raw8 next = load_row(j + 1);
+      activate_row(x, raw, j);
       st8(sG + (row0 + j) * KP + d0, x);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = nx[e];
+      raw = next;
     }
     block_prefix();
 #pragma unroll 1
@@ -201,11 +202,13 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       finish_row(x, j);
     }
   } else {  // every row in registers from its load to its one store
+    Raw8 raw[RPT];
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) raw[j] = load_row(j);
+    load_beta();
     float xr[RPT][8];
 #pragma unroll
-    for (int j = 0; j < RPT; ++j) load_row(xr[j], j);
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) activate_row(xr[j], j);
+    for (int j = 0; j < RPT; ++j) activate_row(xr[j], raw[j], j);
     block_prefix();
 #pragma unroll
     for (int j = 0; j < RPT; ++j) finish_row(xr[j], j);

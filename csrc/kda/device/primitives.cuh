@@ -59,21 +59,45 @@ __device__ __forceinline__ void strided(int tid, F&& f) {
   }
 }
 
-// 8 consecutive elements of a runtime dtype at element i (i a multiple of 8) <-> 8 floats. fp32 and
-// the 16-bit types take one or two 16-byte accesses when the base pointer is 16-byte aligned (i % 8
-// == 0 keeps the element aligned too); anything else goes through a rolled scalar loop. The rolled
-// loop works on its own small local array, so v stays in registers on the fast paths: these run in
-// the once-per-chunk prologue / epilogue of the biggest kernels, where straight-line code size (the
+// 8 consecutive elements of a runtime dtype at element i (i a multiple of 8) -> 8 floats, in two
+// steps so that a caller can have several rows' loads in flight before it waits on any: load8_raw
+// issues the load and keeps the bits as loaded; raw8_to_float converts them, and its first read of
+// the registers is where the warp waits. (A conversion right behind each load, inside the dtype
+// branch, serialises the loads of an unrolled row loop: one global latency per row.)
+// fp32 and the 16-bit types take one or two 16-byte accesses when the base pointer is 16-byte
+// aligned (i % 8 == 0 keeps the element aligned too); anything else goes through a rolled scalar
+// loop that converts at once (it is the cold path) and keeps fp32 bits. The rolled loop works on its
+// own small local array, so the raw registers stay registers on the fast paths: these run in the
+// once-per-chunk prologue / epilogue of the biggest kernels, where straight-line code size (the
 // instruction cache) matters more than the cold path's speed.
-__device__ __forceinline__ void load8_any(float (&v)[8], const void* p, DType t, int64_t i) {
+struct Raw8 {
+  uint4 lo, hi;  // fp32 bits: lo = elements 0..3, hi = 4..7; a packed 16-bit dtype: lo only
+};
+__device__ __forceinline__ bool packed16(const void* p, DType t) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0 && (t == DType::kBFloat16 || t == DType::kFloat16);
+}
+__device__ __forceinline__ void load8_raw(Raw8& r, const void* p, DType t, int64_t i) {
   const bool al16 = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
   if (al16 && t == DType::kFloat32) {
-    const float4* q = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p) + i);
-    const float4 a = q[0], b = q[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  } else if (al16 && (t == DType::kBFloat16 || t == DType::kFloat16)) {
-    const uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p) + i);
-    const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+    const uint4* q = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(p) + i);
+    r.lo = q[0];
+    r.hi = q[1];
+  } else if (packed16(p, t)) {
+    r.lo = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p) + i);
+  } else {
+    float tmp[8];
+#pragma unroll 1
+    for (int e = 0; e < 8; ++e) tmp[e] = load_any(p, t, i + e);
+    r.lo = make_uint4(__float_as_uint(tmp[0]), __float_as_uint(tmp[1]), __float_as_uint(tmp[2]), __float_as_uint(tmp[3]));
+    r.hi = make_uint4(__float_as_uint(tmp[4]), __float_as_uint(tmp[5]), __float_as_uint(tmp[6]), __float_as_uint(tmp[7]));
+  }
+}
+// All-zero bits are 0.0 in every dtype: the value of a row that is not loaded.
+__device__ __forceinline__ Raw8 raw8_zero() { return Raw8{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)}; }
+// p and t as given to load8_raw (they say which form the bits are in).
+__device__ __forceinline__ void raw8_to_float(float (&v)[8], const Raw8& r, const void* p, DType t) {
+  if (packed16(p, t)) {
+    const uint32_t w4[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 f2 = t == DType::kBFloat16 ? Elem<__nv_bfloat16>::to_float2(w4[e]) : Elem<__half>::to_float2(w4[e]);
@@ -81,11 +105,8 @@ __device__ __forceinline__ void load8_any(float (&v)[8], const void* p, DType t,
       v[2 * e + 1] = f2.y;
     }
   } else {
-    float tmp[8];
-#pragma unroll 1
-    for (int e = 0; e < 8; ++e) tmp[e] = load_any(p, t, i + e);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = tmp[e];
+    v[0] = __uint_as_float(r.lo.x); v[1] = __uint_as_float(r.lo.y); v[2] = __uint_as_float(r.lo.z); v[3] = __uint_as_float(r.lo.w);
+    v[4] = __uint_as_float(r.hi.x); v[5] = __uint_as_float(r.hi.y); v[6] = __uint_as_float(r.hi.z); v[7] = __uint_as_float(r.hi.w);
   }
 }
 template <typename T>
