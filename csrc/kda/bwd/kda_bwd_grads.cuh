@@ -10,10 +10,9 @@
 // column quarter cq = w >> 2:
 //   P   q, k, Aqk, Akk, w, kg and the first V-slice -> smem (cp.async); gate + block-local cumsum,
 //       beta; block offsets; l2norm factors                                                   |
-//   V   per 32-wide V-slice s (h_c, dh_{c+1}, do, v slices in three cp.async stages; one barrier per
-//       slice, behind which V1 of slice s + 1 and V2 of slice s run):
+//   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v slices):
 //       V1  v' = Akk v - w h^T  /  dv' = Aqk^T do + kg dh^T  (one 16 x 16 tile of one of them per
-//           warp) -> smem; sum_v h * dh per state row (the decay's gradient)
+//           warp) -> smem; sum_v h * dh per state row (the decay's gradient)                 |
 //       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
 //           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only)    |
 //   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
@@ -63,6 +62,7 @@ struct GradsSmem {
   static constexpr int KP = K + 8;     // fp32 row stride of the g2 tile
   static constexpr int AP = 72;        // WT row stride of [64][64] tiles
   static constexpr int AF = 68;        // fp32 row stride of [64][64] tiles
+  static constexpr int VSP = kVS + 8;  // WT row stride of [64][32] slices
   static constexpr int NPART = kGradsThreads / K;  // row groups of the sum_v h dh pass
   // base
   static constexpr int oQ = 0;
@@ -75,24 +75,20 @@ struct GradsSmem {
   static constexpr int oDot = oRowA + 4 * kChunk * 4;  // [2][64] l2norm row dots
   static constexpr int oDbc = oDot + 2 * kChunk * 4;   // [8][64] dbeta from Akk's columns (partials)
   static constexpr int oU = oDbc + 8 * kChunk * 4;
-  // union, V phase: the chunk's operands, kStages stages of slices (h_c, dh_{c+1} [32 v][K]; do, v
-  // [64 tok][32]) and two of v' / dv' [64][32]. The slices and v' / dv' are Swizzled, not padded:
-  // three stages fit only so.
-  static constexpr int kStages = 3;
+  // union, V phase
   static constexpr int vAqk = oU;
   static constexpr int vAkk = vAqk + kChunk * AP * 2;
   static constexpr int vKg = vAkk + kChunk * AP * 2;
   static constexpr int vW = vKg + kChunk * KQ * 2;
   static constexpr int vStage = vW + kChunk * KQ * 2;
-  static constexpr int sH = 0;  // within a stage
-  static constexpr int sDH = sH + kVS * K * 2;
-  static constexpr int sDo = sDH + kVS * K * 2;
-  static constexpr int sV = sDo + kChunk * kVS * 2;
-  static constexpr int kStageBytes = sV + kChunk * kVS * 2;
-  static constexpr int kSliceBytes = kChunk * kVS * 2;  // one v' or dv' buffer
-  static constexpr int vVN = vStage + kStages * kStageBytes;  // [2][64][32]
-  static constexpr int vDVN = vVN + 2 * kSliceBytes;          // [2][64][32]
-  static constexpr int vEnd = vDVN + 2 * kSliceBytes;
+  static constexpr int sH = 0;  // within a stage: h_c slice [32 v][KQ]
+  static constexpr int sDH = sH + kVS * KQ * 2;
+  static constexpr int sDo = sDH + kVS * KQ * 2;  // [64 tok][VSP]
+  static constexpr int sV = sDo + kChunk * VSP * 2;
+  static constexpr int kStageBytes = sV + kChunk * VSP * 2;
+  static constexpr int vVN = vStage + 2 * kStageBytes;
+  static constexpr int vDVN = vVN + kChunk * VSP * 2;
+  static constexpr int vEnd = vDVN + kChunk * VSP * 2;
   // union, E phase (Akk stays where it was)
   static constexpr int eM = vAqk;
   static constexpr int eDW = vKg;
@@ -138,9 +134,7 @@ struct GradsCtx {
   using S = GradsSmem<K>;
   using E = dev::Elem<WT>;
   static constexpr int NTH = kGradsThreads;
-  static constexpr int KQ = S::KQ, KP = S::KP, AP = S::AP, AF = S::AF;
-  using LH = dev::Swizzled<K>;    // h_c / dh_{c+1} slices [32 v][K]
-  using LS = dev::Swizzled<kVS>;  // do / v slices, v' / dv' [64 tok][32]
+  static constexpr int KQ = S::KQ, KP = S::KP, AP = S::AP, AF = S::AF, VSP = S::VSP;
   static constexpr int KW = K / 4;     // columns of K per warp (column quarter)
   static constexpr int NTK = KW / 8;   // n-tiles of 8 columns in a warp's quarter of K
 
@@ -209,31 +203,16 @@ template <int NTK>
 using Tile = float[NTK][4];
 
 // ---------------------------------------------------------------- P
-// The buffers of V-slice s: its stage (s % kStages) and its v' / dv' pair (s & 1).
 template <typename WT, int K>
-struct SliceBufs {
+__device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s, int st) {
   using S = GradsSmem<K>;
-  WT *h, *dh, *dout, *v, *vn, *dvn;
-  __device__ __forceinline__ SliceBufs(char* sm, int s) {
-    char* base = sm + S::vStage + (s % S::kStages) * S::kStageBytes;
-    h = reinterpret_cast<WT*>(base + S::sH);
-    dh = reinterpret_cast<WT*>(base + S::sDH);
-    dout = reinterpret_cast<WT*>(base + S::sDo);
-    v = reinterpret_cast<WT*>(base + S::sV);
-    vn = reinterpret_cast<WT*>(sm + S::vVN + (s & 1) * S::kSliceBytes);
-    dvn = reinterpret_cast<WT*>(sm + S::vDVN + (s & 1) * S::kSliceBytes);
-  }
-};
-
-// V-slice s (value columns 32 s ..) of h_c, dh_{c+1}, do, v -> its stage (cp.async, no commit).
-template <typename WT, int K>
-__device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s) {
-  using Ctx = GradsCtx<WT, K>;
-  constexpr int NTH = kGradsThreads;
-  const typename Ctx::LH lh;
-  const typename Ctx::LS ls;
+  constexpr int KQ = S::KQ, VSP = S::VSP, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
-  const SliceBufs<WT, K> b(c.sm, s);
+  char* base = c.sm + S::vStage + st * S::kStageBytes;
+  WT* bH = reinterpret_cast<WT*>(base + S::sH);
+  WT* bDH = reinterpret_cast<WT*>(base + S::sDH);
+  WT* bDo = reinterpret_cast<WT*>(base + S::sDo);
+  WT* bV = reinterpret_cast<WT*>(base + S::sV);
   const int64_t sb = (static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * c.V * K;
   const WT* gh = reinterpret_cast<const WT*>(p.h_ckpt) + sb;
   const WT* gdh = reinterpret_cast<const WT*>(p.dh_ckpt) + sb;
@@ -243,15 +222,15 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
   constexpr int VPR = K / 8;
   dev::strided<kVS * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
-    dev::cp_async16(b.h + lh(r, c8), gh + static_cast<int64_t>(v0 + r) * K + c8, 16);
-    dev::cp_async16(b.dh + lh(r, c8), gdh + static_cast<int64_t>(v0 + r) * K + c8, 16);
+    dev::cp_async16(bH + r * KQ + c8, gh + static_cast<int64_t>(v0 + r) * K + c8, 16);
+    dev::cp_async16(bDH + r * KQ + c8, gdh + static_cast<int64_t>(v0 + r) * K + c8, 16);
   });
   dev::strided<kChunk * (kVS / 8), NTH>(c.tid, [&](int i) {
     const int r = i / (kVS / 8), c8 = (i % (kVS / 8)) * 8;
     const bool ok = r < c.len;
     const int64_t off = ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * c.V + v0 + c8;
-    dev::cp_async16(b.dout + ls(r, c8), gdo + off, ok ? 16 : 0);
-    dev::cp_async16(b.v + ls(r, c8), gv + off, ok ? 16 : 0);
+    dev::cp_async16(bDo + r * VSP + c8, gdo + off, ok ? 16 : 0);
+    dev::cp_async16(bV + r * VSP + c8, gv + off, ok ? 16 : 0);
   });
 }
 
@@ -293,135 +272,114 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
 }
 
 // ---------------------------------------------------------------- V
-// V1 of slice s: the warp's 16 x 16 tile (rows 16 rb, slice columns 16 vg, vg = cq & 1) of
-// v' = Akk v - w h^T (cq < 2) or dv' = Aqk^T do + kg dh^T (cq >= 2) -> the slice's sVN / sDVN; and
-// the thread's share of sum_v h dh per state row (the decay's gradient) into dec_acc.
-// Two accumulator pairs (even / odd k-steps, summed in a fixed order at the end) halve the chain of
-// dependent MMAs.
-template <typename WT, int K>
-__device__ __forceinline__ void grads_v1(const GradsCtx<WT, K>& c, int s, float& dec_acc) {
-  using S = GradsSmem<K>;
-  using Ctx = GradsCtx<WT, K>;
-  using E = dev::Elem<WT>;
-  constexpr int KQ = S::KQ, AP = S::AP;
-  const typename Ctx::LH lh;
-  const typename Ctx::LS ls;
-  const int rb = c.rb, g = c.g, t = c.t, vg = c.cq & 1;
-  const bool is_dv = c.cq >> 1;
-  const SliceBufs<WT, K> b(c.sm, s);
-  const WT* aK = c.template at<WT>(is_dv ? S::vKg : S::vW);  // A = kg / w rows
-  const WT* bS = is_dv ? b.dh : b.h;                            // B[k][n = v] = dh / h [v][k]: rows v
-  float acc[2][2][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    uint32_t a[4], bb[4];
-    dev::ldsm_a(a, aK, KQ, 16 * rb, 16 * kk);
-    dev::ldsm_b(bb, bS, lh, 16 * vg, 16 * kk);
-    dev::mma_16x16<WT>(acc[kk & 1][0], acc[kk & 1][1], a, bb);
-  }
-  if (!is_dv) {
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2)
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[h2][j][e] = -acc[h2][j][e];
-  }
-#pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
-    // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
-    if (is_dv ? jj < rb : jj > rb) continue;
-    uint32_t a[4], bb[4];
-    if (is_dv) dev::ldsm_a_t(a, c.template at<WT>(S::vAqk), AP, 16 * jj, 16 * rb);
-    else dev::ldsm_a(a, c.template at<WT>(S::vAkk), AP, 16 * rb, 16 * jj);
-    dev::ldsm_b_t(bb, (is_dv ? b.dout : b.v), ls, 16 * jj, 16 * vg);
-    dev::mma_16x16<WT>(acc[jj & 1][0], acc[jj & 1][1], a, bb);
-  }
-  WT* out = is_dv ? b.dvn : b.vn;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int col = 16 * vg + 8 * j + 2 * t;
-    *reinterpret_cast<uint32_t*>(out + ls(16 * rb + g, col)) =
-        E::pack2(acc[0][j][0] + acc[1][j][0], acc[0][j][1] + acc[1][j][1]);
-    *reinterpret_cast<uint32_t*>(out + ls(16 * rb + g + 8, col)) =
-        E::pack2(acc[0][j][2] + acc[1][j][2], acc[0][j][3] + acc[1][j][3]);
-  }
-  // sum_v h dh: thread (k = tid % K, row group tid / K) takes kVS / NPART rows of each slice
-  constexpr int RPP = kVS / S::NPART;
-  const int dec_k = c.tid % K, dec_part = c.tid / K;
-#pragma unroll
-  for (int r = 0; r < RPP; ++r) {
-    const int vr = dec_part * RPP + r;
-    dec_acc = fmaf(E::to_float(b.h[lh(vr, dec_k)]), E::to_float(b.dh[lh(vr, dec_k)]), dec_acc);
-  }
-}
-
-// V2 of slice s: contractions over its 32 value columns (two k-steps of 16) into the warp's register
-// tiles: dqg += do h, dkg += v' dh, dw += dv' h ([16 x K/4]); dAq += do v'^T, dAk += dv' v^T
-// ([16 x 16] at columns 16 cq, lower blocks only).
-template <typename WT, int K>
-__device__ __forceinline__ void grads_v2(const GradsCtx<WT, K>& c, int s, float (&dqg)[K / 32][4],
-                                         float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
-                                         float (&dAk)[2][4]) {
-  using Ctx = GradsCtx<WT, K>;
-  constexpr int NTK = Ctx::NTK;
-  const typename Ctx::LH lh;
-  const typename Ctx::LS ls;
-  const int rb = c.rb, cq = c.cq;
-  const SliceBufs<WT, K> b(c.sm, s);
-#pragma unroll
-  for (int kv = 0; kv < 2; ++kv) {
-    uint32_t ado[4], avn[4], adv[4];
-    dev::ldsm_a(ado, b.dout, ls, 16 * rb, 16 * kv);
-    dev::ldsm_a(avn, b.vn, ls, 16 * rb, 16 * kv);
-    dev::ldsm_a(adv, b.dvn, ls, 16 * rb, 16 * kv);
-#pragma unroll
-    for (int np = 0; np < NTK / 2; ++np) {
-      // B[k = v][n = state column] = h / dh [v][k]: transposed loads
-      uint32_t bh[4], bd[4];
-      dev::ldsm_b_t(bh, b.h, lh, 16 * kv, c.cb + 16 * np);
-      dev::ldsm_b_t(bd, b.dh, lh, 16 * kv, c.cb + 16 * np);
-      dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
-      dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
-      dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
-    }
-    if (cq <= rb) {  // column block above the diagonal: never needed
-      // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
-      uint32_t bn[4], bv[4];
-      dev::ldsm_b(bn, b.vn, ls, 16 * cq, 16 * kv);
-      dev::ldsm_b(bv, b.v, ls, 16 * cq, 16 * kv);
-      dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
-      dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
-    }
-  }
-}
-
-// The contraction loop, software-pipelined over the V-slices: one barrier per slice, behind which
-// V1 of slice s + 1 and V2 of slice s run together (V1's dependent MMA chains and V2's independent
-// ones interleave; half the warps (cq odd) run V2 first, so the four warps of an SM sub-partition are
-// never all in the same phase), while slice s + 2 loads into the third stage.
-// On entry (P): slice 0 has landed and is visible; slice 1 (when there is one) is the one cp.async
-// group in flight. Results: the warp's register tiles and the thread's share of sum_v h dh.
-// Buffer lifetimes (the barrier at the top of iteration s orders them): stage (s + 2) % 3 was last
-// read in iteration s - 1 (V2 of s - 1); sVN / sDVN [(s + 1) & 1] likewise; slice s + 1 was waited
-// for just before the barrier.
+// The contraction loop: results in the warp's register tiles (dqg, dkg, dw: [16 x K/4]; dAq, dAk:
+// [16 x 16] at columns 16 cq) and the per-thread share of sum_v h dh (dec_acc).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4],
                                                float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
                                                float (&dAk)[2][4], float& dec_acc) {
+  using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
+  constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
+  const int rb = c.rb, cq = c.cq, g = c.g, t = c.t;
+  const WT* sAqk = c.template at<WT>(S::vAqk);
+  const WT* sAkk = c.template at<WT>(S::vAkk);
+  const WT* sKg = c.template at<WT>(S::vKg);
+  const WT* sW = c.template at<WT>(S::vW);
+  WT* sVN = c.template at<WT>(S::vVN);
+  WT* sDVN = c.template at<WT>(S::vDVN);
+  // V1 roles: warp (rb, vg = cq & 1, which = cq >> 1): the 16 x 16 tile (rows 16 rb, slice columns
+  // 16 vg) of v' (which = 0) or dv' (which = 1)
+  const int vg = cq & 1;
+  const bool is_dv = cq >> 1;
+  // sum_v h dh: thread (k = tid % K, row group tid / K) takes kVS / NPART rows of each slice
+  constexpr int RPP = kVS / S::NPART;
+  const int dec_k = c.tid % K, dec_part = c.tid / K;
   const int nvs = c.V / kVS;
-  const bool v1_first = (c.cq & 1) == 0;
-  grads_v1(c, 0, dec_acc);
   for (int s = 0; s < nvs; ++s) {
+    const int st = s & 1;
     dev::cp_async_wait<0>();
-    __syncthreads();  // slice s + 1 landed; V1 of slice s complete; iteration s - 1's reads done
-    if (s + 2 < nvs) grads_load_slice(c, s + 2);
+    __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage, sVN / sDVN)
+    if (s + 1 < nvs) grads_load_slice(c, s + 1, st ^ 1);
     dev::cp_async_commit();
-    const bool next = s + 1 < nvs;
-    if (v1_first && next) grads_v1(c, s + 1, dec_acc);
-    grads_v2(c, s, dqg, dkg, dwc, dAq, dAk);
-    if (!v1_first && next) grads_v1(c, s + 1, dec_acc);
+    const char* base = c.sm + S::vStage + st * S::kStageBytes;
+    const WT* bH = reinterpret_cast<const WT*>(base + S::sH);
+    const WT* bDH = reinterpret_cast<const WT*>(base + S::sDH);
+    const WT* bDo = reinterpret_cast<const WT*>(base + S::sDo);
+    const WT* bV = reinterpret_cast<const WT*>(base + S::sV);
+
+    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T (one tile per warp)
+    {
+      float acc[2][4] = {};
+      const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows
+      const WT* bS = is_dv ? bDH : bH;    // B[k][n = v] = dh / h [v][k]: rows v, non-transposed
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4], b[4];
+        dev::ldsm_a(a, aK, KQ, 16 * rb, 16 * kk);
+        dev::ldsm_b(b, bS, KQ, 16 * vg, 16 * kk);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
+      }
+      if (!is_dv) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
+        // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
+        if (is_dv ? jj < rb : jj > rb) continue;
+        uint32_t a[4], b[4];
+        if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
+        else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
+        dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, 16 * vg);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
+      }
+      WT* out = is_dv ? sDVN : sVN;
+      using E = dev::Elem<WT>;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = 16 * vg + 8 * j + 2 * t;
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = E::pack2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = E::pack2(acc[j][2], acc[j][3]);
+      }
+      // the decay's gradient: sum over this slice's value rows of h * dh, per state row k
+#pragma unroll
+      for (int r = 0; r < RPP; ++r) {
+        const int vr = dec_part * RPP + r;
+        dec_acc = fmaf(E::to_float(bH[vr * KQ + dec_k]), E::to_float(bDH[vr * KQ + dec_k]), dec_acc);
+      }
+    }
+    __syncthreads();  // sVN / sDVN complete
+
+    // ---- V2: contractions over the slice's 32 value columns (two k-steps of 16)
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      uint32_t ado[4], avn[4], adv[4];
+      dev::ldsm_a(ado, bDo, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(avn, sVN, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(adv, sDVN, VSP, 16 * rb, 16 * kv);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        // B[k = v][n = state column] = h / dh [v][k]: transposed loads
+        uint32_t bh[4], bd[4];
+        dev::ldsm_b_t(bh, bH, KQ, 16 * kv, c.cb + 16 * np);
+        dev::ldsm_b_t(bd, bDH, KQ, 16 * kv, c.cb + 16 * np);
+        dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
+        dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
+        dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
+      }
+      if (cq <= rb) {  // column block above the diagonal: never needed
+        // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
+        uint32_t bn[4], bv[4];
+        dev::ldsm_b(bn, sVN, VSP, 16 * cq, 16 * kv);
+        dev::ldsm_b(bv, bV, VSP, 16 * cq, 16 * kv);
+        dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
+        dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
+      }
+    }
   }
   dev::cp_async_wait<0>();
 }
@@ -1057,12 +1015,10 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 
   // P: every load of the chunk in flight first, then the gate and the factors
   grads_load_chunk(c);
-  grads_load_slice(c, 0);
-  dev::cp_async_commit();
-  if (kVS < p.V) grads_load_slice(c, 1);
+  grads_load_slice(c, 0, 0);
   dev::cp_async_commit();
   dev::gate_cumsum_beta<K, NTH, S::KP, /*kRollRows=*/true>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta());
-  dev::cp_async_wait<1>();  // the chunk and slice 0; slice 1 stays in flight into the V loop
+  dev::cp_async_wait<0>();
   __syncthreads();
   dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.sGt());
   dev::row_rstd<WT, K, NTH, S::KQ>(c.sQ(), c.sK(), p.opt.l2norm, c.sRq(), c.sRk());

@@ -246,68 +246,32 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
 #endif
 }
 
-// Element offset of (row r, column c) in a row-major smem tile. Padded: ld elements per row (ld - width
-// is padding that spreads rows over the banks). Swizzled<W>: W elements per row, no padding; each
-// 16-byte chunk of a row is XOR-permuted by the row so that the 8 rows of an ldmatrix 8 x 8 matrix
-// fall on 8 distinct bank groups: rows of >= 128 bytes XOR the chunk with r & 7, 64-byte rows (two
-// per 128-byte line) with (r >> 1) & 3. The permutation keeps 8-aligned column groups contiguous
-// and 16-byte aligned (ldmatrix rows, cp.async pieces) and leaves a column's place within its chunk.
-struct Padded {
-  int ld;
-  __device__ __forceinline__ int operator()(int r, int c) const { return r * ld + c; }
-};
-template <int W>
-struct Swizzled {
-  static constexpr int kChunks = W / 8;
-  static_assert(kChunks == 4 || kChunks >= 8, "64-byte or >= 128-byte rows");
-  __device__ __forceinline__ int operator()(int r, int c) const {
-    const int x = kChunks >= 8 ? (r & 7) : ((r >> 1) & 3);
-    return r * W + (c ^ (x << 3));
-  }
-};
-// The m16n8k16 operand fragments by ldmatrix.x4 from a row-major smem tile of layout L (Padded,
-// Swizzled; a plain int is a Padded row stride), rows r0.., columns c0... Lane l gives the address
-// of row l & 7 of 8 x 8 matrix l >> 3; the four matrices are the fragment's quarters in the order
-// the MMA wants them:
+// The m16n8k16 operand fragments by ldmatrix.x4 from a row-major smem tile (leading dimension ld
+// elements, rows r0.., columns c0..). Lane l gives the address of row l & 7 of 8 x 8 matrix l >> 3;
+// the four matrices are the fragment's quarters in the order the MMA wants them:
 //   ldsm_a   A [m = tile rows r0 + 0..15][k = columns c0 + 0..15]   (tile [m][k])
 //   ldsm_a_t A [m = columns c0 + 0..15][k = tile rows r0 + 0..15]   (tile [k][m], transposed load)
 //   ldsm_b   B [k = columns c0 + 0..15][n = tile rows r0 + 0..15]   (tile [n][k]; n-tiles n, n + 8)
 //   ldsm_b_t B [k = tile rows r0 + 0..15][n = columns c0 + 0..15]   (tile [k][n], transposed load)
-template <typename T, typename L>
-__device__ __forceinline__ void ldsm_a(uint32_t (&r)[4], const T* tile, const L& lay, int r0, int c0) {
-  const int l = threadIdx.x & 31;
-  ldsm_x4(r, tile + lay(r0 + ((l >> 3) & 1) * 8 + (l & 7), c0 + (l >> 4) * 8));
-}
-template <typename T, typename L>
-__device__ __forceinline__ void ldsm_a_t(uint32_t (&r)[4], const T* tile, const L& lay, int r0, int c0) {
-  const int l = threadIdx.x & 31;
-  ldsm_x4_t(r, tile + lay(r0 + (l >> 4) * 8 + (l & 7), c0 + ((l >> 3) & 1) * 8));
-}
-template <typename T, typename L>
-__device__ __forceinline__ void ldsm_b(uint32_t (&r)[4], const T* tile, const L& lay, int r0, int c0) {
-  const int l = threadIdx.x & 31;
-  ldsm_x4(r, tile + lay(r0 + (l >> 4) * 8 + (l & 7), c0 + ((l >> 3) & 1) * 8));
-}
-template <typename T, typename L>
-__device__ __forceinline__ void ldsm_b_t(uint32_t (&r)[4], const T* tile, const L& lay, int r0, int c0) {
-  const int l = threadIdx.x & 31;
-  ldsm_x4_t(r, tile + lay(r0 + ((l >> 3) & 1) * 8 + (l & 7), c0 + (l >> 4) * 8));
-}
 template <typename T>
 __device__ __forceinline__ void ldsm_a(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
-  ldsm_a(r, tile, Padded{ld}, r0, c0);
+  const int l = threadIdx.x & 31;
+  ldsm_x4(r, tile + (r0 + ((l >> 3) & 1) * 8 + (l & 7)) * ld + c0 + (l >> 4) * 8);
 }
 template <typename T>
 __device__ __forceinline__ void ldsm_a_t(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
-  ldsm_a_t(r, tile, Padded{ld}, r0, c0);
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(r, tile + (r0 + (l >> 4) * 8 + (l & 7)) * ld + c0 + ((l >> 3) & 1) * 8);
 }
 template <typename T>
 __device__ __forceinline__ void ldsm_b(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
-  ldsm_b(r, tile, Padded{ld}, r0, c0);
+  const int l = threadIdx.x & 31;
+  ldsm_x4(r, tile + (r0 + (l >> 4) * 8 + (l & 7)) * ld + c0 + ((l >> 3) & 1) * 8);
 }
 template <typename T>
 __device__ __forceinline__ void ldsm_b_t(uint32_t (&r)[4], const T* tile, int ld, int r0, int c0) {
-  ldsm_b_t(r, tile, Padded{ld}, r0, c0);
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(r, tile + (r0 + ((l >> 3) & 1) * 8 + (l & 7)) * ld + c0 + (l >> 4) * 8);
 }
 // 16-byte async copy; src_bytes == 0 zero-fills the destination (rows past a sequence's end).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
