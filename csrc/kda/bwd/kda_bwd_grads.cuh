@@ -63,7 +63,7 @@ struct GradsSmem {
   static constexpr int AP = 72;        // WT row stride of [64][64] tiles
   static constexpr int AF = 68;        // fp32 row stride of [64][64] tiles
   static constexpr int VSP = kVS + 8;  // WT row stride of [64][32] slices
-  static constexpr int NPART = kGradsThreads / K;  // row groups of the sum_v h dh pass
+  static constexpr int NPART = 2;  // partial sums of sum_v h dh per state row (one per 16-row half of a slice)
   // base
   static constexpr int oQ = 0;
   static constexpr int oK = oQ + kChunk * KQ * 2;
@@ -271,15 +271,54 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
   });
 }
 
+// The P-phase inputs of the CTA that will most likely start when this one ends (dev::chunk_ahead)
+// into L2: the raw q, k, g, beta rows, the w, kg, Aqk, Akk rows and the first V-slice of do, v, h_c
+// and dh_{c+1}. Issued at the start of F, about 15k cycles before that CTA's prologue waits on them.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_prefetch_next(const GradsCtx<WT, K>& c) {
+  const KdaBwdParams& p = c.p;
+  constexpr int ES = sizeof(WT);
+  auto span = [](const void* base, int64_t elem, int elems) {
+    return dev::RowSpan{static_cast<const char*>(base) + elem * ES, elems * ES};
+  };
+  dev::ChunkRef n;
+  const bool any = dev::prefetch_next_rows<K, 6>(p, c.tid, kGradsThreads, n, [&](int j, int64_t tv) {
+    switch (j) {
+      case 0: return span(p.w, tv * K, K);
+      case 1: return span(p.kg, tv * K, K);
+      case 2: return span(p.Aqk, tv * kChunk, kChunk);
+      case 3: return span(p.Akk, tv * kChunk, kChunk);
+      case 4: return span(p.dout, tv * p.V, kVS);
+      default: return span(p.v, tv * p.V, kVS);
+    }
+  });
+  if (any && c.tid < 2) {
+    const int64_t sb = (static_cast<int64_t>(n.gchunk) * p.HV + n.hv) * p.V * K;
+    dev::prefetch_l2(static_cast<const char*>(c.tid == 0 ? p.h_ckpt : p.dh_ckpt) + sb * ES, kVS * K * ES);
+  }
+}
+
 // ---------------------------------------------------------------- V
+// sum_v h dh (the decay's gradient) rides on V2's B fragments: warp rb of each column quarter owns
+// k-step kv and n-pair np of every slice (two owners per column, one per 16-row half kv of a slice:
+// the NPART partial sums). At K = 64 (one n-pair) warps rb >= 2 own none.
+template <int K>
+__device__ __forceinline__ bool grads_dec_owner(int rb, int& kv, int& np) {
+  constexpr int NP = K / 64;  // n-pairs per column quarter (NTK / 2)
+  kv = rb / NP;
+  np = rb % NP;
+  return kv < 2;
+}
+
 // The contraction loop: results in the warp's register tiles (dqg, dkg, dw: [16 x K/4]; dAq, dAk:
-// [16 x 16] at columns 16 cq) and the per-thread share of sum_v h dh (dec_acc).
+// [16 x 16] at columns 16 cq) and the thread's share of sum_v h dh (dec2, see grads_dec_owner).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4],
                                                float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
-                                               float (&dAk)[2][4], float& dec_acc) {
+                                               float (&dAk)[2][4], float (&dec2)[2]) {
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
+  using E = dev::Elem<WT>;
   constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
   const int rb = c.rb, cq = c.cq, g = c.g, t = c.t;
   const WT* sAqk = c.template at<WT>(S::vAqk);
@@ -292,9 +331,10 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
   // 16 vg) of v' (which = 0) or dv' (which = 1)
   const int vg = cq & 1;
   const bool is_dv = cq >> 1;
-  // sum_v h dh: thread (k = tid % K, row group tid / K) takes kVS / NPART rows of each slice
-  constexpr int RPP = kVS / S::NPART;
-  const int dec_k = c.tid % K, dec_part = c.tid / K;
+  // sum_v h dh from V2's own h / dh B fragments: one (k-step, n-pair) of them per warp (rb), so no
+  // extra smem reads (the V phase is bound by its ldmatrix traffic)
+  int dec_kv, dec_np;
+  const bool dec_owner = grads_dec_owner<K>(rb, dec_kv, dec_np);
   const int nvs = c.V / kVS;
   for (int s = 0; s < nvs; ++s) {
     const int st = s & 1;
@@ -338,18 +378,11 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
       WT* out = is_dv ? sDVN : sVN;
-      using E = dev::Elem<WT>;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = 16 * vg + 8 * j + 2 * t;
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = E::pack2(acc[j][0], acc[j][1]);
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = E::pack2(acc[j][2], acc[j][3]);
-      }
-      // the decay's gradient: sum over this slice's value rows of h * dh, per state row k
-#pragma unroll
-      for (int r = 0; r < RPP; ++r) {
-        const int vr = dec_part * RPP + r;
-        dec_acc = fmaf(E::to_float(bH[vr * KQ + dec_k]), E::to_float(bDH[vr * KQ + dec_k]), dec_acc);
       }
     }
     __syncthreads();  // sVN / sDVN complete
@@ -370,6 +403,15 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
         dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
         dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
+        if (dec_owner && kv == dec_kv && np == dec_np) {
+          // bh / bd [i]: value rows 16 kv + 2t, 2t + 1 (+8 for odd i), state column cb + 16 np + g
+          // (+8 for i >= 2): the same places in both, so h * dh is elementwise
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 hh = E::to_float2(bh[i]), dd = E::to_float2(bd[i]);
+            dec2[i >> 1] = fmaf(hh.x, dd.x, fmaf(hh.y, dd.y, dec2[i >> 1]));
+          }
+        }
       }
       if (cq <= rb) {  // column block above the diagonal: never needed
         // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
@@ -390,7 +432,7 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
 template <typename WT, int K>
 __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4], float (&dkg)[K / 32][4],
                                          float (&dwc)[K / 32][4], float (&dAq)[2][4], float (&dAk)[2][4],
-                                         float (&dkA)[K / 32][4], float dec_acc) {
+                                         float (&dkA)[K / 32][4], float (&dec2)[2]) {
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
@@ -419,7 +461,20 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
     });
     dev::cp_async_commit();
   }
-  sDec[(tid / K) * K + tid % K] = dec_acc;
+  {  // the owners' sums of h dh over their lanes t (the value rows), then per column and half kv
+    int kv, np;
+    if (grads_dec_owner<K>(rb, kv, np)) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        dec2[i] += __shfl_xor_sync(0xffffffffu, dec2[i], 1);
+        dec2[i] += __shfl_xor_sync(0xffffffffu, dec2[i], 2);
+      }
+      if (t == 0) {
+        sDec[kv * K + cb + 16 * np + g] = dec2[0];
+        sDec[kv * K + cb + 16 * np + 8 + g] = dec2[1];
+      }
+    }
+  }
   const float scale = p.opt.scale;
   // dA1 = scale dAqk (i >= j, 0 above), dAkk (the V part; blocks above the diagonal 0)
 #pragma unroll
@@ -818,6 +873,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 // g), dbeta, and dq / dk (l2norm backward, or dq^ / dk^ per value head with GVA).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
+  grads_prefetch_next(c);
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
@@ -1034,13 +1090,13 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
-  float dec_acc = 0.f;
-  grads_contract(c, dqg, dkg, dwc, dAq, dAk, dec_acc);
+  float dec2[2] = {0.f, 0.f};
+  grads_contract(c, dqg, dkg, dwc, dAq, dAk, dec2);
   __syncthreads();  // the V phase's buffers are dead from here on (Akk stays)
   KF_GRADS_PHASE(2);
 
   // E
-  grads_wy(c, dqg, dkg, dwc, dAq, dAk, dkA, dec_acc);
+  grads_wy(c, dqg, dkg, dwc, dAq, dAk, dkA, dec2);
   KF_GRADS_PHASE(3);
 
   // I: dq^ in dqg, dkB in dkg
