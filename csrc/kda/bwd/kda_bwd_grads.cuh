@@ -271,33 +271,6 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
   });
 }
 
-// The P-phase inputs of the CTA that will most likely start when this one ends (dev::chunk_ahead)
-// into L2: the raw q, k, g, beta rows, the w, kg, Aqk, Akk rows and the first V-slice of do, v, h_c
-// and dh_{c+1}. Issued at the start of F, about 15k cycles before that CTA's prologue waits on them.
-template <typename WT, int K>
-__device__ __forceinline__ void grads_prefetch_next(const GradsCtx<WT, K>& c) {
-  const KdaBwdParams& p = c.p;
-  constexpr int ES = sizeof(WT);
-  auto span = [](const void* base, int64_t elem, int elems) {
-    return dev::RowSpan{static_cast<const char*>(base) + elem * ES, elems * ES};
-  };
-  dev::ChunkRef n;
-  const bool any = dev::prefetch_next_rows<K, 6>(p, c.tid, kGradsThreads, n, [&](int j, int64_t tv) {
-    switch (j) {
-      case 0: return span(p.w, tv * K, K);
-      case 1: return span(p.kg, tv * K, K);
-      case 2: return span(p.Aqk, tv * kChunk, kChunk);
-      case 3: return span(p.Akk, tv * kChunk, kChunk);
-      case 4: return span(p.dout, tv * p.V, kVS);
-      default: return span(p.v, tv * p.V, kVS);
-    }
-  });
-  if (any && c.tid < 2) {
-    const int64_t sb = (static_cast<int64_t>(n.gchunk) * p.HV + n.hv) * p.V * K;
-    dev::prefetch_l2(static_cast<const char*>(c.tid == 0 ? p.h_ckpt : p.dh_ckpt) + sb * ES, kVS * K * ES);
-  }
-}
-
 // ---------------------------------------------------------------- V
 // sum_v h dh (the decay's gradient) rides on V2's B fragments: warp rb of each column quarter owns
 // k-step kv and n-pair np of every slice (two owners per column, one per 16-row half kv of a slice:
@@ -873,7 +846,6 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 // g), dbeta, and dq / dk (l2norm backward, or dq^ / dk^ per value head with GVA).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
-  grads_prefetch_next(c);
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
