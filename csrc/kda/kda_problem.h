@@ -67,11 +67,6 @@ struct KdaProblem {
   const float* A_log = nullptr;    // null unless the in-kernel gate uses it
   const float* dt_bias = nullptr;  // null when absent
   const float* h0 = nullptr;
-
-  // The per-chunk kernels (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads): a CTA prefetches into L2 the
-  // inputs of the CTA this many places after it in launch order, about the one that will start
-  // when it ends (the CTAs resident at once; 0: no prefetch). Set by dev::launch_chunk_grid.
-  int l2_ahead = 0;
 };
 
 // Forward: the two kernels' outputs and the workspace between them (dtype WT unless noted;

@@ -88,12 +88,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
   dev::block_offsets<K>(sBT, sBO, sBS, sGt);
   dev::row_rstd<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, sRq, sRk);
   __syncthreads();
-  {  // the next CTA's raw rows and Akk rows into L2 (dev::chunk_ahead): its prologue is this one's
-    dev::ChunkRef nx;
-    dev::prefetch_next_rows<K, 1>(p, tid, NTH, nx, [&](int, int64_t tv) {
-      return dev::RowSpan{static_cast<const WT*>(p.Akk) + tv * kChunk, kChunk * int{sizeof(WT)}};
-    });
-  }
 
   // qg, kg -> workspace, kexp -> smem; exp2(G) -> gdecay
   {

@@ -13,7 +13,6 @@
 #include <cstdint>
 
 #include "kda/device/primitives.cuh"
-#include "kda/device/sequence.cuh"
 
 namespace kernel_fun::kda::dev {
 
@@ -100,45 +99,6 @@ __device__ __forceinline__ Raw8 raw_gate8(const KdaProblem& p, int64_t tok0, int
 }
 __device__ __forceinline__ void gate8_to_float(float (&v)[8], const Raw8& x, const KdaProblem& p) {
   raw8_to_float(v, x, p.g, p.g_dtype);
-}
-
-// Where the next CTA's row inputs are (prefetch_next_rows): `bytes` at `ptr`.
-struct RowSpan {
-  const void* ptr;
-  int bytes;
-};
-// Token row tok of a raw input every per-chunk kernel reads in its prologue: which = 0 q, 1 k (head
-// h of value head hv), 2 g, 3 beta (value head hv). A kernel's own row inputs follow as which >=
-// kRawRowInputs.
-constexpr int kRawRowInputs = 4;
-template <int K>
-__device__ __forceinline__ RowSpan raw_row(const KdaProblem& p, int which, int64_t tok, int hv) {
-  const int64_t th = tok * p.H + hv / (p.HV / p.H), tv = tok * p.HV + hv;
-  const int gs = p.g_dtype == DType::kFloat32 ? 4 : 2, bs = p.beta_dtype == DType::kFloat32 ? 4 : 2;
-  switch (which) {
-    case 0: return {static_cast<const char*>(p.q) + th * K * 2, K * 2};
-    case 1: return {static_cast<const char*>(p.k) + th * K * 2, K * 2};
-    case 2: return {static_cast<const char*>(p.g) + tv * K * gs, K * gs};
-    default: return {static_cast<const char*>(p.beta) + tv * bs, bs};
-  }
-}
-
-// The raw rows (q, k, g, beta) and NX kernel-specific rows per token (extra(j, tok * HV + hv) ->
-// RowSpan, j < NX) of the chunk that the CTA that will most likely start when this one ends owns
-// (dev::chunk_ahead), into L2, spread over the threads (tid < nth). n: that chunk, for the caller's
-// other inputs. False when there is none.
-template <int K, int NX, typename F>
-__device__ __forceinline__ bool prefetch_next_rows(const KdaProblem& p, int tid, int nth, ChunkRef& n, F&& extra) {
-  if (!chunk_ahead(p, n)) return false;
-  constexpr int NT = kRawRowInputs + NX;
-#pragma unroll 1
-  for (int i = tid; i < n.len * NT; i += nth) {
-    const int which = i % NT;
-    const int64_t tok = n.tok0 + i / NT;
-    const RowSpan r = which < kRawRowInputs ? raw_row<K>(p, which, tok, n.hv) : extra(which - kRawRowInputs, tok * p.HV + n.hv);
-    prefetch_l2(r.ptr, r.bytes);
-  }
-  return true;
 }
 
 // Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk into sG [64][KP]

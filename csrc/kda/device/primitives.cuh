@@ -132,21 +132,6 @@ __device__ __forceinline__ void store8_any(void* p, DType t, int64_t i, const fl
   }
 }
 
-// L2 prefetch of the 128-byte lines that hold bytes [p, p + bytes) (prefetch.global.L2, one per line:
-// a per-thread address, unlike cp.async.bulk.prefetch, whose operands must be warp-uniform). A hint:
-// nothing to wait for, no result changes, so the emulator skips it.
-__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
-#ifdef KF_EMU
-  (void)p;
-  (void)bytes;
-#else
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t end = a + static_cast<uintptr_t>(bytes);
-#pragma unroll 1
-  for (uintptr_t l = a & ~uintptr_t{127}; l < end; l += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(l));
-#endif
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   // ex2.approx: ~2 ulp, exp2(-inf) = 0, and every argument the kernels pass is <= 0 (or -inf).
 #ifdef KF_EMU

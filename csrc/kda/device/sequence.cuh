@@ -4,9 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 
-#include "common/device_info.h"
 #include "kda/kda_problem.h"
 
 namespace kernel_fun::kda::dev {
@@ -62,64 +60,17 @@ __device__ __forceinline__ int total_chunks(const KdaProblem& p) {
   return p.cu_seqlens ? p.chunk_offsets[p.N] : p.N * ((p.T + kChunk - 1) / kChunk);
 }
 
-// The chunk that a later CTA of the per-chunk grid owns: the CTA `ahead` places after this one in
-// launch order (x fastest). With `ahead` = the CTAs resident at once (KdaProblem::l2_ahead) that is
-// about the CTA that starts when this one ends, so inputs prefetched for it into L2 while this CTA
-// finishes are L2 hits in its prologue. False when there is none (past the grid, an idle varlen
-// tail CTA, or ahead = 0).
-struct ChunkRef {
-  int64_t tok0;  // first token
-  int len;       // valid rows (<= 64)
-  int gchunk;    // global chunk index (checkpoint rows)
-  int hv;        // value head
-};
-__device__ __forceinline__ bool chunk_ahead(const KdaProblem& p, ChunkRef& r) {
-  if (p.l2_ahead <= 0) return false;
-  // 32-bit: the grid (max_chunks x HV CTAs) is far below 2^31, and a 64-bit division is ~100
-  // instructions of once-per-CTA code
-  const unsigned lin = blockIdx.y * gridDim.x + blockIdx.x + static_cast<unsigned>(p.l2_ahead);
-  if (lin >= gridDim.x * gridDim.y) return false;
-  int n, c;
-  if (!chunk_of(p, static_cast<int>(lin % gridDim.x), n, c)) return false;
-  const SeqInfo s = seq_info(p, n);
-  r.tok0 = s.bos + static_cast<int64_t>(c) * kChunk;
-  r.len = min(kChunk, s.len - c * kChunk);
-  r.gchunk = s.chunk0 + c;
-  r.hv = static_cast<int>(lin / gridDim.x);
-  return true;
-}
-
 #ifndef KF_EMU
 // The per-chunk grid (one CTA per global chunk x value head; chunk_of maps blockIdx.x) of
 // kda_fwd_intra, kda_bwd_prep and kda_bwd_grads: dynamic smem opted in with the largest carveout,
 // nothing launched for an empty problem.
-// KERNEL_FUN_KDA_L2_PREFETCH=0 turns the per-chunk kernels' L2 prefetch of the next CTA's inputs off
-// (benchmarking: scripts/kda_stage_times.py measures both).
-inline bool l2_prefetch_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("KERNEL_FUN_KDA_L2_PREFETCH");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-
-// The per-chunk grid (one CTA per global chunk x value head; chunk_of maps blockIdx.x) of
-// kda_fwd_intra, kda_bwd_prep and kda_bwd_grads: dynamic smem opted in with the largest carveout,
-// nothing launched for an empty problem; l2_ahead = the CTAs resident at once (dev::chunk_ahead).
 template <typename Params>
 void launch_chunk_grid(void (*kern)(Params), const Params& p, int threads, size_t smem, cudaStream_t stream) {
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      cudaSharedmemCarveoutMaxShared));
   if (p.max_chunks == 0 || p.HV == 0) return;
-  Params q = p;
-  q.l2_ahead = 0;
-  if (l2_prefetch_enabled()) {
-    int per_sm = 0;
-    KF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, threads, smem));
-    q.l2_ahead = per_sm * num_sms();
-  }
-  kern<<<dim3(q.max_chunks, q.HV), threads, smem, stream>>>(q);
+  kern<<<dim3(p.max_chunks, p.HV), threads, smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 #endif

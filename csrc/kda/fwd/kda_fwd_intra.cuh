@@ -613,10 +613,6 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       __syncthreads();
     }
   }
-  {  // the next CTA's raw rows into L2 (dev::chunk_ahead): its prologue is this one's
-    dev::ChunkRef nx;
-    dev::prefetch_next_rows<K, 0>(p, tid, NTH, nx, [](int, int64_t) { return dev::RowSpan{nullptr, 0}; });
-  }
   // ---------------------------------------------------------------- P4b, last row block (all warps)
   w_tile(3, warp * (K / 8), K / 64);
   store_akk_rows(3, 0, NTH);
