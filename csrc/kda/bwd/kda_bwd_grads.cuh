@@ -33,7 +33,7 @@
 // line code is fetched again for each chunk. At ~11k SASS instructions a third of the stall samples
 // were instruction fetch (ncu, docs/notes/2026-12-01-kda-backward.md). Loops that run once per CTA
 // are rolled, or have fixed trip counts (dev::strided), and cold paths are rolled. Check the
-// instruction count (readelf on an nvcc -cubin, docs/gpu-workflow.md) when adding code here: about 8.2k
+// instruction count (readelf on an nvcc -cubin, docs/gpu-workflow.md) when adding code here: about 8.3k
 // instructions at bf16 / K = 128.
 //
 // THE NUMERICS LAW (kernel-fun-ALGORITHM.md): every exp2 argument is a difference g2[r] - g2[s]
