@@ -12,9 +12,12 @@
 //       beta; block offsets; l2norm factors                                                   |
 //   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v slices):
 //       V1  v' = Akk v - w h^T  /  dv' = Aqk^T do + kg dh^T  (one 16 x 16 tile of one of them per
-//           warp) -> smem; sum_v h * dh per state row (the decay's gradient)                 |
+//           warp) -> smem                                                                     |
 //       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
-//           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only)    |
+//           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only);
+//           sum_v h * dh per state row (the decay's gradient) from V2's h / dh fragments       |
+//       The phase is bound by shared-memory bandwidth (each warp's ldmatrix of its own operand
+//       fragments, ~37 ldmatrix.x4 per warp per slice): read nothing twice that a fragment holds.
 //   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
 //       dkB = exp2(G - g2) dkg (column-side k terms), dG += sum_i kg dkg                     |
 //       dAkk += dw kexp^T; dkA = exp2(g2) Akk^T dw (row-side k terms)                        |
