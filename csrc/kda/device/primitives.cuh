@@ -120,7 +120,7 @@ __device__ __forceinline__ void store8_any(void* p, DType t, int64_t i, const fl
     float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(p) + i);
     q[0] = make_float4(v[0], v[1], v[2], v[3]);
     q[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else if (al16 && (t == DType::kBFloat16 || t == DType::kFloat16)) {
+  } else if (packed16(p, t)) {
     *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p) + i) =
         t == DType::kBFloat16 ? pack8<__nv_bfloat16>(v) : pack8<__half>(v);
   } else {
