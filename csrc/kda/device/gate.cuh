@@ -111,8 +111,10 @@ __device__ __forceinline__ void gate8_to_float(float (&v)[8], const Raw8& x, con
 // kRollRows: the row loops rolled (one copy of the load and of the 8 activations, the next row's
 // load in flight while this one is activated) for kda_bwd_grads, whose once-per-CTA code was
 // instruction-fetch bound (2 rows per thread there). Unrolled (every row's load in flight at once)
-// for kda_fwd_intra and kda_bwd_prep (4 rows per thread): rolled, they measured 3.37 -> 3.86 and
-// 1.77 -> 2.39 ms at prod8192.
+// for kda_fwd_intra and kda_bwd_prep (4 rows per thread). Measured on the H200 (notes, fourth
+// session): their 3c4cfc3 slowdown (3.37 -> 3.86, 1.77 -> 2.39 ms at prod8192) came from the
+// loads being converted right behind each load, not from rolling; the unrolled form alone did not
+// bring it back, load8_raw did. The rolled form has not been measured in them since.
 template <int K, int NTH, int KP, bool kRollRows = false>
 __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
                                                  float* sBT, float* sBeta) {
@@ -215,8 +217,6 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
   }
 }
 
-// From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
-// sGt = G (the chunk total). Sums of terms <= 0: no cancellation. Threads < K.
 // The gate's per-chunk scratch in shared memory, one block that every kernel recomputing the gate
 // keeps (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads): the block totals T_b and the sums of the
 // totals before (O_b) and after (S_b) each block ([4][K] fp32 each, block_offsets), g2 at the last
@@ -240,6 +240,8 @@ struct GateScratch {
         rk(reinterpret_cast<float*>(base + kRk)) {}
 };
 
+// From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
+// sGt = G (the chunk total). Sums of terms <= 0: no cancellation. Threads < K.
 template <int K>
 __device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, float* sBS, float* sGt) {
   const int tid = threadIdx.x;
