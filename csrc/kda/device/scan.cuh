@@ -167,15 +167,41 @@ __device__ __forceinline__ void store_state(OT* dst, int64_t base, const float (
     }
 }
 
-// sT into one chunk's checkpoint hc ([V][K] in WT, k pairs adjacent: kda_bwd_grads' layout).
+// 4 x 4 transpose of 32-bit words across the lanes of a quad (t = lane & 3): word i of lane t
+// becomes word t of lane i. Two butterfly stages (lane distance 1, then 2), two shuffles each.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
+#pragma unroll
+  for (int d = 1; d <= 2; d <<= 1) {
+    const bool hi = t & d;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i & d) continue;  // pairs (i, i + d): the lane keeps the word whose d-bit matches its own
+      const uint32_t recv = __shfl_xor_sync(0xffffffffu, hi ? w[i] : w[i + d], d);
+      if (hi) w[i] = recv;
+      else w[i + d] = recv;
+    }
+  }
+}
+
+// sT into one chunk's checkpoint hc ([V][K] in WT: kda_bwd_grads' layout). A lane holds one k pair
+// of n-tile j per value column; a quad transpose over four n-tiles gives each lane 8 consecutive k
+// (16 bytes), so a warp's store covers 64 contiguous bytes of each of its 8 value rows: whole
+// 32-byte sectors, a quarter of the store instructions of pair-wise stores (which wrote every
+// sector in two halves). The scans are L2-throughput bound (docs/notes/2026-12-01-kda-backward.md).
 template <typename WT, int K>
 __device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t) {
+  static_assert(K % 32 == 0, "the quad transpose covers four n-tiles of 8 state rows");
 #pragma unroll
-  for (int j = 0; j < K / 8; ++j)
+  for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-      *reinterpret_cast<uint32_t*>(hc + static_cast<int64_t>(col0 + 8 * hh) * K + 8 * j + 2 * t) =
-          Elem<WT>::pack2(sT[j][2 * hh], sT[j][2 * hh + 1]);
+    for (int m = 0; m < K / 32; ++m) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = Elem<WT>::pack2(sT[4 * m + i][2 * hh], sT[4 * m + i][2 * hh + 1]);
+      quad_transpose(w, t);  // lane t: state rows 8 (4 m + t) .. + 7
+      *reinterpret_cast<uint4*>(hc + static_cast<int64_t>(col0 + 8 * hh) * K + 8 * (4 * m + t)) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    }
 }
 
 // sT[:, k] *= exp2(G)[k]: the chunk's decay of every state row.
@@ -192,24 +218,30 @@ __device__ __forceinline__ void decay_state(float (&sT)[K / 8][4], const float* 
 }
 
 // A warp's [16 values] x [64 tokens] fp32 result (acc[j][e] = token 8 j + 2 t + (e & 1), value
-// g + 8 (e >> 1)) into out ([B*T, HV, V] in WT): each lane swaps with the lane of the
-// neighbouring value (g ^ 1) so it stores two adjacent values of one token; rows >= rows are
+// g + 8 (e >> 1)) into out ([B*T, HV, V] in WT). Two exchanges give each lane four adjacent values
+// of one token: with the lane of the neighbouring value pair (g ^ 1, lane distance 4), then with
+// the lane of the neighbouring pair of pairs (g ^ 2, lane distance 8), whose other 8-value half it
+// takes. So a warp's store covers the 32 bytes of each of 8 tokens: whole sectors. Rows >= rows are
 // past the sequence end and not stored.
 template <typename WT>
 __device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[8][4], int64_t tok0, int rows,
                                                  int HV, int hv, int V, int cols0, int g, int t) {
-  const bool odd = g & 1;
+  const bool odd = g & 1, hi = g & 2;
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j) {
+    uint32_t pk[2];  // values cols0 + 8 hh + (g & ~1) + {0, 1} of token tok
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float x0 = acc[j][2 * hh], x1 = acc[j][2 * hh + 1];
       const float recv = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
-      const int tok = 8 * j + 2 * t + (odd ? 1 : 0);
-      const int col = cols0 + 8 * hh + (g & ~1);
-      const uint32_t pk = odd ? Elem<WT>::pack2(recv, x1) : Elem<WT>::pack2(x0, recv);
-      if (tok < rows) *reinterpret_cast<uint32_t*>(out + ((tok0 + tok) * HV + hv) * V + col) = pk;
+      pk[hh] = odd ? Elem<WT>::pack2(recv, x1) : Elem<WT>::pack2(x0, recv);
     }
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, hi ? pk[0] : pk[1], 8);
+    const int tok = 8 * j + 2 * t + (odd ? 1 : 0);
+    const int col = cols0 + (hi ? 8 : 0) + (g & ~3);
+    const uint2 v = hi ? make_uint2(recv, pk[1]) : make_uint2(pk[0], recv);
+    if (tok < rows) *reinterpret_cast<uint2*>(out + ((tok0 + tok) * HV + hv) * V + col) = v;
+  }
 }
 
 }  // namespace kernel_fun::kda::dev
