@@ -135,12 +135,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
     }
     WT* w = reinterpret_cast<WT*>(p.w);
     const int ra = 16 * rb + g, rc = ra + 8;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int col = cb + 8 * j + 2 * t;
-      if (ra < len) *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[j][0], acc[j][1]);
-      if (rc < len) *reinterpret_cast<uint32_t*>(w + ((tok0 + rc) * HV + hv) * K + col) = E::pack2(acc[j][2], acc[j][3]);
-    }
+    dev::store_c_rows16<WT, NT>(w + ((tok0 + ra) * HV + hv) * K + cb, w + ((tok0 + rc) * HV + hv) * K + cb, ra < len,
+                                rc < len, acc, t);
   }
 }
 

@@ -201,6 +201,44 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&c0)[4], c
   a[3] = Elem<T>::pack2(s * c1[2], s * c1[3]);
 }
 
+// 4 x 4 transpose of 32-bit words across the lanes of a quad (t = lane & 3): word i of lane t
+// becomes word t of lane i. Two butterfly stages (lane distance 1, then 2), two shuffles each.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
+#pragma unroll
+  for (int d = 1; d <= 2; d <<= 1) {
+    const bool hi = t & d;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i & d) continue;  // pairs (i, i + d): the lane keeps the word whose d-bit matches its own
+      const uint32_t recv = __shfl_xor_sync(0xffffffffu, hi ? w[i] : w[i + d], d);
+      if (hi) w[i] = recv;
+      else w[i + d] = recv;
+    }
+  }
+}
+
+// The two rows of a warp's fp32 C tile (acc[j][0..1]: row g, acc[j][2..3]: row g + 8; columns
+// 8 j + 2 t, + 1) packed to T into rows row_a / row_b of a row-major global tile (pointers at the
+// tile's column 0), skipping a row whose ok_ flag is false. Pair-wise stores would write every
+// 32-byte sector in two halves from two instructions; a quad transpose over four n-tiles gives each
+// lane 8 consecutive columns instead, so a warp's 16-byte stores cover 64 contiguous bytes per row.
+template <typename T, int NT>
+__device__ __forceinline__ void store_c_rows16(T* row_a, T* row_b, bool ok_a, bool ok_b, const float (&acc)[NT][4],
+                                               int t) {
+  static_assert(NT % 4 == 0, "the quad transpose covers four n-tiles");
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int m = 0; m < NT / 4; ++m) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = Elem<T>::pack2(acc[4 * m + i][2 * hh], acc[4 * m + i][2 * hh + 1]);
+      quad_transpose(w, t);  // lane t: columns 8 (4 m + t) .. + 7
+      if (hh == 0 ? ok_a : ok_b)
+        *reinterpret_cast<uint4*>((hh == 0 ? row_a : row_b) + 8 * (4 * m + t)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 // tf32 m16n8k8 (fp32 range, 10-bit mantissa): the intra kernel's products of gate-scaled operands.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
 #ifdef KF_EMU

@@ -167,41 +167,13 @@ __device__ __forceinline__ void store_state(OT* dst, int64_t base, const float (
     }
 }
 
-// 4 x 4 transpose of 32-bit words across the lanes of a quad (t = lane & 3): word i of lane t
-// becomes word t of lane i. Two butterfly stages (lane distance 1, then 2), two shuffles each.
-__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
-#pragma unroll
-  for (int d = 1; d <= 2; d <<= 1) {
-    const bool hi = t & d;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (i & d) continue;  // pairs (i, i + d): the lane keeps the word whose d-bit matches its own
-      const uint32_t recv = __shfl_xor_sync(0xffffffffu, hi ? w[i] : w[i + d], d);
-      if (hi) w[i] = recv;
-      else w[i + d] = recv;
-    }
-  }
-}
-
-// sT into one chunk's checkpoint hc ([V][K] in WT: kda_bwd_grads' layout). A lane holds one k pair
-// of n-tile j per value column; a quad transpose over four n-tiles gives each lane 8 consecutive k
-// (16 bytes), so a warp's store covers 64 contiguous bytes of each of its 8 value rows: whole
-// 32-byte sectors, a quarter of the store instructions of pair-wise stores (which wrote every
-// sector in two halves). The scans are L2-throughput bound (docs/notes/2026-12-01-kda-backward.md).
+// sT into one chunk's checkpoint hc ([V][K] in WT: kda_bwd_grads' layout): the state's C tile
+// has value columns col0, col0 + 8 as rows and k as columns. Whole-sector stores matter here: the
+// scans are L2-throughput bound (docs/notes/2026-12-01-kda-backward.md).
 template <typename WT, int K>
 __device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t) {
-  static_assert(K % 32 == 0, "the quad transpose covers four n-tiles of 8 state rows");
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-    for (int m = 0; m < K / 32; ++m) {
-      uint32_t w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = Elem<WT>::pack2(sT[4 * m + i][2 * hh], sT[4 * m + i][2 * hh + 1]);
-      quad_transpose(w, t);  // lane t: state rows 8 (4 m + t) .. + 7
-      *reinterpret_cast<uint4*>(hc + static_cast<int64_t>(col0 + 8 * hh) * K + 8 * (4 * m + t)) =
-          make_uint4(w[0], w[1], w[2], w[3]);
-    }
+  store_c_rows16<WT, K / 8>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, true, true,
+                            sT, t);
 }
 
 // sT[:, k] *= exp2(G)[k]: the chunk's decay of every state row.
