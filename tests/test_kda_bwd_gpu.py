@@ -266,33 +266,6 @@ def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, monkeypatch):
         assert torch.equal(t, sliced[key]), key
 
 
-@pytest.mark.parametrize("bv", ["64", "128"])
-def test_scan_clusters_are_bitwise_the_one_cta_path(bv, monkeypatch):
-    """The scans' cluster path (the two V-slice CTAs of a head share the K-wide tiles through
-    multicast bulk copies; on whenever a head has an even number of slices) gives exactly what the
-    one-CTA cp.async path gives (KERNEL_FUN_KDA_SCAN_CLUSTER=0): o, the final state and every
-    gradient, on varlen with one-token, empty and partial-chunk documents. The fp64 checks of both
-    scans (test_scan_every_slice_width, the stage tests) run on the cluster path by default."""
-    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", bv)
-    inputs, kw = make_case(T=400, H=2, HV=4, V=256, cu=[0, 1, 1, 64, 130, 400], h0=True)
-    do, dht = _do_dht(inputs, kw)
-    from kernel_fun.kda import chunk_kda
-
-    def run():
-        call = {n: x for n, x in kw.items() if x is not None}
-        with torch.no_grad():
-            o, ht = chunk_kda(*inputs, **call)
-        return {"o": o, "ht": ht, **_grads_ours(inputs, kw, do, dht)}
-
-    monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_CLUSTER", "0")
-    one = run()
-    monkeypatch.delenv("KERNEL_FUN_KDA_SCAN_CLUSTER")
-    two = run()
-    for key, t in one.items():
-        assert torch.isfinite(t).all(), key
-        assert torch.equal(t, two[key]), key
-
-
 def _bwd_workspace_bytes(B, T, HV, K, V, slice_b):
     """kda::workspace() of a fixed-length backward with saved factors and an in-kernel gate, with
     slice_b batches per slice: w, qg, kg, exp2(G), h_ckpt, dh_ckpt per slice; pbias, pA whole."""

@@ -40,10 +40,6 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
   return best;
 }
 
-// The scans run the V-slices of a head as clusters of two CTAs that share the K-wide tiles' loads
-// (device/scan.cuh, ScanPipe) whenever a head has an even number of slices.
-inline bool scan_cluster(const KdaProblem& p, int bv) { return (p.V / bv) % 2 == 0; }
-
 // Batches per backward slice (bwd/kda_bwd_slice.h): B (one pass) for varlen or B = 1, else the
 // smallest slice whose two scans model no more time than one pass over the whole batch (a serial
 // scan at K = 128 runs one CTA per SM, so 512 scan CTAs cost 4 waves at once or as 4 slices of 128).

@@ -24,6 +24,7 @@ namespace kernel_fun::kda {
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_kernel(const KdaBwdParams p) {
   using S = dev::ScanStage<WT, K, BV>;
+  constexpr int NT = dev::scan_threads<BV>();
   constexpr int KP = S::KP, AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
@@ -40,8 +41,12 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
   dev::load_state<K>(dhT, p.dht, pl.sbase, p, col0, t);
 
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
-  dev::ScanPipe<WT, K, BV> pipe(sm, src, p, seq, hv, v0, true);
-  pipe.start(nchunks - 1);
+  auto load_chunk = [&](int cc, int st) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, true);
+  };
+
+  if (nchunks > 0) load_chunk(nchunks - 1, 0);
+  dev::cp_async_commit();
 
   WT* dv = reinterpret_cast<WT*>(p.dv);
   WT* dhc = reinterpret_cast<WT*>(p.dh_ckpt);
@@ -49,8 +54,11 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
   for (int i = 0; i < nchunks; ++i) {
     const int c = nchunks - 1 - i;
     const int st = i & 1;
-    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c + 1), now filling
-    pipe.handoff(i, c - 1);
+    dev::cp_async_wait<0>();
+    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c + 1)
+    __syncthreads();
+    if (c > 0) load_chunk(c - 1, st ^ 1);
+    dev::cp_async_commit();
 
     const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
@@ -133,7 +141,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
       }
     }
   }
-  pipe.finish();
+  dev::cp_async_wait<0>();
 
   if (p.dh0) dev::store_state<WT, K>(p.dh0, pl.sbase, dhT, p, col0, t);
 }
@@ -145,7 +153,7 @@ void launch_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
   auto kern = kda_bwd_dh_scan_kernel<WT, K, BV>;
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.N == 0 || p.HV == 0) return;
-  dev::launch_scan_grid<BV>(kern, p, smem, stream);
+  kern<<<dim3(p.V / BV, p.HV, p.N), dev::scan_threads<BV>(), smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 #endif

@@ -7,12 +7,10 @@
 // tile per chunk (v forward, do backward) through a double-buffered shared-memory stage.
 #pragma once
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "kda/device/primitives.cuh"
 #include "kda/device/sequence.cuh"
-#include "kda/kda_policy.h"
 
 namespace kernel_fun::kda::dev {
 
@@ -33,8 +31,7 @@ struct ScanStage {
   static constexpr int kVal = kAkk + kChunk * AP;
   static constexpr int kDec = kVal + kChunk * VP;  // fp32 [K] (offset in WT units)
   static constexpr int kStageElems = kDec + 2 * K;
-  static constexpr size_t kBarOffset = sizeof(WT) * 2 * kStageElems;  // two mbarriers (cluster path)
-  static constexpr size_t kBytes = kBarOffset + 16;
+  static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems;
   static_assert((kStageElems * sizeof(WT)) % 16 == 0, "stages must stay 16-byte aligned");
   static_assert(kBytes <= 227 * 1024, "scan shared memory exceeds the sm_90 per-CTA limit");
 };
@@ -136,156 +133,6 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
   for (int i = tid; i < K / 4; i += NT) cp_async16(dec + 4 * i, gdec + 4 * i, 16);
 }
 
-#ifndef KF_EMU
-// The cluster path's fill of chunk cc into the stage at base. The two CTAs of a cluster are the two
-// V-slices of one head: they read the same K-wide tiles, so rank r bulk-copies rows [32 r, 32 r + 32)
-// of w, kg, Akk (and qg, Aqk) and multicasts them to both, and L2 serves each row once. Each CTA
-// copies its own value rows and exp2(G). Everything completes on the stage's mbarrier, which expects
-// the bytes of every valid row of this CTA's stage. Rows past the sequence end are zeroed here with
-// plain stores (no copy writes them; the fence orders them before later copies into this stage).
-template <typename WT, int K, int BV, int NT>
-__device__ __forceinline__ void scan_bulk_load_chunk(WT* base, uint32_t bar, const ScanSources<WT>& src,
-                                                     const KdaProblem& p, const SeqInfo& seq, int cc, int hv,
-                                                     int v0, bool with_q, int rank) {
-  using S = ScanStage<WT, K, BV>;
-  const int tid = threadIdx.x, HV = p.HV;
-  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
-  const int rows = min(kChunk, seq.len - cc * kChunk);
-  // Akk / Aqk row r: its blocks jj <= r / 16 (16 elements each) only
-  auto arow_bytes = [](int r) { return static_cast<uint32_t>(32 * ((r >> 4) + 1)); };
-  uint32_t abytes = 0;  // the lower-triangular rows of one A tile, rows < rows
-  for (int b = 0; b < 4; ++b) abytes += arow_bytes(16 * b) * static_cast<uint32_t>(max(0, min(16, rows - 16 * b)));
-  const int nk = with_q ? 3 : 2, na = with_q ? 2 : 1;  // K-wide tiles, A tiles
-  if (tid == 0)
-    mbar_arrive_expect_tx(bar, static_cast<uint32_t>(rows) * (nk * K + BV) * sizeof(WT) + na * abytes +
-                                   K * sizeof(float));
-  const int nshared = 32 * (nk + na);
-  for (int it = tid; it < nshared + kChunk + 1; it += NT) {
-    if (it < nshared) {
-      const int tile = it >> 5, r = 32 * rank + (it & 31);
-      if (r >= rows) continue;
-      const int64_t tok = tok0 + r;
-      // tiles 0 w, 1 kg, 2 Akk, 3 qg, 4 Aqk
-      if (tile == 2 || tile == 4) {
-        const WT* g = (tile == 2 ? src.Akk : src.Aqk) + (tok * HV + hv) * kChunk;
-        bulk_g2s_multicast(base + (tile == 2 ? S::kAkk : S::kAqk) + r * S::AP, g, arow_bytes(r), bar, 0x3);
-      } else {
-        const WT* g = (tile == 0 ? src.w : tile == 1 ? src.kg : src.qg) + (tok * HV + hv) * K;
-        bulk_g2s_multicast(base + (tile == 0 ? S::kW : tile == 1 ? S::kKg : S::kQg) + r * S::KP, g,
-                           K * sizeof(WT), bar, 0x3);
-      }
-    } else if (it < nshared + kChunk) {
-      const int r = it - nshared;
-      if (r < rows)
-        bulk_g2s(base + S::kVal + r * S::VP, src.val + ((tok0 + r) * HV + hv) * p.V + v0, BV * sizeof(WT), bar);
-    } else {
-      bulk_g2s(base + S::kDec, src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K, K * sizeof(float),
-               bar);
-    }
-  }
-  if (rows < kChunk) {
-    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-    constexpr int KV8 = K / 8, BV8 = BV / 8;
-    for (int i = tid; i < kChunk * KV8; i += NT) {
-      const int r = i / KV8, so = r * S::KP + (i % KV8) * 8;
-      if (r < rows) continue;
-      *reinterpret_cast<uint4*>(base + S::kW + so) = z;
-      *reinterpret_cast<uint4*>(base + S::kKg + so) = z;
-      if (with_q) *reinterpret_cast<uint4*>(base + S::kQg + so) = z;
-    }
-    for (int i = tid; i < kChunk * 8; i += NT) {
-      const int r = i / 8, c8 = (i % 8) * 8;
-      if (r < rows || (c8 >> 4) > (r >> 4)) continue;
-      *reinterpret_cast<uint4*>(base + S::kAkk + r * S::AP + c8) = z;
-      if (with_q) *reinterpret_cast<uint4*>(base + S::kAqk + r * S::AP + c8) = z;
-    }
-    for (int i = tid; i < kChunk * BV8; i += NT) {
-      const int r = i / BV8;
-      if (r >= rows) *reinterpret_cast<uint4*>(base + S::kVal + r * S::VP + (i % BV8) * 8) = z;
-    }
-    fence_proxy_async_smem();
-  }
-}
-#endif
-
-// The double-buffered stage pipeline of both scans. Chunk i of the scan order lands in stage i & 1.
-// handoff(i, next) makes chunk i's stage readable by every thread and everyone done with the other
-// stage (chunk i - 1), then starts filling that stage with chunk `next` (< 0: none):
-//  * one CTA (cluster of one, and always in the host emulator): cp.async by every thread, rows past
-//    the sequence end zero-filled by the copy; the CTA barrier hands stages over.
-//  * a cluster of the two V-slice CTAs of a head (the launcher's choice, V / BV even): bulk copies
-//    with the K-wide tiles multicast (scan_bulk_load_chunk), one mbarrier per stage; the cluster
-//    barrier hands stages over, since a CTA's copies write into the peer's stage too.
-template <typename WT, int K, int BV>
-struct ScanPipe {
-  using S = ScanStage<WT, K, BV>;
-  static constexpr int NT = scan_threads<BV>();
-  WT* sm;
-  const ScanSources<WT>& src;
-  const KdaProblem& p;
-  const SeqInfo& seq;
-  int hv, v0;
-  bool with_q;
-  bool cluster;  // uniform
-  int rank;
-  __device__ __forceinline__ ScanPipe(WT* sm_, const ScanSources<WT>& src_, const KdaProblem& p_,
-                                      const SeqInfo& seq_, int hv_, int v0_, bool with_q_)
-      : sm(sm_), src(src_), p(p_), seq(seq_), hv(hv_), v0(v0_), with_q(with_q_), cluster(false), rank(0) {
-#ifndef KF_EMU
-    cluster = cluster_nctarank() == 2;
-    rank = static_cast<int>(cluster_ctarank());
-#endif
-  }
-  __device__ __forceinline__ uint32_t bar(int st) const {
-    return smem_u32(reinterpret_cast<const char*>(sm) + S::kBarOffset) + 8 * st;
-  }
-  __device__ __forceinline__ void load(int cc, int st) {
-#ifndef KF_EMU
-    if (cluster) {
-      scan_bulk_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, bar(st), src, p, seq, cc, hv, v0, with_q, rank);
-      return;
-    }
-#endif
-    scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_q);
-    cp_async_commit();
-  }
-  __device__ __forceinline__ void start(int first) {  // first < 0: an empty sequence
-#ifndef KF_EMU
-    if (cluster) {
-      if (threadIdx.x == 0) {
-        mbar_init(bar(0), 1);
-        mbar_init(bar(1), 1);
-        mbar_init_fence();
-      }
-      cluster_sync();  // the peer's barriers exist before any copy completes on them
-    }
-#endif
-    if (first >= 0) load(first, 0);
-  }
-  __device__ __forceinline__ void handoff(int i, int next) {
-#ifndef KF_EMU
-    if (cluster) {
-      cluster_sync();
-      if (next >= 0) load(next, (i & 1) ^ 1);
-      mbar_wait(bar(i & 1), (i >> 1) & 1);
-      return;
-    }
-#endif
-    cp_async_wait<0>();
-    __syncthreads();
-    if (next >= 0) load(next, (i & 1) ^ 1);
-  }
-  __device__ __forceinline__ void finish() {
-#ifndef KF_EMU
-    if (cluster) {
-      cluster_sync();  // no CTA leaves while its peer may still be at work on the shared stages
-      return;
-    }
-#endif
-    cp_async_wait<0>();
-  }
-};
-
 // Offset of state element (j, e) of this lane in a [K, V] (or, state_v_first, [V, K]) state.
 template <int K>
 __device__ __forceinline__ int64_t state_index(const KdaProblem& p, int col0, int t, int j, int e) {
@@ -368,28 +215,5 @@ __device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[8][
     if (tok < rows) *reinterpret_cast<uint2*>(out + ((tok0 + tok) * HV + hv) * V + col) = v;
   }
 }
-
-#ifndef KF_EMU
-// Launch a scan kernel over (V / BV slices, HV, N sequences), as clusters of the two V-slice CTAs of
-// a head where the policy allows it (KERNEL_FUN_KDA_SCAN_CLUSTER=0 turns it off, for benchmarking).
-template <int BV, typename Params>
-void launch_scan_grid(void (*kern)(const Params), const Params& p, size_t smem, cudaStream_t stream) {
-  const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_CLUSTER");
-  const bool cluster = scan_cluster(p, BV) && !(env && std::atoi(env) == 0);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.V / BV, p.HV, p.N);
-  cfg.blockDim = dim3(scan_threads<BV>());
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster ? 2 : 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  KF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
-}
-#endif
 
 }  // namespace kernel_fun::kda::dev

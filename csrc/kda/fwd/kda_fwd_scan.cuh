@@ -31,6 +31,7 @@ namespace kernel_fun::kda {
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
   using S = dev::ScanStage<WT, K, BV>;
+  constexpr int NT = dev::scan_threads<BV>();
   constexpr int KP = S::KP, AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
@@ -48,16 +49,23 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
 
   const bool with_o = p.o != nullptr;  // uniform: the backward's re-scan wants only the states
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
-  dev::ScanPipe<WT, K, BV> pipe(sm, src, p, seq, hv, v0, with_o);
-  pipe.start(nchunks > 0 ? 0 : -1);
+  auto load_chunk = [&](int cc, int st) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o);
+  };
+
+  if (nchunks > 0) load_chunk(0, 0);
+  dev::cp_async_commit();
 
   WT* o = reinterpret_cast<WT*>(p.o);
   WT* hst = reinterpret_cast<WT*>(p.h_states);
 
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
-    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1), now filling
-    pipe.handoff(c, c + 1 < nchunks ? c + 1 : -1);
+    dev::cp_async_wait<0>();
+    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1)
+    __syncthreads();
+    if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
+    dev::cp_async_commit();
 
     const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
@@ -145,7 +153,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
       }
     }
   }
-  pipe.finish();
+  dev::cp_async_wait<0>();
 
   if (p.ht) dev::store_state<WT, K>(p.ht, pl.sbase, hT, p, col0, t);
 }
@@ -157,7 +165,7 @@ void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
   auto kern = kda_fwd_scan_kernel<WT, K, BV>;
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.N == 0 || p.HV == 0) return;
-  dev::launch_scan_grid<BV>(kern, p, smem, stream);
+  kern<<<dim3(p.V / BV, p.HV, p.N), dev::scan_threads<BV>(), smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 #endif
