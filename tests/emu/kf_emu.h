@@ -188,6 +188,47 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr, bool trans = fal
 }
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) { ldmatrix_x4(r, row_addr, true); }
 
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} with A from registers and B through a shared-
+// memory descriptor (128-byte swizzle only), for the calling warp's 16 rows of the warpgroup's 64
+// (each warp's A and D rows are its own; B is common): N / 8 mma.sync m16n8k16 whose B fragments
+// are read from shared memory at the canonical-layout addresses of the PTX ISA ("Shared memory
+// matrix layout" / "Matrix descriptor"), written here from the spec, not from the kernels' code:
+//   K-major B (trans_b false), element (k, n): start + (n / 8) SBO + (n % 8) 128 + 2 k
+//   MN-major B (trans_b true),  element (k, n): start + (n / 64) LBO + 2 (n % 64) + (k / 8) SBO + (k % 8) 128
+// then the 128-byte swizzle of the address: bits [4, 7) ^= bits [7, 10). acc false: D = A B.
+// Completion is immediate (wgmma.fence / commit_group / wait_group are no-ops here).
+template <typename T>
+inline void wgmma_rs_m64k16(float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc) {
+  if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0)
+    detail::failf("wgmma: descriptor %#llx: only the 128-byte swizzle with base offset 0 is emulated",
+                  static_cast<unsigned long long>(desc));
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
+  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4;
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
+  const auto* sm = static_cast<const unsigned char*>(dyn_smem());
+  auto elem = [&](int k, int n) -> uint32_t {
+    uint32_t addr = trans_b ? start + (n / 64) * lbo + 2 * (n % 64) + (k / 8) * sbo + (k % 8) * 128
+                            : start + (n / 8) * sbo + (n % 8) * 128 + 2 * k;
+    addr ^= ((addr >> 7) & 7) << 4;
+    if (addr + 2 > dyn_smem_bytes())
+      detail::failf("wgmma: B element (%d, %d) at smem offset %u is outside the dynamic shared memory (%zu bytes)",
+                    k, n, addr, dyn_smem_bytes());
+    uint16_t v;
+    std::memcpy(&v, sm + addr, 2);
+    return v;
+  };
+  const int lane = static_cast<int>(detail::t_cur.tid.x & 31), g = lane >> 2, t = lane & 3;
+  for (int j = 0; j < N / 8; ++j) {
+    const int n = 8 * j + g;
+    const uint32_t b0 = elem(2 * t, n) | (elem(2 * t + 1, n) << 16);
+    const uint32_t b1 = elem(2 * t + 8, n) | (elem(2 * t + 9, n) << 16);
+    float c[4];
+    for (int e = 0; e < 4; ++e) c[e] = acc ? d[4 * j + e] : 0.f;
+    mma_m16n8k16<T>(c, a, b0, b1);
+    for (int e = 0; e < 4; ++e) d[4 * j + e] = c[e];
+  }
+}
+
 // cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size: DEFERRED (see the header comment).
 void cp_async(void* dst_smem, const void* src_global, int cp_size, int src_size);
 inline void cp_async_cg16(void* dst_smem, const void* src_global, int src_size) {

@@ -25,12 +25,12 @@ template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_kernel(const KdaBwdParams p) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int NT = dev::scan_threads<BV>();
-  constexpr int KP = S::KP, AP = S::AP, VP = S::VP;
+  constexpr int AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
 
   KF_DYN_SMEM(float4, smem_f4);
-  WT* sm = reinterpret_cast<WT*>(smem_f4);
+  WT* sm = dev::scan_smem_base<WT>(smem_f4);
 
   const dev::ScanPlace<K, BV> pl(p);
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
@@ -68,22 +68,18 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
     dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 
     // ---------------- A: dv'T = dhT @ kg^T + doT @ Aqk   ([16 v] x [64 tokens], n-tiles of 8 tokens)
-    float dvT[8][4];
+    float dvT[8][4];  // wgmma: the warpgroup's 64 value rows at once, B = the swizzled kg tile (K-major)
+    {
+      uint32_t ha[K / 16][4];  // dhT packed to WT: live until the wait (wgmma reads A asynchronously)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dvT[j][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      uint32_t a[4];
-      dev::pack_a<WT>(a, dhT[2 * kk], dhT[2 * kk + 1]);
-#pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {
-        // B[k][n = token] = kg[token][k]: matrix m = tokens 16 pp + (m >> 1) 8, k 16 kk + (m & 1) 8
-        uint32_t b[4];
-        dev::ldsm_b(b, sKg, KP, 16 * pp, 16 * kk);
-        dev::mma_16x16<WT>(dvT[2 * pp], dvT[2 * pp + 1], a, b);
-      }
+      for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], dhT[2 * kk], dhT[2 * kk + 1]);
+      dev::fence_regs(ha);
+      dev::wgmma_fence();
+      dev::wgmma_state_tile_t<WT, K>(dvT, ha, sKg, false);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+      dev::fence_regs(ha);
+      dev::fence_regs(dvT);
     }
     // doT as A fragments per 16-token block jj (transposed loads of the [token][v] tile), kept for C
     uint32_t adoT[4][4];
@@ -126,20 +122,20 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
                                 min(kChunk, seq.len - c * kChunk), HV, hv, V, v0 + vw, g, t);
     }
 
-    // ---------------- C: dhT = dhT * exp2(G)[k] + doT @ qg - dv'T @ w
+    // ---------------- C: dhT = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   (wgmma, B = the swizzled
+    // qg / w tiles, MN-major)
     dev::decay_state<K>(dhT, sDec, t);
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int q = 0; q < K / 16; ++q) {
-        // B[k = token][n = state row] = qg / w [token][k]: transposed loads
-        uint32_t bq[4], bw[4];
-        dev::ldsm_b_t(bq, sQg, KP, 16 * jj, 16 * q);
-        dev::ldsm_b_t(bw, sW, KP, 16 * jj, 16 * q);
-        dev::mma_16x16<WT>(dhT[2 * q], dhT[2 * q + 1], adoT[jj], bq);
-        dev::mma_16x16<WT>(dhT[2 * q], dhT[2 * q + 1], vn[jj], bw);
-      }
-    }
+    dev::fence_regs(dhT);
+    dev::fence_regs(adoT);
+    dev::fence_regs(vn);
+    dev::wgmma_fence();
+    dev::wgmma_tokens_tile<WT, K>(dhT, adoT, sQg);
+    dev::wgmma_tokens_tile<WT, K>(dhT, vn, sW);
+    dev::wgmma_commit();
+    dev::wgmma_wait<0>();
+    dev::fence_regs(dhT);
+    dev::fence_regs(adoT);
+    dev::fence_regs(vn);
   }
   dev::cp_async_wait<0>();
 

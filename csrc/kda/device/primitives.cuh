@@ -330,4 +330,101 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #endif
 
+
+// ---------------------------------------------------------------- sm_90a wgmma (A from registers)
+// wgmma.mma_async m64nNk16 with A in registers and B from shared memory through a descriptor: the
+// four warps of a warpgroup each give 16 rows of A in the mma.sync A-fragment layout (pack_a) and
+// get 16 rows of D in the mma.sync C layout, n-tile j = d[j][0..3]: so a warp's register tiles are
+// the same whether mma.sync or wgmma produced them. B is read once per warpgroup by the hardware
+// (mma.sync has every warp load its own B fragments with ldmatrix).
+// Shared-memory operands use the 128-byte swizzle: [rows][64 elements] atoms of 8 rows x 128 bytes,
+// 1024-byte aligned, 16-byte chunk c of row r stored at chunk c ^ (r & 7) (sw128_offset).
+
+// Byte offset of element (r, c) (c < 64) in a 128-byte-swizzled [rows][64] 16-bit tile.
+__host__ __device__ __forceinline__ uint32_t sw128_offset(int r, int c) {
+  return static_cast<uint32_t>(r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2);
+}
+
+// Descriptor of a 128-byte-swizzled operand at shared address addr: sbo = bytes between 8-row groups
+// of the strided dimension, lbo = bytes between 64-element blocks of the leading (contiguous)
+// dimension (used by MN-major operands only). Fields (PTX "matrix descriptor"): address, LBO, SBO
+// in 16-byte units at bits 0, 16, 32; base offset 0 (1024-byte aligned atoms); swizzle mode 1
+// (128 B) at bit 62.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+#ifdef KF_EMU
+__device__ __forceinline__ void wgmma_fence() {}
+__device__ __forceinline__ void wgmma_commit() {}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {}
+template <typename T, int N, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc, bool acc) {
+  kf_emu::wgmma_rs_m64k16<T>(&d[0][0], N, a, desc, kTransB != 0, acc);
+}
+#else
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+#define KF_WGMMA_D32 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}"
+#define KF_WGMMA_D64 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  "}"
+#define KF_WGMMA_OUT4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define KF_WGMMA_OUT32 \
+  KF_WGMMA_OUT4(0), KF_WGMMA_OUT4(1), KF_WGMMA_OUT4(2), KF_WGMMA_OUT4(3), KF_WGMMA_OUT4(4), KF_WGMMA_OUT4(5), \
+      KF_WGMMA_OUT4(6), KF_WGMMA_OUT4(7)
+#define KF_WGMMA_OUT64 \
+  KF_WGMMA_OUT32, KF_WGMMA_OUT4(8), KF_WGMMA_OUT4(9), KF_WGMMA_OUT4(10), KF_WGMMA_OUT4(11), KF_WGMMA_OUT4(12), \
+      KF_WGMMA_OUT4(13), KF_WGMMA_OUT4(14), KF_WGMMA_OUT4(15)
+
+template <typename T, int N>
+struct WgmmaRs;
+// D (N/2 registers), A (4), the descriptor, acc (0: D = A B), trans-b (1: B is MN-major)
+#define KF_WGMMA_RS(T, PT, N, DREGS, OUTS, IA, IDESC, IACC, ITR)                                              \
+  template <>                                                                                                 \
+  struct WgmmaRs<T, N> {                                                                                      \
+    template <int kTransB>                                                                                    \
+    static __device__ __forceinline__ void run(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc,  \
+                                               int acc) {                                                     \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IACC ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N         \
+                   "k16.f32." PT "." PT " " DREGS ", {%" IA "}, %" IDESC ", p, 1, 1, %" ITR ";\n}\n"             \
+                   : OUTS                                                                                     \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc), "n"(kTransB));          \
+    }                                                                                                         \
+  };
+KF_WGMMA_RS(__nv_bfloat16, "bf16", 64, KF_WGMMA_D32, KF_WGMMA_OUT32, "32, %33, %34, %35", "36", "37", "38")
+KF_WGMMA_RS(__half, "f16", 64, KF_WGMMA_D32, KF_WGMMA_OUT32, "32, %33, %34, %35", "36", "37", "38")
+KF_WGMMA_RS(__nv_bfloat16, "bf16", 128, KF_WGMMA_D64, KF_WGMMA_OUT64, "64, %65, %66, %67", "68", "69", "70")
+KF_WGMMA_RS(__half, "f16", 128, KF_WGMMA_D64, KF_WGMMA_OUT64, "64, %65, %66, %67", "68", "69", "70")
+#undef KF_WGMMA_RS
+#undef KF_WGMMA_OUT64
+#undef KF_WGMMA_OUT32
+#undef KF_WGMMA_OUT4
+#undef KF_WGMMA_D64
+#undef KF_WGMMA_D32
+
+// d (+)= a @ B, one m64nNk16 step of the calling warp's warpgroup (every thread of its four warps
+// calls it with the same descriptor). Between wgmma_fence() and wgmma_wait<0>() the compiler must
+// not touch d or a: the kernels issue, commit and wait in one place.
+template <typename T, int N, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc, bool acc) {
+  WgmmaRs<T, N>::template run<kTransB>(d, a, desc, acc ? 1 : 0);
+}
+#endif
+
 }  // namespace kernel_fun::kda::dev

@@ -14,27 +14,90 @@
 
 namespace kernel_fun::kda::dev {
 
-// One stage of the scans' shared memory (WT elements; rows padded by 8 so ldmatrix rows hit
-// distinct banks): sW, sQg, sKg [64][K+8]; sAqk, sAkk [64][72] (16x16 blocks above the diagonal
-// are never loaded or read); sVal [64][BV+8]; sDec [K] fp32 = exp2(G). Two stages: chunk c+1 is
+// One stage of the scans' shared memory (offsets in WT elements). The K-wide tiles sW, sQg, sKg
+// [64 tokens][K] come first, each as K / 64 blocks of [64][64] in the 128-byte swizzle
+// (dev::sw128_offset): they are the B operands of the wgmma products, read through descriptors.
+// sAqk, sAkk [64][72] (16x16 blocks above the diagonal are never loaded or read) and sVal [64][BV+8]
+// are padded rows for ldmatrix (mma.sync products); sDec [K] fp32 = exp2(G). Stages are 1024-byte
+// multiples from a 1024-byte aligned base (the swizzle atoms' alignment). Two stages: chunk c+1 is
 // filled by cp.async while chunk c computes; the one CTA-wide barrier per chunk hands it over.
 template <typename WT, int K, int BV>
 struct ScanStage {
-  static constexpr int KP = K + 8;
+  static_assert(sizeof(WT) == 2 && K % 64 == 0, "16-bit operands, K a multiple of 64 (swizzle blocks)");
   static constexpr int AP = kChunk + 8;
   static constexpr int VP = BV + 8;
+  static constexpr int kTile = kChunk * K;  // one swizzled [64][K] tile
   static constexpr int kW = 0;
-  static constexpr int kQg = kW + kChunk * KP;
-  static constexpr int kKg = kQg + kChunk * KP;
-  static constexpr int kAqk = kKg + kChunk * KP;
+  static constexpr int kQg = kW + kTile;
+  static constexpr int kKg = kQg + kTile;
+  static constexpr int kAqk = kKg + kTile;
   static constexpr int kAkk = kAqk + kChunk * AP;
   static constexpr int kVal = kAkk + kChunk * AP;
   static constexpr int kDec = kVal + kChunk * VP;  // fp32 [K] (offset in WT units)
-  static constexpr int kStageElems = kDec + 2 * K;
-  static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems;
-  static_assert((kStageElems * sizeof(WT)) % 16 == 0, "stages must stay 16-byte aligned");
+  static constexpr int kStageElems = (kDec + 2 * K + 511) / 512 * 512;
+  static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems + 1024;  // + the base's alignment slack
   static_assert(kBytes <= 227 * 1024, "scan shared memory exceeds the sm_90 per-CTA limit");
 };
+
+// The scans' dynamic shared memory from its first 1024-byte aligned byte.
+template <typename WT>
+__device__ __forceinline__ WT* scan_smem_base(void* raw) {
+  const uint32_t a = smem_u32(raw);
+  return reinterpret_cast<WT*>(static_cast<char*>(raw) + (((a + 1023u) & ~1023u) - a));
+}
+
+// wgmma B descriptors of a swizzled [64 tokens][K] tile. K-major (the A products, B[k][n = token]
+// = tile[token][k]) for k-step kk: 16 columns = 32 bytes into a 64-column block; 8-token groups
+// 1024 bytes apart. MN-major (the state updates, B[k = token][n = state row] = tile[token][row])
+// for token step jj: 16 rows = 2048 bytes; 8-token groups 1024 bytes apart, 64-row blocks of the
+// state 8192 bytes apart.
+template <typename WT>
+__device__ __forceinline__ uint64_t tile_desc_k(const WT* tile, int kk) {
+  return sw128_desc(smem_u32(tile) + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024);
+}
+template <typename WT>
+__device__ __forceinline__ uint64_t tile_desc_mn(const WT* tile, int jj) {
+  return sw128_desc(smem_u32(tile) + jj * 2048, 8192, 1024);
+}
+
+// Register fences for wgmma operands (as CUTLASS's warpgroup_fence_operand): the compiler may not
+// move, copy or reuse these registers across the fence, so values in flight in an async wgmma stay
+// where the hardware reads / writes them until wgmma_wait.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&x)[R][4]) {
+#ifndef KF_EMU
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[r][e])::"memory");
+#endif
+}
+template <int R>
+__device__ __forceinline__ void fence_regs(uint32_t (&x)[R][4]) {
+#ifndef KF_EMU
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(x[r][e])::"memory");
+#endif
+}
+
+// acc (+)= the warpgroup's state rows times tile^T over K ([16 v] x [64 tokens] per warp): a[kk] is
+// the state packed as A fragments (pack_a of n-tiles 2 kk, 2 kk + 1). Issue only: the caller
+// fences, commits and waits (several products share one wait).
+template <typename WT, int K>
+__device__ __forceinline__ void wgmma_state_tile_t(float (&acc)[8][4], const uint32_t (&a)[K / 16][4], const WT* tile,
+                                                   bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<WT, 64, 0>(acc, a[kk], tile_desc_k(tile, kk), accumulate || kk > 0);
+}
+// sT += a[jj] @ tile[16 jj .. 16 jj + 15][:] over the chunk's four token blocks ([16 v] x [K] per
+// warp): a[jj] are [16 v] x [16 tokens] A fragments. Issue only, as above.
+template <typename WT, int K>
+__device__ __forceinline__ void wgmma_tokens_tile(float (&sT)[K / 8][4], const uint32_t (&a)[4][4], const WT* tile) {
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) wgmma_rs<WT, K, 1>(sT, a[jj], tile_desc_mn(tile, jj), true);
+}
 
 template <int BV>
 constexpr int scan_threads() {
@@ -102,11 +165,11 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
   const int rows = min(kChunk, seq.len - cc * kChunk);
   constexpr int KV8 = K / 8;
   for (int i = tid; i < kChunk * KV8; i += NT) {
-    const int r = i / KV8, c8 = (i % KV8) * 8;
+    const int r = i / KV8, q = i % KV8;
     const bool ok = r < rows;
-    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * K + c8;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * K + 8 * q;
     const int nb = ok ? 16 : 0;
-    const int so = r * S::KP + c8;
+    const int so = (q >> 3) * (kChunk * 64) + static_cast<int>(sw128_offset(r, 8 * (q & 7))) / 2;  // swizzled
     cp_async16(base + S::kW + so, src.w + off, nb);
     if (with_q) cp_async16(base + S::kQg + so, src.qg + off, nb);
     cp_async16(base + S::kKg + so, src.kg + off, nb);

@@ -32,12 +32,12 @@ template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int NT = dev::scan_threads<BV>();
-  constexpr int KP = S::KP, AP = S::AP, VP = S::VP;
+  constexpr int AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
 
   KF_DYN_SMEM(float4, smem_f4);
-  WT* sm = reinterpret_cast<WT*>(smem_f4);
+  WT* sm = dev::scan_smem_base<WT>(smem_f4);
 
   const dev::ScanPlace<K, BV> pl(p);
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
@@ -77,28 +77,29 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
     if (hst)  // the state read by chunk c (fla's h), in the output dtype
       dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
 
-    // ---------------- A: WHT = hT @ w^T, OT = hT @ qg^T   ([16 v] x [64 tokens], n-tiles of 8 tokens)
+    // ---------------- A: WHT = hT @ w^T, OT = hT @ qg^T   ([16 v] x [64 tokens] per warp; wgmma, the
+    // warpgroup's 64 value rows at once, B = the swizzled w / qg tiles, K-major)
     float whT[8][4], oT[8][4];
+    {
+      uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) whT[j][e] = oT[j][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      uint32_t a[4];
-      dev::pack_a<WT>(a, hT[2 * kk], hT[2 * kk + 1]);
-#pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {
-        // B[k][n = token] = w[token][k]
-        uint32_t bw[4];
-        dev::ldsm_b(bw, sW, KP, 16 * pp, 16 * kk);
-        dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, bw);
-        if (with_o) {
-          uint32_t bq[4];
-          dev::ldsm_b(bq, sQg, KP, 16 * pp, 16 * kk);
-          dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, bq);
-        }
+      for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
+      dev::fence_regs(ha);
+      if (with_o) {  // uniform; each branch issues its products back to back, then waits
+        dev::wgmma_fence();
+        dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+        dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
+        dev::wgmma_commit();
+        dev::wgmma_wait<0>();
+      } else {
+        dev::wgmma_fence();
+        dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+        dev::wgmma_commit();
+        dev::wgmma_wait<0>();
       }
+      dev::fence_regs(ha);
+      dev::fence_regs(whT);
+      dev::fence_regs(oT);
     }
 
     // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
@@ -139,19 +140,16 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
                               HV, hv, V, v0 + vw, g, t);
     }  // with_o
 
-    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg
+    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major)
     dev::decay_state<K>(hT, sDec, t);
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int q = 0; q < K / 16; ++q) {
-        // B[k = token][n = state row] = kg[token][k]: transposed loads; matrix m = tokens
-        // 16 jj + (m & 1) 8, state rows 16 q + (m >> 1) 8
-        uint32_t b[4];
-        dev::ldsm_b_t(b, sKg, KP, 16 * jj, 16 * q);
-        dev::mma_16x16<WT>(hT[2 * q], hT[2 * q + 1], va[jj], b);
-      }
-    }
+    dev::fence_regs(hT);
+    dev::fence_regs(va);
+    dev::wgmma_fence();
+    dev::wgmma_tokens_tile<WT, K>(hT, va, sKg);
+    dev::wgmma_commit();
+    dev::wgmma_wait<0>();
+    dev::fence_regs(hT);
+    dev::fence_regs(va);
   }
   dev::cp_async_wait<0>();
 
