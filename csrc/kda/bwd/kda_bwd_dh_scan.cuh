@@ -1,13 +1,15 @@
 // kda_bwd_dh_scan: the reverse chunk recurrence of the KDA backward (stage B3 of
 // src/kernel_fun/ref/kda_bwd.py), one CTA per (V-slice of BV columns, value head, sequence),
-// BV / 16 warps, mma.sync m16n8k16 with fp32 accumulation. The mirror image of kda_fwd_scan: the
+// BV / 16 warps (BV / 64 warpgroups), fp32 accumulation. The mirror image of kda_fwd_scan: the
 // state gradient dh [K, BV] lives TRANSPOSED in fp32 registers, warp w owning value columns
 // [16 w, 16 w + 16) for the whole chunk (no barrier inside a chunk). Per chunk c, last to first:
 //   0   dh_ckpt[c] = dhT                       (dh_{c+1}: what kda_bwd_grads reads for chunk c)
-//   A   dv'T = dhT @ kg^T + doT @ Aqk          A = dhT packed / doT (ldmatrix.trans of do),
-//                                              B = kg rows / Aqk (ldmatrix.trans; blocks jj >= pp)
-//   B   dvT  = dv'T @ Akk -> dv                (v enters the forward only through u = Akk v)
-//   C   dhT  = dhT * exp2(G)[k] + doT @ qg - dv'T @ w
+//   A   dv'T = dhT @ kg^T + doT @ Aqk          wgmma m64n64k16 (A = dhT packed, B = the swizzled kg
+//                                              tile, K-major), with doT @ Aqk on mma.sync (ldmatrix.trans
+//                                              of do and Aqk; blocks jj >= pp) while it is in flight
+//   C   dhT  = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   wgmma m64nKk16 (B = the swizzled qg / w
+//                                              tiles, MN-major), in flight during B
+//   B   dvT  = dv'T @ Akk -> dv                mma.sync (v enters the forward only through u = Akk v)
 // after chunk 0: dh0 = dhT. scale lives inside qg (the forward intra's workspace), never applied
 // twice. Operands are rounded to WT, accumulation is fp32, as in the forward scan.
 //
@@ -68,7 +70,10 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
     dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 
     // ---------------- A: dv'T = dhT @ kg^T + doT @ Aqk   ([16 v] x [64 tokens], n-tiles of 8 tokens)
-    float dvT[8][4];  // wgmma: the warpgroup's 64 value rows at once, B = the swizzled kg tile (K-major)
+    // wgmma: the warpgroup's 64 value rows at once, B = the swizzled kg tile (K-major); in flight
+    // while doT @ Aqk runs on mma.sync into its own accumulator
+    float dvT[8][4], u[8][4];
+    uint32_t adoT[4][4];  // doT as A fragments per 16-token block jj (transposed loads), kept for C
     {
       uint32_t ha[K / 16][4];  // dhT packed to WT: live until the wait (wgmma reads A asynchronously)
 #pragma unroll
@@ -77,23 +82,29 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
       dev::wgmma_fence();
       dev::wgmma_state_tile_t<WT, K>(dvT, ha, sKg, false);
       dev::wgmma_commit();
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u[j][e] = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        dev::ldsm_a_t(adoT[jj], sDo, VP, 16 * jj, vw);
+#pragma unroll
+        for (int pp = 0; pp <= jj; ++pp) {
+          // B[k = token][n = token'] = Aqk[token][token'] (nonzero for token >= token': pp <= jj)
+          uint32_t b[4];
+          dev::ldsm_b_t(b, sAqk, AP, 16 * jj, 16 * pp);
+          dev::mma_16x16<WT>(u[2 * pp], u[2 * pp + 1], adoT[jj], b);
+        }
+      }
       dev::wgmma_wait<0>();
       dev::fence_regs(ha);
       dev::fence_regs(dvT);
     }
-    // doT as A fragments per 16-token block jj (transposed loads of the [token][v] tile), kept for C
-    uint32_t adoT[4][4];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      dev::ldsm_a_t(adoT[jj], sDo, VP, 16 * jj, vw);
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int pp = 0; pp <= jj; ++pp) {
-        // B[k = token][n = token'] = Aqk[token][token'] (nonzero for token >= token': pp <= jj)
-        uint32_t b[4];
-        dev::ldsm_b_t(b, sAqk, AP, 16 * jj, 16 * pp);
-        dev::mma_16x16<WT>(dvT[2 * pp], dvT[2 * pp + 1], adoT[jj], b);
-      }
-    }
+      for (int e = 0; e < 4; ++e) dvT[j][e] += u[j][e];
     // dv'T as A fragments over the token dimension (rounded to WT), and its negation for C
     uint32_t va[4][4], vn[4][4];
 #pragma unroll
@@ -101,6 +112,17 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
       dev::pack_a<WT>(va[jj], dvT[2 * jj], dvT[2 * jj + 1]);
       dev::pack_a<WT, true>(vn[jj], dvT[2 * jj], dvT[2 * jj + 1]);
     }
+
+    // ---------------- C: dhT = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   (wgmma, B = the swizzled
+    // qg / w tiles, MN-major), in flight while B runs: dhT, adoT and vn belong to it until the wait
+    dev::decay_state<K>(dhT, sDec, t);
+    dev::fence_regs(dhT);
+    dev::fence_regs(adoT);
+    dev::fence_regs(vn);
+    dev::wgmma_fence();
+    dev::wgmma_tokens_tile<WT, K>(dhT, adoT, sQg);
+    dev::wgmma_tokens_tile<WT, K>(dhT, vn, sW);
+    dev::wgmma_commit();
 
     // ---------------- B: dvT = dv'T @ Akk -> dv   (B[k = token][n = token'] = Akk[token][token'])
     {
@@ -122,16 +144,6 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
                                 min(kChunk, seq.len - c * kChunk), HV, hv, V, v0 + vw, g, t);
     }
 
-    // ---------------- C: dhT = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   (wgmma, B = the swizzled
-    // qg / w tiles, MN-major)
-    dev::decay_state<K>(dhT, sDec, t);
-    dev::fence_regs(dhT);
-    dev::fence_regs(adoT);
-    dev::fence_regs(vn);
-    dev::wgmma_fence();
-    dev::wgmma_tokens_tile<WT, K>(dhT, adoT, sQg);
-    dev::wgmma_tokens_tile<WT, K>(dhT, vn, sW);
-    dev::wgmma_commit();
     dev::wgmma_wait<0>();
     dev::fence_regs(dhT);
     dev::fence_regs(adoT);

@@ -1,18 +1,21 @@
 // kda_fwd_scan: the serial chunk recurrence of the KDA forward, one CTA per (V-slice of BV
-// columns, value head, sequence), BV / 16 warps, mma.sync m16n8k16 with fp32 accumulation.
+// columns, value head, sequence), BV / 16 warps (BV / 64 warpgroups), fp32 accumulation.
 //
 // The state is kept TRANSPOSED, hT [BV, K], in fp32 registers: warp w owns value columns
 // [16 w, 16 w + 16) of the slice and runs the whole chunk for them from its own registers -- no
-// barrier inside a chunk, no smem copy of h, no smem round trip of v'. Its hT rows are mma.sync C
-// fragments over K (n-tiles of 8 state rows k). Per chunk (tokens i, j of the chunk; rows past the
-// sequence end are zero-filled on load and never stored):
-//   A   WHT = hT @ w^T, OT = hT @ qg^T       A = hT (fp32 accumulators packed to WT: the C layout of
-//                                            n-tiles 2kk, 2kk+1 is the A layout of k-step kk),
-//                                            B = w / qg rows from smem (ldmatrix, non-transposed)
-//   B   v'T = vT @ Akk^T - WHT                A = vT (ldmatrix.trans of the [token][v] tile),
-//                                            B = Akk rows (lower-triangular: blocks j <= i only)
-//   C   OT += v'T @ Aqk^T -> o                A = v'T from registers (packed to WT)
-//   D   hT = hT * exp2(G)[k] + v'T @ kg       B = kg [token][k] (ldmatrix.trans)
+// barrier inside a chunk, no smem copy of h, no smem round trip of v'. Its hT rows are C fragments
+// over K (n-tiles of 8 state rows k), the same layout for mma.sync and for wgmma. Per chunk
+// (tokens i, j of the chunk; rows past the sequence end are zero-filled on load and never stored):
+//   A   WHT = hT @ w^T, OT = hT @ qg^T       wgmma m64n64k16: A = hT packed to WT from registers
+//                                            (the C layout of n-tiles 2kk, 2kk+1 is the A layout of
+//                                            k-step kk), B = the swizzled w / qg tiles (K-major)
+//   B   v'T = vT @ Akk^T - WHT                mma.sync: A = vT (ldmatrix.trans of the [token][v]
+//                                            tile), B = Akk rows (lower-triangular: blocks j <= i)
+//   D   hT = hT * exp2(G)[k] + v'T @ kg       wgmma m64nKk16: A = v'T from registers, B = the
+//                                            swizzled kg tile (MN-major); in flight during C
+//   C   OT += v'T @ Aqk^T -> o                mma.sync: A = v'T from registers
+// wgmma reads the K-wide tiles once per warpgroup (per warp with mma.sync + ldmatrix: 1.3x faster
+// scans at prod8192, docs/notes/2026-12-01-kda-backward.md).
 // scale lives inside qg and Aqk (kda_fwd_intra), so it is never applied twice. h and v' are rounded
 // to WT as MMA operands; accumulation is fp32 everywhere.
 // The backward's re-scan runs this kernel with o = null (no qg loads, no OT products, no o stores)
@@ -125,28 +128,32 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
 
-    // ---------------- C: OT += v'T @ Aqk^T -> o
-    if (with_o) {
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int pp = jj; pp < 4; ++pp) {
-        uint32_t b[4];
-        dev::ldsm_b(b, sAqk, AP, 16 * pp, 16 * jj);
-        dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], va[jj], b);
-      }
-    }
-    dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
-                              HV, hv, V, v0 + vw, g, t);
-    }  // with_o
-
-    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major)
+    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major),
+    // in flight while C runs: hT and va belong to it until the wait
     dev::decay_state<K>(hT, sDec, t);
     dev::fence_regs(hT);
     dev::fence_regs(va);
     dev::wgmma_fence();
     dev::wgmma_tokens_tile<WT, K>(hT, va, sKg);
     dev::wgmma_commit();
+
+    // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
+    if (with_o) {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        uint32_t a[4];
+        dev::pack_a<WT>(a, whT[2 * jj], whT[2 * jj + 1]);
+#pragma unroll
+        for (int pp = jj; pp < 4; ++pp) {
+          uint32_t b[4];
+          dev::ldsm_b(b, sAqk, AP, 16 * pp, 16 * jj);
+          dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, b);
+        }
+      }
+      dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
+                                HV, hv, V, v0 + vw, g, t);
+    }
+
     dev::wgmma_wait<0>();
     dev::fence_regs(hT);
     dev::fence_regs(va);
