@@ -2,7 +2,8 @@
 // kda_bwd_dh_scan (its gradient dh, last chunk to 0). Both run one CTA per (V-slice of BV columns,
 // value head, sequence) with BV / 16 warps; warp w owns value columns [16 w, 16 w + 16) of the
 // slice and keeps its state TRANSPOSED in fp32 registers, sT[j][e] = state row k = 8 j + 2 t +
-// (e & 1), value column col0 + 8 (e >> 1) with col0 = v0 + 16 w + g (mma.sync C fragments over K).
+// (e & 1), value column col0 + 8 (e >> 1) with col0 = v0 + 16 w + g (C fragments over K: the warp's
+// 16 rows of the warpgroup's wgmma products, or mma.sync tiles).
 // Both read the forward intra's workspace (w, qg, kg, Aqk, Akk, exp2(G)) and one [64][BV] value
 // tile per chunk (v forward, do backward) through a double-buffered shared-memory stage.
 #pragma once
@@ -232,7 +233,8 @@ __device__ __forceinline__ void store_state(OT* dst, int64_t base, const float (
 
 // sT into one chunk's checkpoint hc ([V][K] in WT: kda_bwd_grads' layout): the state's C tile
 // has value columns col0, col0 + 8 as rows and k as columns. Whole-sector stores matter here: the
-// scans are L2-throughput bound (docs/notes/2026-12-01-kda-backward.md).
+// pair-wise stores they replaced cost the re-scan and the dh scan ~0.6 ms each at prod8192
+// (docs/notes/2026-12-01-kda-backward.md, fifth session).
 template <typename WT, int K>
 __device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t) {
   store_c_rows16<WT, K / 8>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, true, true,
