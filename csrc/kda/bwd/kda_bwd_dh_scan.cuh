@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
     const float* sDec = op.dec;
 
-    // ---------------- 0: the checkpoint dh_{c+1} for chunk c, [chunk][hv][v][k] (k pairs adjacent)
+    // ---------------- 0: the checkpoint dh_{c+1} for chunk c, [chunk][hv][v][k]
     dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 
     // ---------------- A: dv'T = dhT @ kg^T + doT @ Aqk   ([16 v] x [64 tokens], n-tiles of 8 tokens)

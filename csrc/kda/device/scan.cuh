@@ -63,23 +63,19 @@ __device__ __forceinline__ uint64_t tile_desc_mn(const WT* tile, int jj) {
 
 // Register fences for wgmma operands (as CUTLASS's warpgroup_fence_operand): the compiler may not
 // move, copy or reuse these registers across the fence, so values in flight in an async wgmma stay
-// where the hardware reads / writes them until wgmma_wait.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&x)[R][4]) {
+// where the hardware reads / writes them until wgmma_wait. T: float (accumulators) or uint32_t
+// (packed A fragments).
+template <typename T, int R>
+__device__ __forceinline__ void fence_regs(T (&x)[R][4]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>, "wgmma operand registers");
 #ifndef KF_EMU
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(x[r][e])::"memory");
-#endif
-}
-template <int R>
-__device__ __forceinline__ void fence_regs(uint32_t (&x)[R][4]) {
-#ifndef KF_EMU
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(x[r][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<T, float>) asm volatile("" : "+f"(x[r][e])::"memory");
+      else asm volatile("" : "+r"(x[r][e])::"memory");
+    }
 #endif
 }
 

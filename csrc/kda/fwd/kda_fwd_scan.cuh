@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
     const float* sDec = op.dec;
 
-    if (p.h_ckpt)  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k], k pairs
+    if (p.h_ckpt)  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k]
       dev::store_state_ckpt<WT, K>(
           reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t);
     if (hst)  // the state read by chunk c (fla's h), in the output dtype
@@ -88,7 +88,9 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
       dev::fence_regs(ha);
-      if (with_o) {  // uniform; each branch issues its products back to back, then waits
+      // uniform; each branch has its own fence-to-wait window (a branch between the fence and a
+      // wgmma makes ptxas inject a warpgroup.arrive)
+      if (with_o) {
         dev::wgmma_fence();
         dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
         dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
