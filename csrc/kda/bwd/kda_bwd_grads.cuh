@@ -75,8 +75,7 @@ struct GradsSmem {
   static constexpr int oDec = oGate + dev::GateScratch<K>::kBytes;  // [NPART][K] partial sums of h * dh
   static constexpr int oDGp = oDec + NPART * K * 4;   // [4][K] per row block sums of kg * dkg, then partials
   static constexpr int oRowA = oDGp + 8 * K * 4;      // [4][64] per column quarter row sums
-  static constexpr int oDot = oRowA + 4 * kChunk * 4;  // [2][64] l2norm row dots
-  static constexpr int oDbc = oDot + 2 * kChunk * 4;   // [8][64] dbeta from Akk's columns (partials)
+  static constexpr int oDbc = oRowA + 4 * kChunk * 4;  // [8][64] dbeta from Akk's columns (partials)
   static constexpr int oU = oDbc + 8 * kChunk * 4;
   // union, V phase
   static constexpr int vAqk = oU;
@@ -868,7 +867,6 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   float* sRowA = c.template at<float>(S::oRowA);
   float* sRowD = c.template at<float>(S::iRowD);
   float* sDbc = c.template at<float>(S::oDbc);
-  float* sDot = c.template at<float>(S::oDot);
   // the gate backward's items: item = (row r_first + RSTEP it, 8 columns at d0). The first item's raw
   // gate input is loaded here, in flight across the cumsum below; the loop over items is rolled (one
   // copy of the gate derivatives' code: this epilogue runs once per CTA, so its size is instruction
@@ -951,27 +949,6 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
     for (int off = 16; off > 0; off >>= 1) pa += __shfl_xor_sync(0xffffffffu, pa, off);
     if (lane == 0) sDGp[warp] = pa;                                  // [NTH / 32]
   }
-  // the l2norm row dots q^.dq^ and k^.dk^: one warp per 4 rows, K/32 columns per lane
-  const bool gva = HV != p.H;
-  if (p.opt.l2norm && !gva) {
-#pragma unroll 1
-    for (int r = warp; r < kChunk; r += NTH / 32) {
-      float dq = 0.f, dk = 0.f;
-      dev::strided<K, 32>(lane, [&](int cc) {
-        dq = fmaf(c.qhat(r, cc), Xq[Ctx::xs(r, cc)], dq);
-        dk = fmaf(c.khat(r, cc), Xk[Ctx::xs(r, cc)], dk);
-      });
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        dq += __shfl_xor_sync(0xffffffffu, dq, off);
-        dk += __shfl_xor_sync(0xffffffffu, dk, off);
-      }
-      if (lane == 0) {
-        sDot[r] = dq;
-        sDot[kChunk + r] = dk;
-      }
-    }
-  }
   __syncthreads();
   if (tid < K && p.pbias) {
     constexpr int RSTEP = NTH / (K / 8);
@@ -1006,28 +983,67 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       store_any(p.dbeta, p.beta_dtype, bi, db);
     }
   }
-  // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (no GVA; coalesced pairs of columns), or dq^ / dk^ per
-  // value head to the workspace (GVA: kda_bwd_finish sums the group first)
-#pragma unroll 1
-  for (int i = tid; i < len * (K / 2); i += NTH) {  // rolled: 8 passes of a large body
-    const int r = i / (K / 2), cc = 2 * (i % (K / 2));
-    const int x = Ctx::xs(r, cc);  // cc even: cc + 1 is the next float
-    float xq0 = Xq[x], xq1 = Xq[x + 1], xk0 = Xk[x], xk1 = Xk[x + 1];
-    if (gva) {
-      const int64_t off = ((tok0 + r) * HV + hv) * K + cc;
-      *reinterpret_cast<float2*>(p.dqhat + off) = make_float2(xq0, xq1);
-      *reinterpret_cast<float2*>(p.dkhat + off) = make_float2(xk0, xk1);
-    } else {
-      if (p.opt.l2norm) {
-        const float dq_dot = sDot[r], dk_dot = sDot[kChunk + r];
-        xq0 = c.sRq()[r] * (xq0 - c.qhat(r, cc) * dq_dot);
-        xq1 = c.sRq()[r] * (xq1 - c.qhat(r, cc + 1) * dq_dot);
-        xk0 = c.sRk()[r] * (xk0 - c.khat(r, cc) * dk_dot);
-        xk1 = c.sRk()[r] * (xk1 - c.khat(r, cc + 1) * dk_dot);
+  // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (l2norm; dx' = dx^ without), or dq^ / dk^ per value head
+  // to the workspace (GVA: kda_bwd_finish sums the group first). One pass, one item per thread:
+  // 8 lanes per row, lane s holding columns 4 s + 32 m (m < K / 32) in registers, so the row dots
+  // are a 3-step shuffle and nothing goes back through smem. Each quarter-warp reads one row's 128
+  // contiguous bytes of X per float4 load (the XOR swizzle keeps them on distinct banks).
+  {
+    constexpr int NM = K / 32;
+    const int r = tid >> 3, s = tid & 7;
+    static_assert(kChunk * 8 == NTH, "one (row, lane) item per thread");
+    const bool gva = HV != p.H;
+    // rows past the end compute on stale X and store nothing (the shuffles need all lanes)
+    float xq[NM][4], xk[NM][4], qh[NM][4], kh[NM][4];
+    const float rq = c.sRq()[r], rk = c.sRk()[r];
+    float dq_dot = 0.f, dk_dot = 0.f;
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      const int cc = 4 * s + 32 * m;
+      const float4 a = *reinterpret_cast<const float4*>(Xq + Ctx::xs(r, cc));
+      const float4 b = *reinterpret_cast<const float4*>(Xk + Ctx::xs(r, cc));
+      xq[m][0] = a.x; xq[m][1] = a.y; xq[m][2] = a.z; xq[m][3] = a.w;
+      xk[m][0] = b.x; xk[m][1] = b.y; xk[m][2] = b.z; xk[m][3] = b.w;
+      const uint2 uq = *reinterpret_cast<const uint2*>(c.sQ() + r * S::KQ + cc);
+      const uint2 uk = *reinterpret_cast<const uint2*>(c.sK() + r * S::KQ + cc);
+      const float2 q01 = E::to_float2(uq.x), q23 = E::to_float2(uq.y);
+      const float2 k01 = E::to_float2(uk.x), k23 = E::to_float2(uk.y);
+      qh[m][0] = q01.x * rq; qh[m][1] = q01.y * rq; qh[m][2] = q23.x * rq; qh[m][3] = q23.y * rq;
+      kh[m][0] = k01.x * rk; kh[m][1] = k01.y * rk; kh[m][2] = k23.x * rk; kh[m][3] = k23.y * rk;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dq_dot = fmaf(qh[m][e], xq[m][e], dq_dot);
+        dk_dot = fmaf(kh[m][e], xk[m][e], dk_dot);
       }
-      const int64_t off = ((tok0 + r) * p.H + c.h) * K + cc;
-      *reinterpret_cast<uint32_t*>(reinterpret_cast<WT*>(p.dq) + off) = E::pack2(xq0, xq1);
-      *reinterpret_cast<uint32_t*>(reinterpret_cast<WT*>(p.dk) + off) = E::pack2(xk0, xk1);
+    }
+    if (gva) {
+      const int64_t off = ((tok0 + r) * HV + hv) * K + 4 * s;
+#pragma unroll
+      for (int m = 0; m < NM && r < len; ++m) {
+        *reinterpret_cast<float4*>(p.dqhat + off + 32 * m) = make_float4(xq[m][0], xq[m][1], xq[m][2], xq[m][3]);
+        *reinterpret_cast<float4*>(p.dkhat + off + 32 * m) = make_float4(xk[m][0], xk[m][1], xk[m][2], xk[m][3]);
+      }
+    } else {
+      // the row's 8 lanes are adjacent and 8-aligned in the warp: xor 1, 2, 4 stays inside the row
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) {
+        dq_dot += __shfl_xor_sync(0xffffffffu, dq_dot, o);
+        dk_dot += __shfl_xor_sync(0xffffffffu, dk_dot, o);
+      }
+      const int64_t off = ((tok0 + r) * p.H + c.h) * K + 4 * s;
+#pragma unroll
+      for (int m = 0; m < NM && r < len; ++m) {
+        float oq[4], ok[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          oq[e] = p.opt.l2norm ? rq * (xq[m][e] - qh[m][e] * dq_dot) : xq[m][e];
+          ok[e] = p.opt.l2norm ? rk * (xk[m][e] - kh[m][e] * dk_dot) : xk[m][e];
+        }
+        *reinterpret_cast<uint2*>(reinterpret_cast<WT*>(p.dq) + off + 32 * m) =
+            make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3]));
+        *reinterpret_cast<uint2*>(reinterpret_cast<WT*>(p.dk) + off + 32 * m) =
+            make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3]));
+      }
     }
   }
 }
