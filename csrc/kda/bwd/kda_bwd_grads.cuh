@@ -26,11 +26,13 @@
 //   I   the intra-chunk products of dA1 and dL with the gated q / k rows: the blocks below the
 //       diagonal on tf32 tensor cores (row side through the first row f of the row's block, column
 //       side through the last row e of the column's block: every factor exp2 of a difference
-//       <= 0) into the C-layout accumulators  |  those -> smem  |  the 16 x 16 diagonal blocks in
-//       SIMT, one thread per (column, block), one exp2 of a one-sided LOCAL difference per pair  |
+//       <= 0) into the C-layout accumulators  |  those -> smem; the 16 x 16 diagonal blocks: with a
+//       bounded gate (lower_bound >= -5) on tensor cores through the block midpoint, added in place;
+//       else  |  in SIMT, one thread per (column, block), one exp2 of a one-sided LOCAL difference per pair  |
 //   F   dG at the last valid row, reverse cumsum (per (column, block), carries through smem)    |
-//       gate backward (dg; ddt_bias / dA_log partials), beta's sigmoid backward, l2norm backward
-//       (or, with GVA, dq^ / dk^ per value head to the workspace for kda_bwd_finish)
+//       gate backward (dg; ddt_bias / dA_log partials)  |  beta's sigmoid backward; l2norm backward
+//       in one pass per (row, 8 lanes) (or, with GVA, dq^ / dk^ per value head to the workspace
+//       for kda_bwd_finish)
 //
 // CODE SIZE: every CTA runs each phase once, top to bottom, one CTA per SM, so the phases' straight-
 // line code is fetched again for each chunk. At ~11k SASS instructions a third of the stall samples
@@ -733,9 +735,108 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
   }
 }
 
+// ---------------------------------------------------------------- I3 on tensor cores (bounded gates)
+// With dev::block_midpoint_ok (lower_bound >= -5: every factor below is within 2^+-57.7), the 16 x 16
+// diagonal blocks on tf32 tensor cores like I1's, through the block's row m = 16 rb + 8:
+//   rowQ_r = exp2(g_r - g_m) sum_{s <= r} dA1[r][s] (k^_s exp2(g_m - g_s))   (rowK: dL, s < r)
+//   colS_s = exp2(g_m - g_s) sum_{r >= s} (dA1[r][s] q^_r + beta_r dL[r][s] k^_r) exp2(g_r - g_m)
+// dA1 and dL hold zeros above their diagonals (E), so the blocks need no mask; every exponent is a
+// difference of block-local cumsums of one block. Runs after I2 has stored dq^ / dk^ / dg^ to the X
+// arrays and adds into them at the C-fragment places this thread stored (no barrier, and dq^ / dkA /
+// dkB are dead: holding them beside these accumulators spilled ~200 bytes at K = 128). The row side
+// of dbeta goes to rowsumK, as I1's does; the SIMT I3 then does not run.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (&rowsumK)[2]) {
+  using S = GradsSmem<K>;
+  using Ctx = GradsCtx<WT, K>;
+  constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
+  const int rb = c.rb, g = c.g, t = c.t, cb = c.cb;
+  const int r0 = c.r0(), r1 = c.r1(), m = 16 * rb + 8;
+  const float* sG = c.sG();
+  const float* sA1 = c.sA1();
+  const float* sDL = c.sDL();
+  const float* sBeta = c.sBeta();
+  float* Xq = c.template at<float>(S::iXq);
+  float* Xk = c.template at<float>(S::iXk);
+  float* Xg = c.template at<float>(S::iXg);
+  float lm[NTK];  // g_m (block-local) at this lane's B columns d = cb + 8 j + g
+#pragma unroll
+  for (int j = 0; j < NTK; ++j) lm[j] = sG[m * KP + cb + 8 * j + g];
+  float rq[NTK][4], rk[NTK][4], cs[NTK][4];
+#pragma unroll
+  for (int j = 0; j < NTK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) rq[j][e] = rk[j][e] = cs[j][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    {  // row side: A = dA1 / dL rows r0, r1 at columns s
+      const int sa = 16 * rb + 8 * ks + t, sb = sa + 4;
+      const uint32_t a1[4] = {dev::to_tf32(sA1[r0 * AF + sa]), dev::to_tf32(sA1[r1 * AF + sa]),
+                              dev::to_tf32(sA1[r0 * AF + sb]), dev::to_tf32(sA1[r1 * AF + sb])};
+      const uint32_t al[4] = {dev::to_tf32(sDL[r0 * AF + sa]), dev::to_tf32(sDL[r1 * AF + sa]),
+                              dev::to_tf32(sDL[r0 * AF + sb]), dev::to_tf32(sDL[r1 * AF + sb])};
+#pragma unroll
+      for (int j = 0; j < NTK; ++j) {
+        const int d = cb + 8 * j + g;
+        const uint32_t b0 = dev::to_tf32(c.khat(sa, d) * dev::fast_exp2(lm[j] - sG[sa * KP + d]));
+        const uint32_t b1 = dev::to_tf32(c.khat(sb, d) * dev::fast_exp2(lm[j] - sG[sb * KP + d]));
+        dev::mma_1688_tf32(rq[j], a1, b0, b1);
+        dev::mma_1688_tf32(rk[j], al, b0, b1);
+      }
+    }
+    {  // column side: A[row = s][k = r] = dA1[r][s] / beta_r dL[r][s]
+      const int ra = 16 * rb + 8 * ks + t, rc = ra + 4;
+      const uint32_t a1[4] = {dev::to_tf32(sA1[ra * AF + r0]), dev::to_tf32(sA1[ra * AF + r1]),
+                              dev::to_tf32(sA1[rc * AF + r0]), dev::to_tf32(sA1[rc * AF + r1])};
+      const uint32_t al[4] = {dev::to_tf32(sBeta[ra] * sDL[ra * AF + r0]), dev::to_tf32(sBeta[ra] * sDL[ra * AF + r1]),
+                              dev::to_tf32(sBeta[rc] * sDL[rc * AF + r0]), dev::to_tf32(sBeta[rc] * sDL[rc * AF + r1])};
+#pragma unroll
+      for (int j = 0; j < NTK; ++j) {
+        const int d = cb + 8 * j + g;
+        const float ea = dev::fast_exp2(sG[ra * KP + d] - lm[j]), ec = dev::fast_exp2(sG[rc * KP + d] - lm[j]);
+        dev::mma_1688_tf32(cs[j], a1, dev::to_tf32(c.qhat(ra, d) * ea), dev::to_tf32(c.qhat(rc, d) * ec));
+        dev::mma_1688_tf32(cs[j], al, dev::to_tf32(c.khat(ra, d) * ea), dev::to_tf32(c.khat(rc, d) * ec));
+      }
+    }
+  }
+  // into X at this thread's C-fragment places: X_q += rowQ, X_k += beta rowK + colS,
+  // X_g += q^ rowQ + k^ (beta rowK - colS) (I2's dg^ = q^ dq^ + k^ (dkA - dkB))
+#pragma unroll
+  for (int j = 0; j < NTK; ++j) {
+    const int col = cb + 8 * j + 2 * t;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int r = h2 ? r1 : r0, x = Ctx::xs(r, col);
+      const float br = sBeta[r];
+      float2 xq = *reinterpret_cast<float2*>(Xq + x), xk = *reinterpret_cast<float2*>(Xk + x);
+      float2 xg = *reinterpret_cast<float2*>(Xg + x);
+      float vq[2], vk[2], vs[2];
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int e = 2 * h2 + e1, d = col + e1;
+        const float fa = dev::fast_exp2(sG[r * KP + d] - sG[m * KP + d]);
+        vq[e1] = rq[j][e] * fa;
+        vk[e1] = rk[j][e] * fa;
+        vs[e1] = cs[j][e] * dev::fast_exp2(sG[m * KP + d] - sG[r * KP + d]);
+        const float qh = c.qhat(r, d), kh = c.khat(r, d);
+        rowsumK[h2] += kh * vk[e1];
+        (e1 ? xg.y : xg.x) += qh * vq[e1] + kh * (br * vk[e1] - vs[e1]);
+      }
+      xq.x += vq[0];
+      xq.y += vq[1];
+      xk.x += br * vk[0] + vs[0];
+      xk.y += br * vk[1] + vs[1];
+      *reinterpret_cast<float2*>(Xq + x) = xq;
+      *reinterpret_cast<float2*>(Xk + x) = xk;
+      *reinterpret_cast<float2*>(Xg + x) = xg;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- I2 + I3: the diagonal blocks
 // The C-layout results -> smem (X_q = dq^, X_k = dk^ = dkA + dkB, X_g = dg^ so far = q^ dq^ +
-// k^ (dkA - dkB)), then the 16 x 16 diagonal blocks in SIMT, one thread per (column d, block): the
+// k^ (dkA - dkB)), then the 16 x 16 diagonal blocks: on tensor cores through the block midpoint when
+// the gate is bounded (grads_diag_mid, simt = false), else in SIMT, one thread per (column d, block): the
 // block's 16 rows of g2 / q^ / k^ at column d in registers, every pair (i >= j) once, one exp2 of a
 // one-sided LOCAL difference per pair (nothing inside a diagonal block is factorised), shared by the
 // row side (dq^, dk^ rows) and the column side (dk^ columns, dg^):
@@ -744,7 +845,7 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 // dA1 / dL reads are warp-uniform (broadcast); the row side of dbeta is summed over d by shuffles.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4], float (&dkA)[K / 32][4],
-                                           float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
+                                           float (&dkB)[K / 32][4], float (&rowsumK)[2], bool simt) {
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
   constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
@@ -755,15 +856,6 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
   float* Xg = c.template at<float>(S::iXg);
   float* sRowA = c.template at<float>(S::oRowA);
   float* sRowD = c.template at<float>(S::iRowD);
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 1);
-    rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 2);
-  }
-  if (t == 0) {
-    sRowA[c.cq * kChunk + r0] = rowsumK[0];
-    sRowA[c.cq * kChunk + r1] = rowsumK[1];
-  }
 #pragma unroll
   for (int j = 0; j < NTK; ++j) {
     const int col = cb + 8 * j + 2 * t;
@@ -781,6 +873,20 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
           make_float2(dkA[j][2 * h2] + dkB[j][2 * h2], dkA[j][2 * h2 + 1] + dkB[j][2 * h2 + 1]);
       *reinterpret_cast<float2*>(Xg + x) = make_float2(xg[0], xg[1]);
     }
+  }
+  if (!simt) grads_diag_mid(c, rowsumK);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 1);
+    rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 2);
+  }
+  if (t == 0) {
+    sRowA[c.cq * kChunk + r0] = rowsumK[0];
+    sRowA[c.cq * kChunk + r1] = rowsumK[1];
+  }
+  if (!simt) {  // grads_diag_mid did the diagonal blocks: no diagonal row sums of dbeta here
+    if (tid < 16 * 16) sRowD[tid] = 0.f;
+    return;
   }
   __syncthreads();
   if (tid < 4 * K) {  // K = 64: half the threads idle here
@@ -1095,7 +1201,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   grads_offdiag(c, dqg, dkA, dkg, rowsumK);
   KF_GRADS_PHASE(5);
   __syncthreads();  // E4's readers of sM / sZ are done: the X arrays may overwrite them
-  grads_diag(c, dqg, dkA, dkg, rowsumK);
+  grads_diag(c, dqg, dkA, dkg, rowsumK, !dev::block_midpoint_ok(p.opt));
   KF_GRADS_PHASE(6);
   __syncthreads();
 
