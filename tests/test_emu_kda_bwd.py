@@ -31,6 +31,7 @@ CASES = {
     "gva": dict(T=90, H=1, HV=2, K=64, V=64, h0=True),
     "bounded": dict(T=100, gate="bounded"),
     "bounded-noalog": dict(T=80, gate="bounded_noalog"),
+    "bounded16-K128": dict(T=90, K=128, gate="bounded16", h0=True),
     "precomputed-nol2": dict(T=100, gate="precomputed", l2norm=False, beta_sigmoid=False),
     "neg-eig-svf": dict(T=70, neg_eig=True, h0=True, state_v_first=True),
     "fp16": dict(T=100, dtype=torch.float16, h0=True),

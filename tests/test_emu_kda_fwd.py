@@ -10,9 +10,11 @@ layout bug, or a kernel change that broke them.
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -62,6 +64,9 @@ def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="
         g = torch.randn(B, T, HV, K, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)),
                   dt_bias=0.5 * torch.randn(HV * K, generator=gen), lower_bound=-5.0)
+    elif gate == "bounded16":  # nearly every step at lower_bound = -5: the widest midpoint factors
+        g = 3 * torch.randn(B, T, HV, K, generator=gen) + 4
+        kw.update(use_gate_in_kernel=True, A_log=torch.full((HV,), math.log(16.0)), dt_bias=None, lower_bound=-5.0)
     elif gate == "bounded_noalog":
         g = torch.randn(B, T, HV, K, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=None, lower_bound=-3.0)

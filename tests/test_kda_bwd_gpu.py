@@ -117,6 +117,7 @@ CASES = {
     "g-bf16": dict(T=300, g_dtype=torch.bfloat16),
     "fp16": dict(T=500, dtype=torch.float16, h0=True),
     "extreme-unbounded16": dict(T=400, gate="unbounded16", h0=True),
+    "extreme-bounded16": dict(T=400, gate="bounded16", h0=True),
     "extreme-1000": dict(T=400, gate="precomputed", extreme=0.5, h0=True),
 }
 VARLEN_CASES = {

@@ -54,6 +54,11 @@ def make_case(B=1, T=100, H=2, HV=None, K=128, V=128, dtype=torch.bfloat16, gate
         A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16, generator=gen))
         dt_bias = 0.5 * torch.randn(HV * K, device=dev, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, safe_gate=True)
+    elif gate == "bounded16":  # exp(A_log) = 16, large inputs: nearly every step at lower_bound = -5, the
+        # widest range of the bounded-gate midpoint factors (kda_bwd_grads' I3 on tensor cores)
+        g = 3 * torch.randn(B, T, HV, K, device=dev, generator=gen) + 4
+        A_log = torch.full((HV,), math.log(16.0), device=dev)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=None, lower_bound=-5.0, safe_gate=True)
     elif gate == "bounded_noalog":
         g = torch.randn(B, T, HV, K, device=dev, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=None, lower_bound=-3.0)
