@@ -2,7 +2,8 @@
 # Nsight Compute of one launch of each named KDA kernel on one benchmark case, with the
 # per-instruction stall samples exported as text (only files under $OUT come back from the device).
 #   bash scripts/ncu_kda.sh CASE KERNEL...     e.g. bash scripts/ncu_kda.sh bounded_b16 kda_bwd_grads kda_fwd_intra
-# Writes $OUT/ncu_<kernel>_details.txt and $OUT/ncu_<kernel>_sass.csv.gz. See docs/gpu-workflow.md.
+# Writes $OUT/ncu_<kernel>_details.txt and $OUT/ncu_<kernel>_sass.csv.gz (two files per kernel: a
+# device call returns at most 8). See docs/gpu-workflow.md.
 set -u
 case_name=$1; shift
 out=${OUT:-$PWD/gpu-out}
@@ -10,7 +11,7 @@ mkdir -p "$out"
 for kern in "$@"; do
   ncu --clock-control none -k "regex:$kern" -c 1 --section WarpStateStats --section SourceCounters \
       --section SpeedOfLight --section Occupancy -o "/tmp/ncu_$kern" -f \
-      python3 scripts/kda_stage_times.py --iters 1 --pass fwd+bwd "$case_name" > "$out/ncu_${kern}_run.log" 2>&1
+      python3 scripts/kda_stage_times.py --iters 1 --pass fwd+bwd "$case_name" > "/tmp/ncu_${kern}_run.log" 2>&1 || tail -5 "/tmp/ncu_${kern}_run.log"
   ncu --import "/tmp/ncu_$kern.ncu-rep" --page details > "$out/ncu_${kern}_details.txt" 2>&1
   ncu --import "/tmp/ncu_$kern.ncu-rep" --page source --csv --print-source sass | gzip > "$out/ncu_${kern}_sass.csv.gz"
   echo "[ncu] $kern: $(grep -m1 -E 'Duration' "$out/ncu_${kern}_details.txt")"
