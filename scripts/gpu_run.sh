@@ -6,7 +6,8 @@
 # Environment:
 #   KF_TESTS     pytest selection passed to -k (default: all GPU tests); "none" skips tests
 #   KF_PYTEST    extra pytest args (e.g. "-x tests/test_cconv_gpu.py")
-#   KF_BENCH     benchmark args (default: all cases); "none" skips the benchmark
+#   KF_BENCH     benchmark args, or "all" for every case (default: none, no benchmark: a whole benchmark
+#                with fla does not fit one call on a fresh machine; name the cases and a --budget-s)
 #   KF_NO_BUILD  1 = use a carried src/kernel_fun/_C.abi3.so instead of building here
 #   KF_TEST_TIMEOUT  seconds our GPU tests may take (default 300)
 #   KF_FLA_TESTS     0 = skip the fla-parity GPU tests (slow on a fresh machine: fla's Triton
@@ -103,10 +104,12 @@ if [ "${KF_TESTS:-}" != "none" ]; then
   done
 fi
 
-if [ "${KF_BENCH:-}" != "none" ]; then
+bench_args=${KF_BENCH:-none}
+if [ "$bench_args" != "none" ]; then
+  [ "$bench_args" = "all" ] && bench_args=""
   stamp "benchmark"
   # shellcheck disable=SC2086
-  python3 -m kernel_fun.bench --out "$out" ${KF_BENCH:-} 2>&1 | tee "$out/bench.log" | tail -60
+  python3 -m kernel_fun.bench --out "$out" $bench_args 2>&1 | tee "$out/bench.log" | tail -60
 fi
 if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then
   tar czf "$out/triton-cache.tgz" .triton-cache && stamp "triton cache: $(du -sh "$out/triton-cache.tgz" | cut -f1)"
