@@ -199,6 +199,28 @@ struct GradsCtx {
   static __device__ __forceinline__ int xs(int r, int d) { return r * K + (d ^ ((r & 7) << 3)); }
   __device__ __forceinline__ int r0() const { return 16 * rb + g; }  // this thread's rows in a C fragment
   __device__ __forceinline__ int r1() const { return 16 * rb + g + 8; }
+  // tf32 A fragments (m16n8k8) of dA1 and dL for the intra products, I1's and the midpoint I3's.
+  // Row side: rows r0 / r1 (this thread's C rows), k = columns sa, sa + 4 of dA1 / dL.
+  __device__ __forceinline__ void a_row_side(int sa, uint32_t (&a1)[4], uint32_t (&al)[4]) const {
+    const float* A1 = sA1();
+    const float* L = sDL();
+    const int o0 = r0() * S::AF, o1 = r1() * S::AF;
+    a1[0] = dev::to_tf32(A1[o0 + sa]); a1[1] = dev::to_tf32(A1[o1 + sa]);
+    a1[2] = dev::to_tf32(A1[o0 + sa + 4]); a1[3] = dev::to_tf32(A1[o1 + sa + 4]);
+    al[0] = dev::to_tf32(L[o0 + sa]); al[1] = dev::to_tf32(L[o1 + sa]);
+    al[2] = dev::to_tf32(L[o0 + sa + 4]); al[3] = dev::to_tf32(L[o1 + sa + 4]);
+  }
+  // Column side: A[m = s][k = r] = dA1[r][s] and beta_r dL[r][s], s = r0 / r1, r = ra, ra + 4.
+  __device__ __forceinline__ void a_col_side(int ra, uint32_t (&a1)[4], uint32_t (&al)[4]) const {
+    const float* A1 = sA1();
+    const float* L = sDL();
+    const float* B = sBeta();
+    const int s0 = r0(), s1 = r1(), oa = ra * S::AF, oc = (ra + 4) * S::AF;
+    a1[0] = dev::to_tf32(A1[oa + s0]); a1[1] = dev::to_tf32(A1[oa + s1]);
+    a1[2] = dev::to_tf32(A1[oc + s0]); a1[3] = dev::to_tf32(A1[oc + s1]);
+    al[0] = dev::to_tf32(B[ra] * L[oa + s0]); al[1] = dev::to_tf32(B[ra] * L[oa + s1]);
+    al[2] = dev::to_tf32(B[ra + 4] * L[oc + s0]); al[3] = dev::to_tf32(B[ra + 4] * L[oc + s1]);
+  }
 };
 
 // [16 rows x K/4 columns] per warp in the C layout of m16n8k{16,8}: acc[j][e] is row r0 (e < 2) or
@@ -638,13 +660,11 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
                                               float (&dkA)[K / 32][4], float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
-  constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
+  constexpr int KP = S::KP, NTK = Ctx::NTK;
   const int rb = c.rb, g = c.g, t = c.t, cb = c.cb;
   const int r0 = c.r0(), r1 = c.r1();
   const float* sG = c.sG();
   const float* sBT = c.sBT();
-  const float* sA1 = c.sA1();
-  const float* sDL = c.sDL();
   const float* sBeta = c.sBeta();
   if (rb > 0) {
     float rq[NTK][4], rk[NTK][4];
@@ -660,10 +680,8 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         const int sa = 16 * bj + 8 * ks + t, sb = sa + 4;
-        const uint32_t a1[4] = {dev::to_tf32(sA1[r0 * AF + sa]), dev::to_tf32(sA1[r1 * AF + sa]),
-                                dev::to_tf32(sA1[r0 * AF + sb]), dev::to_tf32(sA1[r1 * AF + sb])};
-        const uint32_t al[4] = {dev::to_tf32(sDL[r0 * AF + sa]), dev::to_tf32(sDL[r1 * AF + sa]),
-                                dev::to_tf32(sDL[r0 * AF + sb]), dev::to_tf32(sDL[r1 * AF + sb])};
+        uint32_t a1[4], al[4];
+        c.a_row_side(sa, a1, al);
 #pragma unroll
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
@@ -705,13 +723,8 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         const int ra = 16 * bi + 8 * ks + t, rc = ra + 4;
-        // A[m = s][k = r] = dA1[r][s] / beta_r dL[r][s]
-        const uint32_t a1[4] = {dev::to_tf32(sA1[ra * AF + r0]), dev::to_tf32(sA1[ra * AF + r1]),
-                                dev::to_tf32(sA1[rc * AF + r0]), dev::to_tf32(sA1[rc * AF + r1])};
-        const uint32_t al[4] = {dev::to_tf32(sBeta[ra] * sDL[ra * AF + r0]),
-                                dev::to_tf32(sBeta[ra] * sDL[ra * AF + r1]),
-                                dev::to_tf32(sBeta[rc] * sDL[rc * AF + r0]),
-                                dev::to_tf32(sBeta[rc] * sDL[rc * AF + r1])};
+        uint32_t a1[4], al[4];  // A[m = s][k = r] = dA1[r][s] / beta_r dL[r][s]
+        c.a_col_side(ra, a1, al);
 #pragma unroll
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
@@ -749,12 +762,10 @@ template <typename WT, int K>
 __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (&rowsumK)[2]) {
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
-  constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
+  constexpr int KP = S::KP, NTK = Ctx::NTK;
   const int rb = c.rb, g = c.g, t = c.t, cb = c.cb;
   const int r0 = c.r0(), r1 = c.r1(), m = 16 * rb + 8;
   const float* sG = c.sG();
-  const float* sA1 = c.sA1();
-  const float* sDL = c.sDL();
   const float* sBeta = c.sBeta();
   float* Xq = c.template at<float>(S::iXq);
   float* Xk = c.template at<float>(S::iXk);
@@ -771,10 +782,8 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
   for (int ks = 0; ks < 2; ++ks) {
     {  // row side: A = dA1 / dL rows r0, r1 at columns s
       const int sa = 16 * rb + 8 * ks + t, sb = sa + 4;
-      const uint32_t a1[4] = {dev::to_tf32(sA1[r0 * AF + sa]), dev::to_tf32(sA1[r1 * AF + sa]),
-                              dev::to_tf32(sA1[r0 * AF + sb]), dev::to_tf32(sA1[r1 * AF + sb])};
-      const uint32_t al[4] = {dev::to_tf32(sDL[r0 * AF + sa]), dev::to_tf32(sDL[r1 * AF + sa]),
-                              dev::to_tf32(sDL[r0 * AF + sb]), dev::to_tf32(sDL[r1 * AF + sb])};
+      uint32_t a1[4], al[4];
+      c.a_row_side(sa, a1, al);
 #pragma unroll
       for (int j = 0; j < NTK; ++j) {
         const int d = cb + 8 * j + g;
@@ -786,10 +795,8 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
     }
     {  // column side: A[row = s][k = r] = dA1[r][s] / beta_r dL[r][s]
       const int ra = 16 * rb + 8 * ks + t, rc = ra + 4;
-      const uint32_t a1[4] = {dev::to_tf32(sA1[ra * AF + r0]), dev::to_tf32(sA1[ra * AF + r1]),
-                              dev::to_tf32(sA1[rc * AF + r0]), dev::to_tf32(sA1[rc * AF + r1])};
-      const uint32_t al[4] = {dev::to_tf32(sBeta[ra] * sDL[ra * AF + r0]), dev::to_tf32(sBeta[ra] * sDL[ra * AF + r1]),
-                              dev::to_tf32(sBeta[rc] * sDL[rc * AF + r0]), dev::to_tf32(sBeta[rc] * sDL[rc * AF + r1])};
+      uint32_t a1[4], al[4];
+      c.a_col_side(ra, a1, al);
 #pragma unroll
       for (int j = 0; j < NTK; ++j) {
         const int d = cb + 8 * j + g;
