@@ -222,7 +222,7 @@ template <typename WT, int K>
 void grads(const kda::KdaBwdParams& p) {
   if (p.max_chunks == 0 || p.HV == 0) return;
   kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kGradsThreads), kda::GradsSmem<K>::kBytes,
-                 kda::kda_bwd_grads_kernel<WT, K>, p);
+                 kda::grads_kernel_for<WT, K>(p), p);
 }
 
 template <typename WT>

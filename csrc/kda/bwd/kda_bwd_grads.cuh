@@ -843,16 +843,16 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
 // ---------------------------------------------------------------- I2 + I3: the diagonal blocks
 // The C-layout results -> smem (X_q = dq^, X_k = dk^ = dkA + dkB, X_g = dg^ so far = q^ dq^ +
 // k^ (dkA - dkB)), then the 16 x 16 diagonal blocks: on tensor cores through the block midpoint when
-// the gate is bounded (grads_diag_mid, simt = false), else in SIMT, one thread per (column d, block): the
+// the gate is bounded (grads_diag_mid, kMid), else in SIMT, one thread per (column d, block): the
 // block's 16 rows of g2 / q^ / k^ at column d in registers, every pair (i >= j) once, one exp2 of a
 // one-sided LOCAL difference per pair (nothing inside a diagonal block is factorised), shared by the
 // row side (dq^, dk^ rows) and the column side (dk^ columns, dg^):
 //   rowQ_i = sum_{j <= i} dA1_ij k^_j e_ij,  rowK_i = sum_{j < i} dL_ij k^_j e_ij,
 //   colS_j = sum_{i >= j} (dA1_ij q^_i + beta_i dL_ij k^_i) e_ij,  e_ij = exp2(g2_i - g2_j).
 // dA1 / dL reads are warp-uniform (broadcast); the row side of dbeta is summed over d by shuffles.
-template <typename WT, int K>
+template <typename WT, int K, bool kMid>
 __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4], float (&dkA)[K / 32][4],
-                                           float (&dkB)[K / 32][4], float (&rowsumK)[2], bool simt) {
+                                           float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
   using S = GradsSmem<K>;
   using Ctx = GradsCtx<WT, K>;
   constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
@@ -881,7 +881,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
       *reinterpret_cast<float2*>(Xg + x) = make_float2(xg[0], xg[1]);
     }
   }
-  if (!simt) grads_diag_mid(c, rowsumK);
+  if constexpr (kMid) grads_diag_mid(c, rowsumK);
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     rowsumK[hf] += __shfl_xor_sync(0xffffffffu, rowsumK[hf], 1);
@@ -891,7 +891,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
     sRowA[c.cq * kChunk + r0] = rowsumK[0];
     sRowA[c.cq * kChunk + r1] = rowsumK[1];
   }
-  if (!simt) {  // grads_diag_mid did the diagonal blocks: no diagonal row sums of dbeta here
+  if constexpr (kMid) {  // grads_diag_mid did the diagonal blocks: no diagonal row sums of dbeta here
     if (tid < 16 * 16) sRowD[tid] = 0.f;
     return;
   }
@@ -1162,7 +1162,11 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
 }
 
 // ---------------------------------------------------------------- the kernel
-template <typename WT, int K>
+// kMid: the diagonal blocks through their midpoint row on tensor cores (bounded gates,
+// dev::block_midpoint_ok) instead of in SIMT. Two kernels, not one with a runtime branch: each
+// launch then carries only its own I3 code (one kernel with both was 9,312 SASS instructions,
+// against 8,360 / 6,744 apart), and the grads kernel has been instruction-fetch bound before.
+template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
   using S = GradsSmem<K>;
   constexpr int NTH = kGradsThreads, NTK = K / 32;
@@ -1208,7 +1212,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   grads_offdiag(c, dqg, dkA, dkg, rowsumK);
   KF_GRADS_PHASE(5);
   __syncthreads();  // E4's readers of sM / sZ are done: the X arrays may overwrite them
-  grads_diag(c, dqg, dkA, dkg, rowsumK, !dev::block_midpoint_ok(p.opt));
+  grads_diag<WT, K, kMid>(c, dqg, dkA, dkg, rowsumK);
   KF_GRADS_PHASE(6);
   __syncthreads();
 
@@ -1217,10 +1221,16 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   KF_GRADS_PHASE(8);
 }
 
+// The kernel a problem runs (the launcher's and the emulator's one choice).
+template <typename WT, int K>
+auto grads_kernel_for(const KdaBwdParams& p) {
+  return dev::block_midpoint_ok(p.opt) ? kda_bwd_grads_kernel<WT, K, true> : kda_bwd_grads_kernel<WT, K, false>;
+}
+
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_grads(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_grid(kda_bwd_grads_kernel<WT, K>, p, kGradsThreads, GradsSmem<K>::kBytes, stream);
+  dev::launch_chunk_grid(grads_kernel_for<WT, K>(p), p, kGradsThreads, GradsSmem<K>::kBytes, stream);
 }
 #endif
 
