@@ -1,12 +1,17 @@
 // kda_bwd_prep: the backward's recompute of the forward's per-chunk workspace from the raw inputs
 // and the factors the forward saved (Aqk, Akk, M: the costly part of the forward intra, the
-// products and the inverse, is NOT redone). One CTA per (chunk, value head), 256 threads, ~104 KB
-// of smem (two CTAs per SM). Writes what the re-scan and the dh scan read:
+// products and the inverse, is NOT redone). One CTA per (chunk, value head), 256 threads. Writes
+// what the re-scan and the dh scan read:
 //   qg = scale q^ exp2(g2), kg = k^ exp2(G - g2), gdecay = exp2(G), w = Akk (k^ exp2(g2))
 // with the forward intra's own device functions for the gate, the block-local cumsum, the l2norm
 // factors and the gated rows (device/gate.cuh), so the exponents are built the same way.
 // w is a bf16 / fp16 tensor-core product of the saved Akk and kexp rounded to WT (the forward's own
 // w comes out of the intra's tf32 product of the unrounded factors: they differ at WT rounding).
+//
+// The kernel is latency bound (loads, then a little math, then stores): it keeps g2 in registers
+// (dev::gate_rows; each thread later gates the very rows and columns whose cumsum it holds) and
+// writes kexp over the raw q in place, so a CTA needs ~51 KB of smem at K = 128 instead of ~104 KB
+// and FOUR CTAs share an SM instead of two (more chunks' loads in flight at once).
 #pragma once
 
 #include <cstdint>
@@ -20,34 +25,31 @@ namespace kernel_fun::kda {
 
 constexpr int kPrepThreads = 256;
 
+constexpr int kPrepCtasPerSm = 4;
+
 template <int K>
 struct PrepSmem {
-  static constexpr int KP = K + 8;  // fp32 row stride of g2 (the forward intra's)
-  static constexpr int KQ = K + 8;  // WT row stride of q, k, kexp
+  static constexpr int KQ = K + 8;  // WT row stride of q (then kexp) and k
   static constexpr int AP = kChunk + 8;
-  static constexpr int oG = 0;
-  static constexpr int oQ = oG + kChunk * KP * 4;
+  static constexpr int oQ = 0;      // raw q, then kexp (each element overwritten by the thread that read it)
   static constexpr int oK = oQ + kChunk * KQ * 2;
-  static constexpr int oKexp = oK + kChunk * KQ * 2;
-  static constexpr int oAkk = oKexp + kChunk * KQ * 2;
+  static constexpr int oAkk = oK + kChunk * KQ * 2;
   static constexpr int oGate = oAkk + kChunk * AP * 2;  // dev::GateScratch
   static constexpr size_t kBytes = oGate + dev::GateScratch<K>::kBytes;
-  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oKexp % 16 == 0 && oAkk % 16 == 0 && oGate % 16 == 0,
-                "16-byte aligned buffers");
-  static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
+  static_assert(oK % 16 == 0 && oAkk % 16 == 0 && oGate % 16 == 0, "16-byte aligned buffers");
+  static_assert(kPrepCtasPerSm * (kBytes + 1024) <= 228 * 1024, "kPrepCtasPerSm CTAs per SM");
 };
 
 template <typename WT, int K>
-__global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const KdaBwdParams p) {
+__global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_kernel(const KdaBwdParams p) {
   using S = PrepSmem<K>;
-  using E = dev::Elem<WT>;
-  constexpr int NTH = kPrepThreads, KP = S::KP, KQ = S::KQ, AP = S::AP;
+  using Map = dev::GateMap<K, kPrepThreads>;
+  constexpr int NTH = kPrepThreads, KQ = S::KQ, AP = S::AP, RPT = Map::RPT;
   KF_DYN_SMEM(float4, smem_f4);
   char* sm = reinterpret_cast<char*>(smem_f4);
-  float* sG = reinterpret_cast<float*>(sm + S::oG);
   WT* sQ = reinterpret_cast<WT*>(sm + S::oQ);
   WT* sK = reinterpret_cast<WT*>(sm + S::oK);
-  WT* sKexp = reinterpret_cast<WT*>(sm + S::oKexp);
+  WT* sKexp = sQ;
   WT* sAkk = reinterpret_cast<WT*>(sm + S::oAkk);
   const dev::GateScratch<K> gs(sm + S::oGate);
   float *sBT = gs.BT, *sBO = gs.BO, *sBS = gs.BS, *sGt = gs.Gt, *sBeta = gs.beta, *sRq = gs.rq, *sRk = gs.rk;
@@ -82,22 +84,27 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_bwd_prep_kernel(const Kda
     }
     dev::cp_async_commit();
   }
-  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, hv, sG, sBT, sBeta);
+  dev::GatePass<K, NTH> gp(p, tok0, len, hv);
+  float g2[RPT][8];  // this thread's GateMap rows, block-local
+  dev::gate_rows<K, NTH>(gp, g2, sBT, sBeta);
   dev::cp_async_wait<0>();
   __syncthreads();
   dev::block_offsets<K>(sBT, sBO, sBS, sGt);
   dev::row_rstd<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, sRq, sRk);
   __syncthreads();
 
-  // qg, kg -> workspace, kexp -> smem; exp2(G) -> gdecay
+  // qg, kg -> workspace, kexp -> smem over q; exp2(G) -> gdecay. The thread's own GateMap rows: per
+  // row, a warp covers 64 contiguous columns of 4 rows (128-byte segments).
   {
     WT* qg = reinterpret_cast<WT*>(p.qg);
     WT* kg = reinterpret_cast<WT*>(p.kg);
-    constexpr int VPR = K / 8;
-    for (int i = tid; i < kChunk * VPR; i += NTH) {
-      const int r = i / VPR, d0 = (i % VPR) * 8;
+    const int d0 = gp.m.d0;
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const int r = gp.m.row0 + j;
       uint32_t pq[4], pk[4], px[4];
-      dev::gated_vec8<WT, K, KP, KQ>(sG, sBO, sBT, sBS, sQ, sK, p.opt.scale * sRq[r], sRk[r], r, d0, pq, pk, px);
+      dev::gated_vec8_loc<WT, K, KQ>(g2[j], sBO, sBT, sBS, sQ, sK, p.opt.scale * sRq[r], sRk[r], r, d0, pq, pk, px);
+      // kexp over q at (r, d0 .. d0 + 7): only this thread read those q elements since the barrier
       *reinterpret_cast<uint4*>(sKexp + r * KQ + d0) = make_uint4(px[0], px[1], px[2], px[3]);
       if (r < len) {  // rows past the end are never written
         const int64_t off = ((tok0 + r) * HV + hv) * K + d0;

@@ -112,61 +112,64 @@ __device__ __forceinline__ void gate8_to_float(float (&v)[8], const Raw8& x, con
   raw8_to_float(v, x, p.g, p.g_dtype);
 }
 
-// Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk into sG [64][KP]
-// (fp32), the block totals into sBT [4][K] (bit-identical to the block's last row), and beta
-// (after the optional sigmoid) into sBeta [64]. Rows >= len: gate 0, beta 0.
-// Thread = (16-row block, group of 8 columns, sub-group of RPT rows): 16-byte g loads, the gate on
-// RPT x 8 elements, a running sum over the thread's rows, then the prefix over the SUBS sub-groups
-// of the block by shuffles (adjacent lanes). No sums cross threads of different blocks.
-//
-// kRollRows: the row loops rolled (one copy of the load and of the 8 activations, the next row's
-// load in flight while this one is activated) for kda_bwd_grads, whose once-per-CTA code was
-// instruction-fetch bound (2 rows per thread there). Unrolled (every row's load in flight at once)
-// for kda_fwd_intra and kda_bwd_prep (4 rows per thread). Measured on the H200 (notes, fourth
-// session): their 3c4cfc3 slowdown (3.37 -> 3.86, 1.77 -> 2.39 ms at prod8192) came from the
-// loads being converted right behind each load, not from rolling; the unrolled form alone did not
-// bring it back, load8_raw did. The rolled form has not been measured in them since.
-template <int K, int NTH, int KP, bool kRollRows = false>
-__device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
-                                                 float* sBT, float* sBeta) {
-  constexpr int CG = K / 8;
-  constexpr int SUBS = NTH / (4 * CG);  // 4 at K = 128, 8 at K = 64 (NTH = 256)
-  constexpr int RPT = 16 / SUBS;        // rows per thread
+// The thread map of the gate's per-chunk pass (gate_cumsum_beta, gate_rows): thread = (16-row block
+// blk, group of 8 columns cg, sub-group sub of RPT rows) owns rows row0 .. row0 + RPT - 1 at columns
+// d0 .. d0 + 7. The SUBS sub-groups of one block are adjacent lanes (the block prefix is a shuffle).
+template <int K, int NTH>
+struct GateMap {
+  static constexpr int CG = K / 8;
+  static constexpr int SUBS = NTH / (4 * CG);  // 4 at K = 128, 8 at K = 64 (NTH = 256)
+  static constexpr int RPT = 16 / SUBS;        // rows per thread
   static_assert(SUBS * RPT == 16 && 32 % SUBS == 0, "sub-groups of one block are adjacent lanes");
-  const int tid = threadIdx.x;
-  const int HV = p.HV;
-  const int sub = tid % SUBS, cg = (tid / SUBS) % CG, blk = tid / (SUBS * CG);
-  const int d0 = 8 * cg, row0 = 16 * blk + RPT * sub;
-  const GateMode mode = p.opt.gate_mode;
-  float a_exp = 1.f, bias[8];
+  int sub, cg, blk, d0, row0;
+  __device__ __forceinline__ GateMap()
+      : sub(threadIdx.x % SUBS), cg((threadIdx.x / SUBS) % CG), blk(threadIdx.x / (SUBS * CG)), d0(8 * cg),
+        row0(16 * blk + RPT * sub) {}
+};
+
+// The pieces of the gate pass, on one thread's GateMap share: the row loads, the activation with a
+// running (inclusive, thread-local) sum, the block prefix over the sub-groups, beta.
+template <int K, int NTH>
+struct GatePass {
+  using Map = GateMap<K, NTH>;
+  static constexpr int SUBS = Map::SUBS, RPT = Map::RPT;
+  const KdaProblem& p;
+  const int64_t tok0;
+  const int len, hv;
+  const Map m;
+  const GateMode mode;
+  float a_exp, bias[8], run[8], excl[8];
+  __device__ __forceinline__ GatePass(const KdaProblem& p_, int64_t tok0_, int len_, int hv_)
+      : p(p_), tok0(tok0_), len(len_), hv(hv_), m(), mode(p_.opt.gate_mode), a_exp(1.f) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) bias[e] = 0.f;
-  if (mode != GateMode::kPrecomputed) {
-    if (p.A_log) a_exp = expf(p.A_log[hv]);
-    if (p.dt_bias) {
+    for (int e = 0; e < 8; ++e) bias[e] = run[e] = 0.f;
+    if (mode != GateMode::kPrecomputed) {
+      if (p.A_log) a_exp = expf(p.A_log[hv]);
+      if (p.dt_bias) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + d0 + e];
+        for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + m.d0 + e];
+      }
     }
   }
-  // beta (after the gate rows' loads are issued: its sigmoid waits on its own load)
-  auto load_beta = [&]() {
+  // Row j of the thread's rows, as loaded; zeros past the end of the sequence (gate 0).
+  __device__ __forceinline__ Raw8 load_row(int j) const {
+    return raw_gate8<K>(p, tok0, m.row0 + j, hv, m.d0, j < RPT && m.row0 + j < len);
+  }
+  // beta (after the gate rows' loads are issued: its sigmoid waits on its own load). Threads < 64.
+  __device__ __forceinline__ void load_beta(float* sBeta) const {
+    const int tid = threadIdx.x;
     if (tid < kChunk) {
       float b = 0.f;
       if (tid < len) {
-        b = load_any(p.beta, p.beta_dtype, (tok0 + tid) * HV + hv);
+        b = load_any(p.beta, p.beta_dtype, (tok0 + tid) * p.HV + hv);
         if (p.opt.beta_sigmoid_scale != 0.f) b = p.opt.beta_sigmoid_scale * sigmoid_f(b);
       }
       sBeta[tid] = b;
     }
-  };
-  // The gate of row j, the running (inclusive, thread-local) sum kept in registers and staged in sG.
-  // Rows past the end: gate 0.
-  auto load_row = [&](int j) { return raw_gate8<K>(p, tok0, row0 + j, hv, d0, j < RPT && row0 + j < len); };
-  float run[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) run[e] = 0.f;
-  auto activate_row = [&](float (&x)[8], const Raw8& raw, int j) {
-    const bool ok = row0 + j < len;
+  }
+  // x = the running sum of the gates up to row j (rows past the end add 0).
+  __device__ __forceinline__ void activate_row(float (&x)[8], const Raw8& raw, int j) {
+    const bool ok = m.row0 + j < len;
     gate8_to_float(x, raw, p);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -174,57 +177,87 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
       run[e] += y;
       x[e] = run[e];
     }
-  };
+  }
   // The exclusive prefix of the sub-groups before this one in the block (shuffles within the
-  // block's SUBS lanes), added to each of the thread's rows, times 1/ln2.
-  float excl[8];
-  auto block_prefix = [&]() {
+  // block's SUBS lanes). After every row is activated.
+  __device__ __forceinline__ void block_prefix() {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       float incl = run[e];  // inclusive prefix of the sub-group totals
 #pragma unroll
       for (int o = 1; o < SUBS; o <<= 1) {
         const float v = __shfl_up_sync(0xffffffffu, incl, o, SUBS);
-        if (sub >= o) incl += v;
+        if (m.sub >= o) incl += v;
       }
       excl[e] = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
     }
-  };
-  auto finish_row = [&](float (&x)[8], int j) {
+  }
+  // Row j's block-local g2 (the prefix added, times 1/ln2); the block total into sBT, bit-identical
+  // to g2 of the block's last row (so T_b - loc_15 is exactly 0).
+  __device__ __forceinline__ void finish_row(float (&x)[8], int j, float* sBT) const {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = (sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
-    st8(sG + (row0 + j) * KP + d0, x);
-    // block total = g2 of the block's last row, bit for bit (so T_b - loc_15 is exactly 0)
-    if (sub == SUBS - 1 && j == RPT - 1) st8(sBT + blk * K + d0, x);
-  };
+    for (int e = 0; e < 8; ++e) x[e] = (m.sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
+    if (m.sub == SUBS - 1 && j == RPT - 1) st8(sBT + m.blk * K + m.d0, x);
+  }
+};
+
+// Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk, left in REGISTERS: the
+// thread's GateMap rows in g2 (row m.row0 + j in g2[j]); the block totals into sBT [4][K] and beta
+// (after the optional sigmoid) into sBeta [64]. Every row's load is in flight at once. Rows >= len:
+// gate 0, beta 0. For kernels whose later per-element work maps onto the same thread share.
+template <int K, int NTH>
+__device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[GateMap<K, NTH>::RPT][8], float* sBT,
+                                          float* sBeta) {
+  constexpr int RPT = GateMap<K, NTH>::RPT;
+  Raw8 raw[RPT];
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) raw[j] = gp.load_row(j);
+  gp.load_beta(sBeta);
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) gp.activate_row(g2[j], raw[j], j);
+  gp.block_prefix();
+#pragma unroll
+  for (int j = 0; j < RPT; ++j) gp.finish_row(g2[j], j, sBT);
+}
+
+// The same into sG [64][KP] (fp32), for kernels that read g2 across threads.
+// kRollRows: the row loops rolled (one copy of the load and of the 8 activations, the next row's
+// load in flight while this one is activated) for kda_bwd_grads, whose once-per-CTA code was
+// instruction-fetch bound (2 rows per thread there). Unrolled (every row's load in flight at once)
+// for kda_fwd_intra (4 rows per thread). Measured on the H200 (notes, fourth session): their
+// 3c4cfc3 slowdown (3.37 -> 3.86, 1.77 -> 2.39 ms at prod8192) came from the loads being converted
+// right behind each load, not from rolling; the unrolled form alone did not bring it back,
+// load8_raw did. The rolled form has not been measured in them since.
+template <int K, int NTH, int KP, bool kRollRows = false>
+__device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
+                                                 float* sBT, float* sBeta) {
+  using Map = GateMap<K, NTH>;
+  constexpr int RPT = Map::RPT;
+  GatePass<K, NTH> gp(p, tok0, len, hv);
+  const int row0 = gp.m.row0, d0 = gp.m.d0;
   if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
-    Raw8 raw = load_row(0);
-    load_beta();
+    Raw8 raw = gp.load_row(0);
+    gp.load_beta(sBeta);
     float x[8];
 #pragma unroll 1
     for (int j = 0; j < RPT; ++j) {
-      const Raw8 next = load_row(j + 1);
-      activate_row(x, raw, j);
+      const Raw8 next = gp.load_row(j + 1);
+      gp.activate_row(x, raw, j);
       st8(sG + (row0 + j) * KP + d0, x);
       raw = next;
     }
-    block_prefix();
+    gp.block_prefix();
 #pragma unroll 1
     for (int j = 0; j < RPT; ++j) {
       ld8(x, sG + (row0 + j) * KP + d0);
-      finish_row(x, j);
+      gp.finish_row(x, j, sBT);
+      st8(sG + (row0 + j) * KP + d0, x);
     }
   } else {  // every row in registers from its load to its one store
-    Raw8 raw[RPT];
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) raw[j] = load_row(j);
-    load_beta();
     float xr[RPT][8];
+    gate_rows<K, NTH>(gp, xr, sBT, sBeta);
 #pragma unroll
-    for (int j = 0; j < RPT; ++j) activate_row(xr[j], raw[j], j);
-    block_prefix();
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) finish_row(xr[j], j);
+    for (int j = 0; j < RPT; ++j) st8(sG + (row0 + j) * KP + d0, xr[j]);
   }
 }
 
@@ -308,27 +341,26 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
   });
 }
 
-// The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from the block-local g2 and
+// The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from its block-local g2 (loc) and
 // the block sums: qg = fq q exp2(g2), kg = fk k exp2(G - g2) and, when wanted, kexp = fk k exp2(g2),
 // packed to WT pairs. g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks
 // after): sums of terms <= 0, so every exponent is <= 0 and free of cancellation across blocks.
-template <typename WT, int K, int KP, int KQ>
-__device__ __forceinline__ void gated_vec8(const float* sG, const float* sBO, const float* sBT, const float* sBS,
-                                           const WT* sQ, const WT* sK, float fq, float fk, int r, int d0,
-                                           uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
+template <typename WT, int K, int KQ>
+__device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const float* sBO, const float* sBT,
+                                               const float* sBS, const WT* sQ, const WT* sK, float fq, float fk,
+                                               int r, int d0, uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
   using E = Elem<WT>;
   float g2v[8], Gv[8];
   {
     const int b = r >> 4;
     float ov[8], tv[8], sv[8];
-    ld8(g2v, sG + r * KP + d0);
     ld8(ov, sBO + b * K + d0);
     ld8(tv, sBT + b * K + d0);
     ld8(sv, sBS + b * K + d0);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      Gv[e] = (tv[e] - g2v[e]) + sv[e];  // G - g2
-      g2v[e] = ov[e] + g2v[e];           // g2
+      Gv[e] = (tv[e] - loc[e]) + sv[e];  // G - g2
+      g2v[e] = ov[e] + loc[e];           // g2
     }
   }
   const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
@@ -342,6 +374,16 @@ __device__ __forceinline__ void gated_vec8(const float* sG, const float* sBO, co
     pk[e] = E::pack2(fk * kv.x * fast_exp2(Gv[2 * e]), fk * kv.y * fast_exp2(Gv[2 * e + 1]));
     if (pkexp) pkexp[e] = E::pack2(fk * kv.x * x0, fk * kv.y * x1);
   }
+}
+
+// The same with the block-local g2 read from sG [64][KP].
+template <typename WT, int K, int KP, int KQ>
+__device__ __forceinline__ void gated_vec8(const float* sG, const float* sBO, const float* sBT, const float* sBS,
+                                           const WT* sQ, const WT* sK, float fq, float fk, int r, int d0,
+                                           uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
+  float loc[8];
+  ld8(loc, sG + r * KP + d0);
+  gated_vec8_loc<WT, K, KQ>(loc, sBO, sBT, sBS, sQ, sK, fq, fk, r, d0, pq, pk, pkexp);
 }
 
 }  // namespace kernel_fun::kda::dev
