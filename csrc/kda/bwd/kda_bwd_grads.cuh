@@ -1177,11 +1177,15 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   const GradsCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), seq, ci, blockIdx.y);
   KF_GRADS_PHASE(0);
 
-  // P: every load of the chunk in flight first, then the gate and the factors
-  grads_load_chunk(c);
-  grads_load_slice(c, 0, 0);
-  dev::cp_async_commit();
-  dev::gate_cumsum_beta<K, NTH, S::KP, /*kRollRows=*/true>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta());
+  // P: every load of the chunk in flight first (the gate's first rows, then the bulk copies), then
+  // the gate and the factors
+  auto issue_bulk = [&]() {
+    grads_load_chunk(c);
+    grads_load_slice(c, 0, 0);
+    dev::cp_async_commit();
+  };
+  dev::gate_cumsum_beta<K, NTH, S::KP, /*kRollRows=*/true>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta(),
+                                                           issue_bulk);
   dev::cp_async_wait<0>();
   __syncthreads();
   dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.sGt());

@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_ker
   const int len = min(kChunk, seq.len - c * kChunk);
   const int gchunk = seq.chunk0 + c;
 
-  // q, k rows and Akk rows -> smem (rows past the end zero-filled), in flight during the gate
-  {
+  // q, k rows and Akk rows -> smem (rows past the end zero-filled), in flight during the gate;
+  // issued by gate_rows right behind the gate rows' loads
+  auto issue_bulk = [&]() {
     const WT* q = reinterpret_cast<const WT*>(p.q);
     const WT* k = reinterpret_cast<const WT*>(p.k);
     constexpr int VPR = K / 8;
@@ -83,10 +84,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_ker
       dev::cp_async16(sAkk + r * AP + c8, gAkk + ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8, ok ? 16 : 0);
     }
     dev::cp_async_commit();
-  }
+  };
   dev::GatePass<K, NTH> gp(p, tok0, len, hv);
   float g2[RPT][8];  // this thread's GateMap rows, block-local
-  dev::gate_rows<K, NTH>(gp, g2, sBT, sBeta);
+  dev::gate_rows<K, NTH>(gp, g2, sBT, sBeta, issue_bulk);
   dev::cp_async_wait<0>();
   __syncthreads();
   dev::block_offsets<K>(sBT, sBO, sBS, sGt);

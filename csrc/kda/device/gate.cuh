@@ -201,17 +201,26 @@ struct GatePass {
   }
 };
 
+// No bulk copies to issue (the default of gate_rows / gate_cumsum_beta's issue_bulk).
+struct NoBulk {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk, left in REGISTERS: the
 // thread's GateMap rows in g2 (row m.row0 + j in g2[j]); the block totals into sBT [4][K] and beta
 // (after the optional sigmoid) into sBeta [64]. Every row's load is in flight at once. Rows >= len:
 // gate 0, beta 0. For kernels whose later per-element work maps onto the same thread share.
-template <int K, int NTH>
+// issue_bulk() runs right after the gate rows' loads are issued: the caller's bulk copies of the
+// chunk (cp.async) then queue BEHIND the loads the activation waits on, not ahead of them (ncu on
+// grads: the top stall of its load phase was the wait for the gate row).
+template <int K, int NTH, typename Bulk = NoBulk>
 __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[GateMap<K, NTH>::RPT][8], float* sBT,
-                                          float* sBeta) {
+                                          float* sBeta, Bulk issue_bulk = {}) {
   constexpr int RPT = GateMap<K, NTH>::RPT;
   Raw8 raw[RPT];
 #pragma unroll
   for (int j = 0; j < RPT; ++j) raw[j] = gp.load_row(j);
+  issue_bulk();
   gp.load_beta(sBeta);
 #pragma unroll
   for (int j = 0; j < RPT; ++j) gp.activate_row(g2[j], raw[j], j);
@@ -220,7 +229,7 @@ __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[Gate
   for (int j = 0; j < RPT; ++j) gp.finish_row(g2[j], j, sBT);
 }
 
-// The same into sG [64][KP] (fp32), for kernels that read g2 across threads.
+// The same into sG [64][KP] (fp32), for kernels that read g2 across threads; issue_bulk as in gate_rows.
 // kRollRows: the row loops rolled (one copy of the load and of the 8 activations, the next row's
 // load in flight while this one is activated) for kda_bwd_grads, whose once-per-CTA code was
 // instruction-fetch bound (2 rows per thread there). Unrolled (every row's load in flight at once)
@@ -228,15 +237,16 @@ __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[Gate
 // 3c4cfc3 slowdown (3.37 -> 3.86, 1.77 -> 2.39 ms at prod8192) came from the loads being converted
 // right behind each load, not from rolling; the unrolled form alone did not bring it back,
 // load8_raw did. The rolled form has not been measured in them since.
-template <int K, int NTH, int KP, bool kRollRows = false>
+template <int K, int NTH, int KP, bool kRollRows = false, typename Bulk = NoBulk>
 __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
-                                                 float* sBT, float* sBeta) {
+                                                 float* sBT, float* sBeta, Bulk issue_bulk = {}) {
   using Map = GateMap<K, NTH>;
   constexpr int RPT = Map::RPT;
   GatePass<K, NTH> gp(p, tok0, len, hv);
   const int row0 = gp.m.row0, d0 = gp.m.d0;
   if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
     Raw8 raw = gp.load_row(0);
+    issue_bulk();
     gp.load_beta(sBeta);
     float x[8];
 #pragma unroll 1
@@ -255,7 +265,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     }
   } else {  // every row in registers from its load to its one store
     float xr[RPT][8];
-    gate_rows<K, NTH>(gp, xr, sBT, sBeta);
+    gate_rows<K, NTH>(gp, xr, sBT, sBeta, issue_bulk);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) st8(sG + (row0 + j) * KP + d0, xr[j]);
   }

@@ -136,8 +136,9 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   const int HV = p.HV;
   const int h = hv / (HV / p.H);
 
-  // ---------------------------------------------------------------- P0: raw q / k -> smem (async)
-  {
+  // ---------------------------------------------------------------- P0: raw q / k -> smem (async),
+  // issued by P1's gate_cumsum_beta right behind the gate rows' loads
+  auto issue_bulk = [&]() {
     const WT* q = reinterpret_cast<const WT*>(p.q);
     const WT* k = reinterpret_cast<const WT*>(p.k);
     const bool al16 = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k)) & 15) == 0;
@@ -162,10 +163,10 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
         sK[r * KQ + d] = r < len ? k[off] : E::from_float(0.f);
       }
     }
-  }
+  };
 
   // ---------------------------------------------------------------- P1: gate + cumsum, beta
-  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, hv, sG, sBT, sBeta);
+  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, hv, sG, sBT, sBeta, issue_bulk);
   for (int i = tid; i < 2 * kChunk * AP / 4; i += NTH)  // sA and sL are adjacent
     reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (tid == 0) *sWork = 0;
