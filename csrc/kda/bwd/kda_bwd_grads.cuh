@@ -1041,14 +1041,15 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
         float dgate[8];
         dev::ld8(dgate, Xg + Ctx::xs(r, d0));
         if (gate_in_kernel) {
-          float gx[8];
+          float gx[8], ddx[8], ddA[8];
           dev::gate8_to_float(gx, graw, p);
 #pragma unroll
+          for (int e = 0; e < 8; ++e) gx[e] += bias[e];
+          dev::gate_derivatives8(mode, gx, a_exp, p.opt.lower_bound, ddx, ddA);
+#pragma unroll
           for (int e = 0; e < 8; ++e) {
-            float ddx, ddA;
-            dev::gate_derivatives(mode, gx[e] + bias[e], a_exp, p.opt.lower_bound, ddx, ddA);
-            pa = fmaf(dgate[e], ddA, pa);
-            dgate[e] *= ddx;
+            pa = fmaf(dgate[e], ddA[e], pa);
+            dgate[e] *= ddx[e];
             pb[e] += dgate[e];
           }
         }
