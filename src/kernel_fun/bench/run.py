@@ -460,7 +460,10 @@ def _time_one(torch, fn, inputs, grad, do, cfg, flush, probe) -> dict:
         def fstep():
             fn(*args, **kwargs)
 
-        with torch.inference_mode():
+        # no_grad, not inference_mode: fla caches tensors derived from cu_seqlens (its chunk indices)
+        # across calls, and an inference tensor from a forward row cannot be saved for backward
+        # in the fwd+bwd row that follows (fla's varlen fwd+bwd failed that way on 2026-12-01).
+        with torch.no_grad():
             return time_calls(torch, fstep, warmup=cfg.warmup, iters=cfg.iters, flush=flush,
                               probe=probe)
     except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
