@@ -540,3 +540,23 @@ def test_merge_runs_prefers_the_newest_timed_row(tmp_path):
     pb.write_text(json.dumps(b))
     assert cli.main(["--merge", str(pa), str(pb), "--out", str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "h200.json").read_text())[1]["ms"] == 0.8
+
+
+def test_forward_rows_leave_no_inference_tensors_for_the_fwd_bwd_row(fake_cuda, monkeypatch):
+    # fla caches tensors derived from cu_seqlens (its chunk indices) across calls. A tensor cached
+    # while a forward row ran under inference_mode cannot be saved for backward by the fwd+bwd row
+    # that follows: fla's varlen fwd+bwd failed that way on the H200 until forward rows moved to
+    # no_grad.
+    cache = {}
+
+    def _kda_caching(q, k, v, g, beta, **kw):
+        if "idx" not in cache:
+            cache["idx"] = torch.ones(v.shape[-1], dtype=v.dtype)  # made inside whichever pass runs first
+        return (v * cache["idx"]) * torch.sigmoid(beta.float()).to(v.dtype).unsqueeze(-1), None
+
+    rows = _run(monkeypatch, ours={"kda": (_kda_math, _ok, None)}, fla={"kda": (_kda_caching, None)},
+                cases=TINY[1:2])
+    by = _by(rows)
+    assert by[("t_varlen", "fwd", "fla")]["status"] == "ok"
+    r = by[("t_varlen", "fwd+bwd", "fla")]
+    assert r["status"] == "ok", r["note"]
