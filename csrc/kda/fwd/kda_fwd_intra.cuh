@@ -3,8 +3,8 @@
 // overlap the other's compute).
 //
 // Stages (docs/kda-forward.md), in execution order, "|" = barrier:
-//   P0  raw q / k (input dtype, exact) -> smem by 16-byte cp.async, issued first thing and in
-//       flight while P1 runs
+//   P0  raw q / k (input dtype, exact) -> smem by 16-byte cp.async, issued right behind P1's gate
+//       row loads and in flight while P1 runs
 //   P1  gate activation + block-local (16-row) inclusive cumsum, times 1/ln2 -> g2 (fp32, smem);
 //       beta (sigmoid) -> smem                                                              |
 //       block sums; per-row l2norm rstd of q / k (1 when off)                               |
