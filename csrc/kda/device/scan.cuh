@@ -122,9 +122,18 @@ __device__ __forceinline__ ScanSources<WT> scan_sources(const KdaFwdParams& p, c
           p.gdecay};
 }
 
-// Where a scan thread works: its CTA's (V-slice blockIdx.x, value head blockIdx.y, sequence
-// blockIdx.z), its warp's 16 value columns (vw within the slice) and its fragment coordinates. A
-// state fragment sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
+// A scan CTA's work item: (V-slice, value head, sequence). A plain launch takes it from blockIdx
+// (x, y, z); kda_bwd_scans' paired launch maps its doubled x range onto two scans' items.
+struct ScanBlock {
+  int vs, hv, n;
+};
+__device__ __forceinline__ ScanBlock scan_block() {
+  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+}
+
+// Where a scan thread works: its CTA's item (V-slice b.vs, value head b.hv, sequence b.n), its
+// warp's 16 value columns (vw within the slice) and its fragment coordinates. A state fragment
+// sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
 template <int K, int BV>
 struct ScanPlace {
   int lane, warp, g, t;
@@ -132,11 +141,11 @@ struct ScanPlace {
   SeqInfo seq;
   int nchunks;
   int64_t sbase;  // the sequence's [K, V] state in h0 / ht / dht / dh0
-  __device__ __forceinline__ explicit ScanPlace(const KdaProblem& p)
+  __device__ __forceinline__ ScanPlace(const KdaProblem& p, const ScanBlock& b)
       : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3),
-        hv(blockIdx.y), v0(blockIdx.x * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, blockIdx.z)),
+        hv(b.hv), v0(b.vs * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, b.n)),
         nchunks((seq.len + kChunk - 1) / kChunk),
-        sbase((static_cast<int64_t>(blockIdx.z) * p.HV + blockIdx.y) * K * p.V) {}
+        sbase((static_cast<int64_t>(b.n) * p.HV + b.hv) * K * p.V) {}
 };
 
 // The operands of one landed stage (base = the stage's first element).

@@ -31,18 +31,17 @@
 
 namespace kernel_fun::kda {
 
+// One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
+// body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel.
 template <typename WT, int K, int BV>
-__global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
+__device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int NT = dev::scan_threads<BV>();
   constexpr int AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
 
-  KF_DYN_SMEM(float4, smem_f4);
-  WT* sm = dev::scan_smem_base<WT>(smem_f4);
-
-  const dev::ScanPlace<K, BV> pl(p);
+  const dev::ScanPlace<K, BV> pl(p, b);
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
   const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
@@ -163,6 +162,12 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   dev::cp_async_wait<0>();
 
   if (p.ht) dev::store_state<WT, K>(p.ht, pl.sbase, hT, p, col0, t);
+}
+
+template <typename WT, int K, int BV>
+__global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  fwd_scan_cta<WT, K, BV>(p, dev::scan_block(), dev::scan_smem_base<WT>(smem_f4));
 }
 
 #ifndef KF_EMU
