@@ -158,3 +158,34 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
             if t is not None:
                 assert torch.isfinite(sliced[key]).all(), (nb, key)
                 assert torch.equal(t, sliced[key]), (nb, key)
+
+
+@pytest.mark.parametrize("case,bv", [
+    (dict(B=2, T=130, K=64, V=128, h0=True), 64),                                   # two V-slices per scan
+    (dict(T=200, K=128, V=128, cu=[0, 0, 1, 64, 65, 200], h0=True, gate="bounded"), 64),  # varlen, empty docs
+    (dict(T=90, H=1, HV=2, K=64, V=64, h0=True, state_v_first=True), 0),           # GVA, the launcher's width
+])
+def test_paired_scans_are_bitwise_the_two_launches(emu, case, bv):
+    """kda_bwd_scans (the re-scan and the dh scan in one launch, csrc/kda/bwd/kda_bwd_scans.cuh, what
+    kda_policy.h picks when both fit in one wave) gives exactly the gradients and the state / state-
+    gradient checkpoints of the two separate launches."""
+    inputs, kw = make_case(**case)
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
+    N = B if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
+    dht = torch.randn(*((N, HV, V, K) if kw.get("state_v_first") else (N, HV, K, V)), generator=gen)
+    paired, sp = emu.backward_stages(*inputs, do, dht, **kw, bv=bv, pair_scans=1)
+    apart, sa = emu.backward_stages(*inputs, do, dht, **kw, bv=bv, pair_scans=2)
+    cu = kw.get("cu_seqlens")
+    lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).tolist()
+    nck = sum(-(-n // 64) for n in lens)  # the chunks that exist (the rest of the buffer stays NaN)
+    for key in ("h_ckpt", "dh_ckpt"):
+        assert torch.isfinite(sp[key][:nck]).all(), key
+        assert torch.equal(sp[key][:nck], sa[key][:nck]), key
+    for key, t in apart.items():
+        if t is not None:
+            assert torch.isfinite(paired[key]).all(), key
+            assert torch.equal(t, paired[key]), key

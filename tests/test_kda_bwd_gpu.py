@@ -267,6 +267,53 @@ def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, monkeypatch):
         assert torch.equal(t, sliced[key]), key
 
 
+@pytest.mark.parametrize("name", ["T1000", "K128-V256", "varlen-fla-gva", "state-v-first"])
+def test_paired_scans_are_bitwise_the_two_launches(name, monkeypatch):
+    """The re-scan and the dh scan in one launch (kda_bwd_scans; kda_policy.h picks it when both fit
+    in one wave, as at every size here) give exactly the gradients and checkpoints of two launches
+    (KERNEL_FUN_KDA_BWD_PAIR_SCANS forces either)."""
+    inputs, kw = make_case(**{**CASES, **VARLEN_CASES}[name])
+    do, dht = _do_dht(inputs, kw)
+    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS", "1")
+    paired, sp = _backward_stages(inputs, kw, do, dht, poison=True)
+    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS", "0")
+    apart, sa = _backward_stages(inputs, kw, do, dht, poison=True)
+    _, rst = kda_bwd_reference(inputs, kw, do, dht)
+    nck = rst["h"].shape[0] * rst["h"].shape[1]  # the chunks that exist (the rest stays NaN)
+    for key in ("h_ckpt", "dh_ckpt"):
+        assert torch.isfinite(sp[key][:nck]).all(), key
+        assert torch.equal(sp[key][:nck], sa[key][:nck]), key
+    for key, t in apart.items():
+        if t is not None:
+            assert torch.isfinite(paired[key]).all(), key
+            assert torch.equal(t, paired[key]), key
+
+
+def _bwd_kernels(case: dict) -> set:
+    """Names of the KDA kernels one backward of the case launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    inputs, kw = make_case(**case)
+    do, dht = _do_dht(inputs, kw)
+    _backward_stages(inputs, kw, do, dht)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _backward_stages(inputs, kw, do, dht)
+        torch.cuda.synchronize()
+    return {e.key.split("<")[0].split("::")[-1].replace("void ", "") for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and "kda_" in e.key}
+
+
+def test_backward_pairs_its_scans_only_when_both_fit_one_wave(monkeypatch):
+    """kda_policy.h's bwd_pair_scans as launched: one sequence of 4 heads (8 scan CTAs at V = 128)
+    runs kda_bwd_scans; 16 x 16 sequence-heads at V = 256 (128 CTAs per scan after the 4-batch
+    slicing) run the two scans apart."""
+    monkeypatch.delenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS", raising=False)
+    small = _bwd_kernels(dict(B=1, T=300, H=4, V=128, h0=True))
+    assert "kda_bwd_scans_kernel" in small and "kda_bwd_dh_scan_kernel" not in small, small
+    big = _bwd_kernels(dict(B=16, T=256, H=16, V=256))
+    assert "kda_bwd_scans_kernel" not in big and "kda_bwd_dh_scan_kernel" in big, big
+
+
 def _bwd_workspace_bytes(B, T, HV, K, V, slice_b):
     """kda::workspace() of a fixed-length backward with saved factors and an in-kernel gate, with
     slice_b batches per slice: w, qg, kg, exp2(G), h_ckpt, dh_ckpt per slice; pbias, pA whole."""

@@ -5,7 +5,8 @@
 //   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
-//             -> kda_bwd_dh_scan -> kda_bwd_grads -> (GVA) group sums, per batch slice
+//             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
+//             -> (GVA) group sums, per batch slice
 //             (bwd/kda_bwd_slice.h); then kda_bwd_gate_params (bwd/kda_bwd_finish.cuh)
 #pragma once
 
@@ -28,6 +29,11 @@ int kda_fwd_scan_bv(const KdaFwdParams& p);
 // Backward stages (bwd/).
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
+// The re-scan (kda_fwd_scan with p.o null) and kda_bwd_dh_scan as one launch (bwd/kda_bwd_scans.cuh).
+void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream);
+// Whether the backward pairs its two scans in one launch: kda_policy.h's bwd_pair_scans, or
+// KERNEL_FUN_KDA_BWD_PAIR_SCANS=0|1 (tests, benchmarking).
+bool kda_bwd_pair_scans(const KdaBwdParams& p);
 void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream);
 
 // Batches per backward slice (bwd/kda_bwd_slice.h): kda_policy.h's bwd_slice_batches, or

@@ -22,18 +22,22 @@ struct ScanChoice {
   int bv;       // V-slice width, 64 or 128
   double cost;  // modelled time: waves of CTAs x the per-chunk cost of one CTA step
 };
+constexpr int kPolicySMs = 132;  // the H100 / H200 SM count the models assume
+// KB of one scan stage: w, qg, kg + Aqk, Akk + the value tile, padded
+inline double scan_fill_kb(int K, int bv) { return 52.0 * (K / 128.0) + 18.0 + bv / 8.0; }
+// scan CTAs one SM holds (double-buffered stages)
+inline int scan_ctas_per_sm(int K, int bv) { return 2 * scan_fill_kb(K, bv) <= 110 ? 2 : 1; }
 inline ScanChoice scan_choice(const KdaProblem& p) {
-  constexpr int kSMs = 132;
+  constexpr int kSMs = kPolicySMs;
   const long rows = static_cast<long>(p.HV) * p.N;
   const double kw = p.K / 128.0;
   ScanChoice best{64, 0.0};
   for (int bv : {128, 64}) {
     if (p.V % bv != 0) continue;
     const int warps = bv / 16;
-    const double fill_kb = 52.0 * kw + 18.0 + bv / 8.0;  // w, qg, kg + Aqk, Akk + v, padded
-    const double warp_kb = 48.0 * kw + 12.0;             // ldmatrix bytes one warp reads
-    const double smem_kb = 2 * fill_kb;                  // double-buffered stage
-    const int per_sm = smem_kb <= 110 ? 2 : 1;
+    const double fill_kb = scan_fill_kb(p.K, bv);
+    const double warp_kb = 48.0 * kw + 12.0;  // ldmatrix bytes one warp reads
+    const int per_sm = scan_ctas_per_sm(p.K, bv);
     const double chunk = std::max(per_sm * (fill_kb + warps * warp_kb), 190.0 * kw + 60.0);
     const long ctas = rows * (p.V / bv);
     const long waves = (ctas + static_cast<long>(kSMs) * per_sm - 1) / (static_cast<long>(kSMs) * per_sm);
@@ -41,6 +45,15 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
     if (best.cost == 0 || cost < best.cost) best = {bv, cost};
   }
   return best;
+}
+
+// Whether the backward runs its re-scan and its dh scan as ONE launch (bwd/kda_bwd_scans.cuh):
+// when the CTAs of both fit in one wave, the launch takes the longer scan's time instead of the sum
+// of both (B = 1 and few heads: long_b1_t32k pairs 64 + 64 CTAs on 132 SMs). With more CTAs than
+// one wave the waves add up either way, and the separate launches are kept. p: one batch slice.
+inline bool bwd_pair_scans(const KdaProblem& p, int bv) {
+  const long ctas = static_cast<long>(p.HV) * p.N * (p.V / bv);
+  return ctas > 0 && 2 * ctas <= static_cast<long>(kPolicySMs) * scan_ctas_per_sm(p.K, bv);
 }
 
 // Batches per backward slice (bwd/kda_bwd_slice.h): B (one pass) for varlen or B = 1, else the

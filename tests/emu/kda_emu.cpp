@@ -15,6 +15,7 @@
 #include "kda/bwd/kda_bwd_finish.cuh"
 #include "kda/bwd/kda_bwd_grads.cuh"
 #include "kda/bwd/kda_bwd_prep.cuh"
+#include "kda/bwd/kda_bwd_scans.cuh"
 #include "kda/bwd/kda_bwd_slice.h"
 #include "kda/kda_policy.h"
 #include "kda/fwd/kda_fwd_intra.cuh"
@@ -95,6 +96,8 @@ struct KdaEmuArgs {
   int64_t bv;  // the scans' V-slice width (64 or 128), or 0: the launcher's choice (kda_policy.h)
   int64_t saved_factors;  // backward: Aqk / Akk / M are the forward's (kda_bwd_prep instead of the intra)
   int64_t slice_b;        // backward: batches per slice (bwd/kda_bwd_slice.h); 0 = one pass
+  int64_t pair_scans;     // backward: 0 = the launcher's choice (kda_policy.h), 1 = both scans in one
+                          // launch (bwd/kda_bwd_scans.cuh), 2 = two launches
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -211,6 +214,13 @@ void dh_scan(const kda::KdaBwdParams& p) {
                  kda::kda_bwd_dh_scan_kernel<WT, K, BV>, p);
 }
 
+template <typename WT, int K, int BV>
+void scans(const kda::KdaBwdParams& p) {
+  if (p.N == 0 || p.HV == 0) return;
+  kf_emu::launch(dim3(2 * (p.V / BV), p.HV, p.N), dim3(kda::dev::scan_threads<BV>()),
+                 kda::dev::ScanStage<WT, K, BV>::kBytes, kda::kda_bwd_scans_kernel<WT, K, BV>, p);
+}
+
 template <typename WT, int K>
 void prep(const kda::KdaBwdParams& p) {
   if (p.max_chunks == 0 || p.HV == 0) return;
@@ -247,40 +257,46 @@ void forward(const kda::KdaBwdParams& p) {
 }
 
 template <typename WT, int K, int BV>
-void backward_pass(const kda::KdaBwdParams& r) {
+void backward_pass(const kda::KdaBwdParams& r, int64_t pair) {
   if (r.saved_factors) prep<WT, K>(r);
   else intra<WT, K>(r);
-  scan<WT, K, BV>(r);
-  dh_scan<WT, K, BV>(r);
+  if (pair == 1 || (pair == 0 && kda::bwd_pair_scans(r, BV))) {
+    scans<WT, K, BV>(r);
+  } else {
+    scan<WT, K, BV>(r);
+    dh_scan<WT, K, BV>(r);
+  }
   grads<WT, K>(r);
   group_sums<WT>(r);
 }
 
 template <typename WT, int K, int BV>
-void backward(const kda::KdaBwdParams& p) {
+void backward(const kda::KdaBwdParams& p, int64_t pair) {
   kda::KdaBwdParams r = p;  // the re-scan: states only
   r.o = nullptr;
   r.ht = nullptr;
   r.h_states = nullptr;
-  kda::for_each_batch_slice(r, [](const kda::KdaBwdParams& s) { backward_pass<WT, K, BV>(s); });
+  kda::for_each_batch_slice(r, [pair](const kda::KdaBwdParams& s) { backward_pass<WT, K, BV>(s, pair); });
   gate_params<WT>(r);
 }
 
 template <typename WT, int K>
-void run(const kda::KdaBwdParams& p, int bv, bool bwd) {
-  if (bv == 128) return bwd ? backward<WT, K, 128>(p) : forward<WT, K, 128>(p);
-  return bwd ? backward<WT, K, 64>(p) : forward<WT, K, 64>(p);
+void run(const kda::KdaBwdParams& p, int bv, bool bwd, int64_t pair) {
+  if (bv == 128) return bwd ? backward<WT, K, 128>(p, pair) : forward<WT, K, 128>(p);
+  return bwd ? backward<WT, K, 64>(p, pair) : forward<WT, K, 64>(p);
 }
 
 void run_any(const KdaEmuArgs& a, bool bwd) {
+  if (a.pair_scans < 0 || a.pair_scans > 2) throw std::invalid_argument("kda_emu: pair_scans must be 0, 1 or 2");
   const kda::KdaBwdParams p = make_params(a);
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
   if (bv != 64 && bv != 128) throw std::invalid_argument("kda_emu: bv must be 64 or 128");
   if (p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
   const bool bf = p.dtype == DType::kBFloat16;
   if (!bf && p.dtype != DType::kFloat16) throw std::invalid_argument("kda_emu: dtype must be bfloat16 or float16");
-  if (p.K == 64) return bf ? run<__nv_bfloat16, 64>(p, bv, bwd) : run<__half, 64>(p, bv, bwd);
-  if (p.K == 128) return bf ? run<__nv_bfloat16, 128>(p, bv, bwd) : run<__half, 128>(p, bv, bwd);
+  const int64_t pr = a.pair_scans;
+  if (p.K == 64) return bf ? run<__nv_bfloat16, 64>(p, bv, bwd, pr) : run<__half, 64>(p, bv, bwd, pr);
+  if (p.K == 128) return bf ? run<__nv_bfloat16, 128>(p, bv, bwd, pr) : run<__half, 128>(p, bv, bwd, pr);
   throw std::invalid_argument("kda_emu: K must be 64 or 128");
 }
 

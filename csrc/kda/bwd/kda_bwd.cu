@@ -26,6 +26,15 @@ void dh_scan_k(const KdaBwdParams& p, cudaStream_t s, int bv) {
 }
 
 template <typename WT>
+void scans_k(const KdaBwdParams& p, cudaStream_t s, int bv) {
+  switch (p.K) {
+    case 64: return bv == 128 ? launch_scans<WT, 64, 128>(p, s) : launch_scans<WT, 64, 64>(p, s);
+    case 128: return bv == 128 ? launch_scans<WT, 128, 128>(p, s) : launch_scans<WT, 128, 64>(p, s);
+    default: throw std::invalid_argument("kda_bwd_scans: K must be 64 or 128, got " + std::to_string(p.K));
+  }
+}
+
+template <typename WT>
 void prep_k(const KdaBwdParams& p, cudaStream_t s) {
   switch (p.K) {
     case 64: return launch_prep<WT, 64>(p, s);
@@ -55,6 +64,22 @@ void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
     case DType::kFloat16: return dh_scan_k<__half>(p, stream, bv);
     default: throw std::invalid_argument("kda_bwd_dh_scan: dtype must be bfloat16 or float16");
   }
+}
+
+void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream) {
+  if (p.V % 64 != 0) throw std::invalid_argument("kda_bwd_scans: V must be a multiple of 64");
+  const int bv = kda_fwd_scan_bv(p);  // both scans' width, as when launched apart
+  switch (p.dtype) {
+    case DType::kBFloat16: return scans_k<__nv_bfloat16>(p, stream, bv);
+    case DType::kFloat16: return scans_k<__half>(p, stream, bv);
+    default: throw std::invalid_argument("kda_bwd_scans: dtype must be bfloat16 or float16");
+  }
+}
+
+bool kda_bwd_pair_scans(const KdaBwdParams& p) {
+  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS");  // tests / benchmarking: 0 or 1
+  if (env && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
+  return bwd_pair_scans(p, kda_fwd_scan_bv(p));
 }
 
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream) {
@@ -97,8 +122,12 @@ void group_sums(const KdaBwdParams& p, cudaStream_t stream) {
 void backward_pass(const KdaBwdParams& p, cudaStream_t stream) {
   if (p.saved_factors) kda_bwd_prep(p, stream);
   else kda_fwd_intra(p, stream);
-  kda_fwd_scan(p, stream);
-  kda_bwd_dh_scan(p, stream);
+  if (kda_bwd_pair_scans(p)) {
+    kda_bwd_scans(p, stream);
+  } else {
+    kda_fwd_scan(p, stream);
+    kda_bwd_dh_scan(p, stream);
+  }
   kda_bwd_grads(p, stream);
   group_sums(p, stream);
 }

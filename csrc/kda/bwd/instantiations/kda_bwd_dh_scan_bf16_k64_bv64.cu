@@ -1,6 +1,7 @@
-// kda_bwd_dh_scan for bf16, K=64, V-slice 64.
-#include "kda/bwd/kda_bwd_dh_scan.cuh"
+// kda_bwd_dh_scan and kda_bwd_scans (both scans in one launch) for bf16, K=64, V-slice 64.
+#include "kda/bwd/kda_bwd_scans.cuh"
 
 namespace kernel_fun::kda {
 template void launch_dh_scan<__nv_bfloat16, 64, 64>(const KdaBwdParams& p, cudaStream_t stream);
+template void launch_scans<__nv_bfloat16, 64, 64>(const KdaBwdParams& p, cudaStream_t stream);
 }
