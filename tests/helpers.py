@@ -41,6 +41,14 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) ->
     assert err <= tol, f"{name}: rel-RMS {err:.3e} > {tol:.1e}"
 
 
+def assert_bitwise_same(ref: dict, got: dict, what: str = "") -> None:
+    """Every tensor of ref (None entries skipped) equal bit for bit to got's, and got's finite."""
+    for key, t in ref.items():
+        if t is not None:
+            assert torch.isfinite(got[key]).all(), (what, key)
+            assert torch.equal(t, got[key]), (what, key)
+
+
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     """An output buffer poisoned with NaN, to catch elements a kernel never writes."""
     return torch.full_like(t, float("nan"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import KDA_TOL, emu_module, emu_skip_reason, kda_bwd_reference, rel_rms
+from helpers import KDA_TOL, assert_bitwise_same, emu_module, emu_skip_reason, kda_bwd_reference, rel_rms
 from test_emu_kda_fwd import make_case
 
 STAGE_TOL = 1e-2
@@ -21,6 +21,18 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=f"kf_emu cannot be buil
 @pytest.fixture(scope="module")
 def emu():
     return emu_module()
+
+
+def _do_dht(inputs, kw, seed):
+    """d(o) and d(final state) for a case (CPU, reproducible from seed)."""
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
+    N = B if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
+    dht = torch.randn(*((N, HV, V, K) if kw.get("state_v_first") else (N, HV, K, V)), generator=gen)
+    return do, dht
 
 
 CASES = {
@@ -59,10 +71,7 @@ def test_backward_matches_fp64_reference(name, path, emu):
     q, k, v, g, beta = inputs
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    gen = torch.Generator().manual_seed(7)
-    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
-    N = B if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
-    dht = torch.randn(*((N, HV, V, K) if kw.get("state_v_first") else (N, HV, K, V)), generator=gen)
+    do, dht = _do_dht(inputs, kw, 7)
     saved = None
     if path == "saved":
         _, _, _, ws = emu.forward_stages(*inputs, **kw)
@@ -143,21 +152,13 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     every per-token / per-sequence pointer advanced, the gate partials summed once at the end) gives
     exactly the gradients of one pass over the whole batch, dA_log / ddt_bias / dh0 included."""
     inputs, kw = make_case(**case)
-    q, v = inputs[0], inputs[2]
-    B, T, HV, V = v.shape
-    K = q.shape[-1]
-    gen = torch.Generator().manual_seed(11)
-    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
-    dht = torch.randn(*((B, HV, V, K) if kw.get("state_v_first") else (B, HV, K, V)), generator=gen)
+    do, dht = _do_dht(inputs, kw, 11)
     _, _, _, ws = emu.forward_stages(*inputs, **kw)
     saved = (ws["Aqk"], ws["Akk"], ws["M"])
     whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved)[0]
     for nb in (1, 2):
         sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, slice_b=nb)[0]
-        for key, t in whole.items():
-            if t is not None:
-                assert torch.isfinite(sliced[key]).all(), (nb, key)
-                assert torch.equal(t, sliced[key]), (nb, key)
+        assert_bitwise_same(whole, sliced, f"slice of {nb}")
 
 
 @pytest.mark.parametrize("case,bv", [
@@ -170,22 +171,13 @@ def test_paired_scans_are_bitwise_the_two_launches(emu, case, bv):
     kda_policy.h picks when both fit in one wave) gives exactly the gradients and the state / state-
     gradient checkpoints of the two separate launches."""
     inputs, kw = make_case(**case)
-    q, v = inputs[0], inputs[2]
-    B, T, HV, V = v.shape
-    K = q.shape[-1]
-    gen = torch.Generator().manual_seed(5)
-    do = torch.randn(B, T, HV, V, generator=gen).to(q.dtype)
-    N = B if kw.get("cu_seqlens") is None else kw["cu_seqlens"].numel() - 1
-    dht = torch.randn(*((N, HV, V, K) if kw.get("state_v_first") else (N, HV, K, V)), generator=gen)
+    B, T = inputs[2].shape[:2]
+    do, dht = _do_dht(inputs, kw, 5)
     paired, sp = emu.backward_stages(*inputs, do, dht, **kw, bv=bv, pair_scans=1)
     apart, sa = emu.backward_stages(*inputs, do, dht, **kw, bv=bv, pair_scans=2)
     cu = kw.get("cu_seqlens")
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).tolist()
     nck = sum(-(-n // 64) for n in lens)  # the chunks that exist (the rest of the buffer stays NaN)
-    for key in ("h_ckpt", "dh_ckpt"):
-        assert torch.isfinite(sp[key][:nck]).all(), key
-        assert torch.equal(sp[key][:nck], sa[key][:nck]), key
-    for key, t in apart.items():
-        if t is not None:
-            assert torch.isfinite(paired[key]).all(), key
-            assert torch.equal(t, paired[key]), key
+    assert_bitwise_same({k: sa[k][:nck] for k in ("h_ckpt", "dh_ckpt")},
+                        {k: sp[k][:nck] for k in ("h_ckpt", "dh_ckpt")}, "checkpoints")
+    assert_bitwise_same(apart, paired, "gradients")

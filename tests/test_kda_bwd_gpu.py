@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernel_fun import _ext
-from helpers import KDA_TOL, KDA_VARLEN_TOL, kda_bwd_reference, rel_rms
+from helpers import KDA_TOL, KDA_VARLEN_TOL, assert_bitwise_same, kda_bwd_reference, rel_rms
 from test_kda_fwd_gpu import make_case, options
 
 pytestmark = pytest.mark.gpu
@@ -236,10 +236,7 @@ def test_poisoned_outputs_are_all_written():
     do, dht = _do_dht(inputs, kw)
     a, _ = _backward_stages(inputs, kw, do, dht, poison=True)
     b, _ = _backward_stages(inputs, kw, do, dht, poison=False)
-    for key, t in a.items():
-        if t is not None:
-            assert torch.isfinite(t).all(), key
-            assert torch.equal(t, b[key]), key
+    assert_bitwise_same(b, a, "poisoned")
 
 
 def test_bitwise_deterministic():
@@ -280,13 +277,9 @@ def test_paired_scans_are_bitwise_the_two_launches(name, monkeypatch):
     apart, sa = _backward_stages(inputs, kw, do, dht, poison=True)
     _, rst = kda_bwd_reference(inputs, kw, do, dht)
     nck = rst["h"].shape[0] * rst["h"].shape[1]  # the chunks that exist (the rest stays NaN)
-    for key in ("h_ckpt", "dh_ckpt"):
-        assert torch.isfinite(sp[key][:nck]).all(), key
-        assert torch.equal(sp[key][:nck], sa[key][:nck]), key
-    for key, t in apart.items():
-        if t is not None:
-            assert torch.isfinite(paired[key]).all(), key
-            assert torch.equal(t, paired[key]), key
+    assert_bitwise_same({k: sa[k][:nck] for k in ("h_ckpt", "dh_ckpt")},
+                        {k: sp[k][:nck] for k in ("h_ckpt", "dh_ckpt")}, "checkpoints")
+    assert_bitwise_same(apart, paired, "gradients")
 
 
 def _bwd_kernels(case: dict) -> set:

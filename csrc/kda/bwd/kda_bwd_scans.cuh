@@ -33,12 +33,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_scans_kern
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scans(const KdaBwdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = dev::ScanStage<WT, K, BV>::kBytes;
-  auto kern = kda_bwd_scans_kernel<WT, K, BV>;
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if (p.N == 0 || p.HV == 0) return;
-  kern<<<dim3(2 * (p.V / BV), p.HV, p.N), dev::scan_threads<BV>(), smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
+  dev::launch_scan_grid<WT, K, BV>(kda_bwd_scans_kernel<WT, K, BV>, p, 2 * (p.V / BV), stream);
 }
 #endif
 

@@ -286,4 +286,18 @@ __device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[8][
   }
 }
 
+#ifndef KF_EMU
+// The scans' grid: x_items work items per (value head, sequence) row -- V / BV for one scan, twice
+// that for kda_bwd_scans -- with two ScanStage buffers of dynamic smem; nothing launched for an
+// empty problem.
+template <typename WT, int K, int BV, typename Params>
+void launch_scan_grid(void (*kern)(Params), const Params& p, int x_items, cudaStream_t stream) {
+  constexpr size_t smem = ScanStage<WT, K, BV>::kBytes;
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (p.N == 0 || p.HV == 0) return;
+  kern<<<dim3(x_items, p.HV, p.N), scan_threads<BV>(), smem, stream>>>(p);
+  KF_CHECK_LAUNCH();
+}
+#endif
+
 }  // namespace kernel_fun::kda::dev
