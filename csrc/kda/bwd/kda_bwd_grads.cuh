@@ -210,16 +210,16 @@ struct GradsCtx {
     al[0] = dev::to_tf32(L[o0 + sa]); al[1] = dev::to_tf32(L[o1 + sa]);
     al[2] = dev::to_tf32(L[o0 + sa + 4]); al[3] = dev::to_tf32(L[o1 + sa + 4]);
   }
-  // Column side: A[m = s][k = r] = dA1[r][s] and beta_r dL[r][s], s = r0 / r1, r = ra, ra + 4.
+  // Column side: A[m = s][k = r] = dA1[r][s] and dL[r][s], s = r0 / r1, r = ra, ra + 4 (beta_r goes
+  // onto the B operand: the A elements are rounded to tf32 exactly as the row side rounds them).
   __device__ __forceinline__ void a_col_side(int ra, uint32_t (&a1)[4], uint32_t (&al)[4]) const {
     const float* A1 = sA1();
     const float* L = sDL();
-    const float* B = sBeta();
     const int s0 = r0(), s1 = r1(), oa = ra * S::AF, oc = (ra + 4) * S::AF;
     a1[0] = dev::to_tf32(A1[oa + s0]); a1[1] = dev::to_tf32(A1[oa + s1]);
     a1[2] = dev::to_tf32(A1[oc + s0]); a1[3] = dev::to_tf32(A1[oc + s1]);
-    al[0] = dev::to_tf32(B[ra] * L[oa + s0]); al[1] = dev::to_tf32(B[ra] * L[oa + s1]);
-    al[2] = dev::to_tf32(B[ra + 4] * L[oc + s0]); al[3] = dev::to_tf32(B[ra + 4] * L[oc + s1]);
+    al[0] = dev::to_tf32(L[oa + s0]); al[1] = dev::to_tf32(L[oa + s1]);
+    al[2] = dev::to_tf32(L[oc + s0]); al[3] = dev::to_tf32(L[oc + s1]);
   }
 };
 
@@ -686,10 +686,10 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
           const float tb = sBT[bj * K + d];
-          const uint32_t b0 = dev::to_tf32(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
-          const uint32_t b1 = dev::to_tf32(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
-          dev::mma_1688_tf32(rq[j], a1, b0, b1);
-          dev::mma_1688_tf32(rk[j], al, b0, b1);
+          const dev::Tf32Pair b0 = dev::split_tf32(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
+          const dev::Tf32Pair b1 = dev::split_tf32(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
+          dev::mma_1688_tf32_x2(rq[j], a1, b0, b1);
+          dev::mma_1688_tf32_x2(rk[j], al, b0, b1);
         }
       }
 #pragma unroll
@@ -729,8 +729,9 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
           const float ea = dev::fast_exp2(sG[ra * KP + d] + mid[j]), ec = dev::fast_exp2(sG[rc * KP + d] + mid[j]);
-          dev::mma_1688_tf32(cs[j], a1, dev::to_tf32(c.qhat(ra, d) * ea), dev::to_tf32(c.qhat(rc, d) * ec));
-          dev::mma_1688_tf32(cs[j], al, dev::to_tf32(c.khat(ra, d) * ea), dev::to_tf32(c.khat(rc, d) * ec));
+          dev::mma_1688_tf32_x2(cs[j], a1, dev::split_tf32(c.qhat(ra, d) * ea), dev::split_tf32(c.qhat(rc, d) * ec));
+          dev::mma_1688_tf32_x2(cs[j], al, dev::split_tf32(sBeta[ra] * c.khat(ra, d) * ea),
+                                dev::split_tf32(sBeta[rc] * c.khat(rc, d) * ec));
         }
       }
 #pragma unroll
@@ -787,10 +788,10 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
 #pragma unroll
       for (int j = 0; j < NTK; ++j) {
         const int d = cb + 8 * j + g;
-        const uint32_t b0 = dev::to_tf32(c.khat(sa, d) * dev::fast_exp2(lm[j] - sG[sa * KP + d]));
-        const uint32_t b1 = dev::to_tf32(c.khat(sb, d) * dev::fast_exp2(lm[j] - sG[sb * KP + d]));
-        dev::mma_1688_tf32(rq[j], a1, b0, b1);
-        dev::mma_1688_tf32(rk[j], al, b0, b1);
+        const dev::Tf32Pair b0 = dev::split_tf32(c.khat(sa, d) * dev::fast_exp2(lm[j] - sG[sa * KP + d]));
+        const dev::Tf32Pair b1 = dev::split_tf32(c.khat(sb, d) * dev::fast_exp2(lm[j] - sG[sb * KP + d]));
+        dev::mma_1688_tf32_x2(rq[j], a1, b0, b1);
+        dev::mma_1688_tf32_x2(rk[j], al, b0, b1);
       }
     }
     {  // column side: A[row = s][k = r] = dA1[r][s] / beta_r dL[r][s]
@@ -801,8 +802,9 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
       for (int j = 0; j < NTK; ++j) {
         const int d = cb + 8 * j + g;
         const float ea = dev::fast_exp2(sG[ra * KP + d] - lm[j]), ec = dev::fast_exp2(sG[rc * KP + d] - lm[j]);
-        dev::mma_1688_tf32(cs[j], a1, dev::to_tf32(c.qhat(ra, d) * ea), dev::to_tf32(c.qhat(rc, d) * ec));
-        dev::mma_1688_tf32(cs[j], al, dev::to_tf32(c.khat(ra, d) * ea), dev::to_tf32(c.khat(rc, d) * ec));
+        dev::mma_1688_tf32_x2(cs[j], a1, dev::split_tf32(c.qhat(ra, d) * ea), dev::split_tf32(c.qhat(rc, d) * ec));
+        dev::mma_1688_tf32_x2(cs[j], al, dev::split_tf32(sBeta[ra] * c.khat(ra, d) * ea),
+                              dev::split_tf32(sBeta[rc] * c.khat(rc, d) * ec));
       }
     }
   }
