@@ -1,0 +1,463 @@
+"""``python -m kernel_fun.bench.accuracy``: every gradient of ``chunk_kda`` against the fp64
+token-by-token recurrence, over a random matrix of options, ours and fla's on the same inputs.
+
+Why it exists: ``dA_log`` and ``ddt_bias`` are sums over every token of ``dgate * d(gate)/d(.)``.
+An error in dgate that is correlated across tokens (a rounding that one side of a cancellation
+makes and the other does not) adds up in them although dg itself looks fine, so the other
+gradients' tests do not see it. This matrix measures every gradient of every case against the
+fp64 recurrence (``kernel_fun.ref.kda.naive_recurrent_kda`` through autograd), ours and fla's,
+and writes ``<out>/<gpu>-grad-accuracy.json``: one row per case with its options and, per
+gradient, our rel-RMS, fla's (null with the reason where fla cannot run the case) and the bound
+    max(fla's tolerance, 1.25 x fla's own error on the same inputs)
+(fla's tolerances: ``FLA_TOL`` / ``FLA_VARLEN_TOL``, from fla 0.5.2's tests/ops/test_kda.py).
+tests/test_kda_grad_accuracy_gpu.py runs the same matrix against fp64 on every GPU run and holds
+our errors to those bounds, reading fla's errors from the committed JSON.
+
+    python -m kernel_fun.bench.accuracy --out bench/results            # ours and fla's
+    python -m kernel_fun.bench.accuracy --no-fla --label before ...    # ours only
+
+``--workers N`` spreads the cases over N processes on the same GPU (fla's Triton compile and
+autotune of each new option mix is single-threaded CPU work; the cases are small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+OUTPUTS = ("o", "ht")
+
+# fla 0.5.2, tests/ops/test_kda.py: test_chunk (dense) and test_chunk_varlen. dA is checked there as
+# a warning only; it is the bound fla states for itself, and the one we hold ours to.
+FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02,
+           "dA_log": 0.003, "ddt_bias": 0.008, "dh0": 0.008}
+FLA_VARLEN_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.007, "dk": 0.008, "dv": 0.007, "dg": 0.015, "dbeta": 0.015,
+                  "dA_log": 0.008, "ddt_bias": 0.005, "dh0": 0.007}
+FLA_FACTOR = 1.25
+
+# The gate forms. "raw" gates are the log-decays themselves (use_gate_in_kernel=False); the others
+# are computed in the kernel from a raw input g:
+#   unbounded         -exp(A_log) softplus(g + dt_bias), exp(A_log) ~ U(1, 16), g ~ N(0, 1)
+#   unbounded_nobias  the same without dt_bias
+#   unbounded_strong  exp(A_log) = 16, g ~ N(4, 3^2): per-step decays around -64 (nothing survives a step)
+#   bounded           lower_bound -5 with safe_gate, exp(A_log) ~ U(1, 16)
+#   bounded_strong    lower_bound -5 with safe_gate, exp(A_log) = 16, g ~ N(4, 3^2): nearly every step at -5
+#   bounded_noalog    lower_bound -3, no A_log
+#   bounded_unsafe    lower_bound -12 without safe_gate (the bounded formula, unbounded kernels)
+#   raw               logsigmoid(N(2, 1))
+#   raw_strong        logsigmoid(N(0, 1)) / 0.1 (fla's gate_logit_normalizer): steps down to ~ -30
+GATES = ("unbounded", "unbounded_nobias", "unbounded_strong", "bounded", "bounded_strong", "bounded_noalog",
+         "bounded_unsafe", "raw", "raw_strong")
+DTYPES = ("bf16", "fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCase:
+    """One chunk_kda call. ``raw_1000``: the fraction of raw gate inputs set to -1000 (fla's varlen
+    tests: with an in-kernel gate that is no decay at all for the unbounded form, full decay for a
+    raw one). ``inputs`` "randn" (zero-mean) or "rand" (fla's tests: q, k, v in [0, 1), correlated
+    signs, so rounding errors add up coherently). ``g_dtype`` "fp32" or the inputs' dtype."""
+
+    name: str
+    B: int = 1
+    T: int = 100
+    H: int = 2
+    HV: int = 2
+    K: int = 64
+    V: int = 64
+    dtype: str = "bf16"
+    gate: str = "unbounded"
+    raw_1000: float = 0.0
+    inputs: str = "randn"
+    g_dtype: str = "fp32"
+    l2norm: bool = True
+    beta_sigmoid: bool = True
+    neg_eig: bool = False
+    h0: bool = False
+    final: bool = True
+    state_v_first: bool = False
+    cu: tuple[int, ...] | None = None
+    scale: float | None = None
+    alog_4d: bool = False
+    seed: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu is not None
+
+    def label(self) -> str:
+        parts = [f"B{self.B} T{self.T}" if self.cu is None else f"cu={list(self.cu)}",
+                 f"H{self.H}" + (f"/HV{self.HV}" if self.HV != self.H else ""), f"K{self.K} V{self.V}",
+                 self.dtype, self.gate]
+        if self.raw_1000:
+            parts.append(f"raw-1000 {self.raw_1000:g}")
+        for flag, text in ((self.inputs == "rand", "rand inputs"), (self.g_dtype != "fp32", f"g {self.g_dtype}"),
+                           (not self.l2norm, "no l2norm"), (not self.beta_sigmoid, "beta given"),
+                           (self.neg_eig, "neg eigval"), (self.h0, "h0"), (not self.final, "no ht"),
+                           (self.state_v_first, "state_v_first"), (self.scale is not None, f"scale {self.scale}"),
+                           (self.alog_4d, "A_log [1,1,HV,1]")):
+            if flag:
+                parts.append(text)
+        return ", ".join(parts)
+
+
+def _random_cu(rng: random.Random, T: int) -> tuple[int, ...]:
+    """Packed documents over T tokens: 2-6 cuts, with an empty and a one-token document now and then."""
+    cuts = sorted(rng.randint(0, T) for _ in range(rng.randint(1, 5)))
+    if rng.random() < 0.5 and T > 2:
+        cuts.append(cuts[rng.randrange(len(cuts))])  # an empty document
+    if rng.random() < 0.5 and T > 3:
+        c = rng.randint(1, T - 1)
+        cuts += [c, c + 1]  # a one-token document
+    return tuple([0] + sorted(cuts) + [T])
+
+
+def _random_cases(n: int, seed: int) -> list[GradCase]:
+    """n random option mixes: every gate form in turn, the rest drawn per case."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        gate = GATES[i % len(GATES)]
+        long = i % 8 == 7
+        T = rng.choice((1024, 2048, 4096)) if long else rng.choice((1, 2, 15, 63, 64, 65)) if i % 5 == 0 \
+            else rng.randint(1, 300)
+        H = rng.choice((1, 2))
+        HV = H * rng.choice((1, 1, 2, 4))
+        K = rng.choice((64, 128))
+        V = rng.choice((64, 128)) if not long else 64
+        varlen = not long and rng.random() < 0.3
+        B = 1 if (varlen or long) else rng.choice((1, 2))
+        raw_1000 = rng.choice((0.0, 0.0, 0.5, 0.9)) if gate in ("unbounded", "raw", "bounded_unsafe") else 0.0
+        beta_sigmoid = rng.random() < 0.8
+        out.append(GradCase(
+            name=f"mix{i:02d}", B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=rng.choice(DTYPES), gate=gate,
+            raw_1000=raw_1000, inputs=rng.choice(("randn", "randn", "rand")),
+            g_dtype="fp32" if gate.startswith("raw") or rng.random() < 0.7 else "same",
+            l2norm=rng.random() < 0.8, beta_sigmoid=beta_sigmoid, neg_eig=beta_sigmoid and rng.random() < 0.2,
+            h0=rng.random() < 0.6, final=rng.random() < 0.8, state_v_first=rng.random() < 0.25,
+            cu=_random_cu(rng, T) if varlen else None, scale=rng.choice((None, None, None, 0.1, 1.0)),
+            alog_4d=rng.random() < 0.3, seed=1000 + i))
+    return out
+
+
+# Hand-picked cases first (what the issue and fla's own tests single out), then the random mixes.
+CASES: tuple[GradCase, ...] = tuple([
+    # fla 0.5.2 test_chunk_varlen[H4-D64-mask_p0.9-cu_seqlens[0, 256, 500, 1000]-fp16-gateTrue]: q
+    # normalised outside, k unit, 90% of the raw gate inputs at -1000, h0, a positive dht
+    GradCase("fla_varlen_mask09", T=1000, H=4, HV=4, K=64, V=64, dtype="fp16", gate="unbounded", raw_1000=0.9,
+             g_dtype="same", l2norm=False, beta_sigmoid=False, h0=True, cu=(0, 256, 500, 1000), alog_4d=True),
+    GradCase("fla_dense_gate", B=2, T=1024, H=2, HV=4, K=64, V=64, dtype="bf16", gate="unbounded", inputs="rand",
+             g_dtype="same", l2norm=True, h0=True, scale=0.1),
+    GradCase("strong_unbounded_T64", T=64, H=1, HV=1, K=128, V=128, gate="unbounded_strong", h0=True),
+    GradCase("strong_unbounded_T300_gva", B=2, T=300, H=1, HV=4, K=64, V=64, gate="unbounded_strong"),
+    GradCase("strong_bounded_T200", T=200, H=2, HV=2, K=128, V=64, gate="bounded_strong", h0=True),
+    GradCase("raw_minus1000_T300", T=300, H=2, HV=2, K=64, V=128, gate="raw", raw_1000=0.5, h0=True),
+    GradCase("varlen_empty_onetoken", T=200, H=2, HV=4, K=128, V=64, gate="unbounded", h0=True,
+             cu=(0, 0, 1, 64, 64, 65, 200)),
+    GradCase("T1_h0", B=2, T=1, H=2, HV=2, K=64, V=64, gate="unbounded", h0=True),
+    GradCase("long_T4096", T=4096, H=1, HV=2, K=128, V=64, gate="unbounded", h0=True),
+    GradCase("long_T2048_bounded_fp16", T=2048, H=2, HV=2, K=64, V=64, dtype="fp16", gate="bounded", h0=True),
+] + _random_cases(56, seed=20261202))
+
+CASE_NAMES = tuple(c.name for c in CASES)
+assert len(set(CASE_NAMES)) == len(CASES)
+
+
+def tolerances(case: GradCase) -> dict:
+    return FLA_VARLEN_TOL if case.varlen else FLA_TOL
+
+
+def bound(case: GradCase, key: str, fla_err: float | None) -> float:
+    """What our rel-RMS must not exceed: fla's tolerance, or 1.25 x fla's own error if larger."""
+    tol = tolerances(case)[key]
+    if fla_err is None or not math.isfinite(fla_err):
+        return tol
+    return max(tol, FLA_FACTOR * fla_err)
+
+
+# ----------------------------------------------------------------------------- inputs and calls
+def make_inputs(case: GradCase, device="cuda"):
+    """(inputs, kw, seeds): the five tensors, chunk_kda's keyword arguments (A_log / dt_bias /
+    initial_state as leaves), and the gradients of o and the final state that seed the backward."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    gen = torch.Generator(device=device).manual_seed(case.seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    def uni(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+
+    B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
+    draw = uni if case.inputs == "rand" else rnd
+    q, k, v = draw(B, T, H, K), draw(B, T, H, K), draw(B, T, HV, V)
+    if not case.l2norm:  # the delta rule wants unit keys; fla's tests normalise outside the kernel
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    beta = rnd(B, T, HV)
+    if not case.beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    kw = dict(use_qk_l2norm_in_kernel=case.l2norm, use_beta_sigmoid_in_kernel=case.beta_sigmoid,
+              allow_neg_eigval=case.neg_eig, state_v_first=case.state_v_first, output_final_state=case.final,
+              scale=case.scale)
+    gate = case.gate
+    A_log = dt_bias = None
+    if gate.startswith("raw"):
+        g = F.logsigmoid(rnd(B, T, HV, K) + 2) if gate == "raw" else F.logsigmoid(rnd(B, T, HV, K)) / 0.1
+        kw["use_gate_in_kernel"] = False
+    else:
+        strong = gate.endswith("_strong")
+        g = 3 * rnd(B, T, HV, K) + 4 if strong else rnd(B, T, HV, K)
+        A_log = torch.full((HV,), math.log(16.0), device=device) if strong else \
+            torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
+        if gate not in ("unbounded_nobias", "unbounded_strong", "bounded_strong"):
+            dt_bias = 0.5 * rnd(HV * K)
+        kw["use_gate_in_kernel"] = True
+        if gate.startswith("bounded"):
+            kw["lower_bound"] = {"bounded_noalog": -3.0, "bounded_unsafe": -12.0}.get(gate, -5.0)
+            kw["safe_gate"] = gate in ("bounded", "bounded_strong")
+            if gate == "bounded_noalog":
+                A_log = None
+        if A_log is not None:
+            kw["A_log"] = A_log.reshape(1, 1, HV, 1) if case.alog_4d else A_log
+        if dt_bias is not None:
+            kw["dt_bias"] = dt_bias
+    if case.raw_1000:
+        g = torch.where(uni(*g.shape) < case.raw_1000, torch.full_like(g, -1000.0), g)
+    if case.cu is not None:
+        kw["cu_seqlens"] = torch.tensor(case.cu, dtype=torch.int32, device=device)
+        kw["cu_seqlens_cpu"] = torch.tensor(case.cu, dtype=torch.int32)
+    N = B if case.cu is None else len(case.cu) - 1
+    state = (N, HV, V, K) if case.state_v_first else (N, HV, K, V)
+    if case.h0:
+        kw["initial_state"] = 0.1 * rnd(*state)
+    seeds = dict(o=rnd(B, T, HV, V).to(dt), ht=rnd(*state) if case.final else None)
+    g = g.to(torch.float32 if case.g_dtype == "fp32" else dt)
+    inputs = (q.to(dt), k.to(dt), v.to(dt), g, beta.to(dt))
+    return inputs, kw, seeds
+
+
+_LEAF_GRAD = {"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}
+
+
+def outputs_and_grads(fn, inputs, kw, seeds, cast=None):
+    """o, ht and every gradient of <o, seeds.o> + <ht, seeds.ht> through fn (chunk_kda's
+    signature). ``cast`` converts every floating input first (fp64 for the reference)."""
+    import torch
+
+    conv = (lambda t: t) if cast is None else cast
+    leaves = [conv(x).detach().clone().requires_grad_(True) for x in inputs]
+    call = dict(kw)
+    extra = {}
+    for n in _LEAF_GRAD:
+        if call.get(n) is not None:
+            call[n] = extra[n] = conv(call[n]).detach().clone().requires_grad_(True)
+    o, ht = fn(*leaves, **call)
+    loss = (o * seeds["o"].to(o.dtype)).sum()
+    if seeds["ht"] is not None:
+        loss = loss + (ht * seeds["ht"].to(ht.dtype)).sum()
+    grads = torch.autograd.grad(loss, leaves + list(extra.values()), allow_unused=True)
+    out = dict(zip(("dq", "dk", "dv", "dg", "dbeta"), grads[:5]))
+    out.update({_LEAF_GRAD[n]: gr for n, gr in zip(extra, grads[5:])})
+    out["o"], out["ht"] = o.detach(), (ht.detach() if ht is not None else None)
+    return out
+
+
+def reference(inputs, kw, seeds):
+    """Autograd through the fp64 token-by-token recurrence."""
+    import torch
+
+    from kernel_fun.ref.kda import naive_recurrent_kda
+
+    rk = {n: x for n, x in kw.items() if n not in ("safe_gate", "cu_seqlens_cpu")}
+    rk["output_final_state"] = seeds["ht"] is not None or kw.get("output_final_state", False)
+
+    def fn(q, k, v, g, beta, **call):
+        return naive_recurrent_kda(q, k, v, g, beta, **call)
+
+    return outputs_and_grads(fn, inputs, rk, seeds, cast=lambda t: t.double() if t.is_floating_point() else t)
+
+
+def ours(inputs, kw, seeds):
+    """Through kernel_fun.kda.chunk_kda in strict mode, with our forward and backward ops counted."""
+    import kernel_fun
+    from kernel_fun.check import count_kernel_ops, require_ran
+    from kernel_fun.kda import chunk_kda
+
+    with kernel_fun.strict(), count_kernel_ops() as counts:
+        out = outputs_and_grads(chunk_kda, inputs, kw, seeds)
+    require_ran(counts, ("kda_fwd", "kda_bwd"))
+    return out
+
+
+def fla(inputs, kw, seeds):
+    from fla.ops.kda import chunk_kda
+
+    return outputs_and_grads(chunk_kda, inputs, kw, seeds)
+
+
+def errors(ref: dict, got: dict) -> dict:
+    """rel-RMS of every output and gradient the reference has (kernel_fun.check.rel_rms)."""
+    from kernel_fun.check import rel_rms
+
+    out = {}
+    for key in OUTPUTS + GRADS:
+        r = ref.get(key)
+        if r is None:
+            continue
+        g = got.get(key)
+        out[key] = float("inf") if g is None or g.shape != r.shape else rel_rms(r, g)
+    return out
+
+
+def _short(e: BaseException) -> str:
+    s = f"{type(e).__name__}: {e}".strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:300]
+
+
+def run_case(case: GradCase, impls=("ours", "fla")) -> dict:
+    """One row: the case's options, and per implementation its errors (or why it did not run)."""
+    import torch
+
+    inputs, kw, seeds = make_inputs(case)
+    t0 = time.time()
+    ref = reference(inputs, kw, seeds)
+    row = {"case": case.name, "label": case.label(), "options": dataclasses.asdict(case), "varlen": case.varlen,
+           "tol": {k: tolerances(case)[k] for k in OUTPUTS + GRADS if ref.get(k) is not None}}
+    for impl in impls:
+        fn = {"ours": ours, "fla": fla}[impl]
+        try:
+            got = fn(inputs, kw, seeds)
+            torch.cuda.synchronize()
+            row[impl] = errors(ref, got)
+        except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
+            row[impl] = None
+            row[impl + "_why"] = _short(e)
+    row["seconds"] = round(time.time() - t0, 2)
+    return row
+
+
+def check_row(row: dict) -> list[str]:
+    """The gradients (and outputs) of a row where ours is over its bound; [] when all hold."""
+    case = next(c for c in CASES if c.name == row["case"])
+    bad = []
+    mine = row.get("ours")
+    if mine is None:
+        return [f"ours did not run: {row.get('ours_why')}"]
+    theirs = row.get("fla") or {}
+    for key, err in mine.items():
+        b = bound(case, key, theirs.get(key))
+        if not err <= b:
+            bad.append(f"{key} {err:.2e} > {b:.2e}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _worker(args):
+    names, impls, device_index = args
+    import torch
+
+    torch.cuda.set_device(device_index)
+    by_name = {c.name: c for c in CASES}
+    return [run_case(by_name[n], impls) for n in names]
+
+
+def _table(rows: list[dict], impls) -> str:
+    lines = []
+    keys = OUTPUTS + GRADS
+    lines.append("| case | impl | " + " | ".join(keys) + " | over bound |")
+    lines.append("|---|---|" + "---:|" * len(keys) + "---|")
+    for r in rows:
+        for impl in impls:
+            e = r.get(impl)
+            cells = [("-" if e is None or k not in e else f"{e[k]:.1e}") for k in keys]
+            over = ", ".join(check_row(r)) if impl == "ours" else ""
+            why = r.get(impl + "_why") or ""
+            lines.append(f"| {r['case']} | {impl} | " + " | ".join(cells) + f" | {over or why} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict], impls) -> dict:
+    """The worst rel-RMS per gradient over all rows, per implementation, and the rows over bound."""
+    worst = {}
+    for impl in impls:
+        w = {}
+        for r in rows:
+            for k, e in (r.get(impl) or {}).items():
+                if k not in w or e > w[k][0]:
+                    w[k] = (e, r["case"])
+        worst[impl] = {k: {"rel_rms": v[0], "case": v[1]} for k, v in w.items()}
+    over = {r["case"]: check_row(r) for r in rows if check_row(r)}
+    return {"worst": worst, "over_bound": over}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernel_fun.bench.accuracy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results", help="folder for <gpu>-grad-accuracy.json")
+    ap.add_argument("--no-fla", action="store_true", help="ours only (fla's columns stay null)")
+    ap.add_argument("--case", action="append", help="a case name (repeatable); default: all")
+    ap.add_argument("--workers", type=int, default=1, help="processes on the GPU (default 1)")
+    ap.add_argument("--label", default="", help="written into the JSON (e.g. the commit measured)")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
+    a = ap.parse_args(argv)
+    names = a.case or list(CASE_NAMES)
+    unknown = sorted(set(names) - set(CASE_NAMES))
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}")
+    if a.list:
+        for c in CASES:
+            if c.name in names:
+                print(f"{c.name}: {c.label()}")
+        return 0
+    import torch
+
+    from kernel_fun.bench.report import gpu_slug
+
+    impls = ("ours",) if a.no_fla else ("ours", "fla")
+    t0 = time.time()
+    if a.workers > 1:
+        import multiprocessing as mp
+
+        # longest cases first, dealt round-robin, so no worker ends up with all the long ones
+        order = sorted(names, key=lambda n: -next(c.T for c in CASES if c.name == n))
+        parts = [order[i::a.workers] for i in range(a.workers)]
+        with mp.get_context("spawn").Pool(a.workers) as pool:
+            got = pool.map(_worker, [(p, impls, 0) for p in parts])
+        by_name = {r["case"]: r for part in got for r in part}
+        rows = [by_name[n] for n in names]
+    else:
+        rows = []
+        for i, n in enumerate(names):
+            rows.append(run_case(next(c for c in CASES if c.name == n), impls))
+            print(f"[{i + 1}/{len(names)}] {n} ({rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
+    from kernel_fun import versions
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "versions": versions(),
+            "label": a.label, "seconds": round(time.time() - t0, 1), "impls": list(impls),
+            "bound": f"max(fla's tolerance, {FLA_FACTOR} x fla's own error on the same inputs)",
+            "reference": "autograd through kernel_fun.ref.kda.naive_recurrent_kda in fp64"}
+    doc = {"meta": meta, "summary": summary(rows, impls), "rows": rows}
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"{gpu_slug(meta['device'])}-grad-accuracy.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(_table(rows, impls))
+    over = doc["summary"]["over_bound"]
+    print(f"\n{len(rows)} cases, {len(over)} with a gradient over its bound; wrote {path} "
+          f"({meta['seconds']} s)")
+    for impl, w in doc["summary"]["worst"].items():
+        print(f"worst {impl}: " + ", ".join(f"{k} {v['rel_rms']:.2e} ({v['case']})" for k, v in w.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

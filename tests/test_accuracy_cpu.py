@@ -1,0 +1,95 @@
+"""kernel_fun.bench.accuracy without a GPU: the option matrix covers what it must, the bound is
+max(fla's tolerance, 1.25 x fla's error), inputs are reproducible, and the committed
+bench/results/h200-grad-accuracy.json holds one row per case of this matrix with its options."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_fun.bench import accuracy as acc
+
+_RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "h200-grad-accuracy.json"
+
+
+def test_matrix_covers_the_option_space():
+    cases = acc.CASES
+    assert len(cases) >= 60
+    assert {c.gate for c in cases} == set(acc.GATES)
+    assert {c.dtype for c in cases} == {"bf16", "fp16"}
+    assert any(c.gate.startswith("unbounded") and c.raw_1000 for c in cases)  # raw inputs at -1000, gate in kernel
+    assert any(c.gate.startswith("raw") and c.raw_1000 for c in cases)        # log-decays of -1000
+    assert any(c.gate == "unbounded_strong" for c in cases)                   # exp(A_log) = 16, strong decays
+    short = [c for c in cases if c.T <= 300]
+    assert {1, 2, 64}.issubset({c.T for c in short}) and len(short) >= 40
+    assert sum(c.T >= 1024 for c in cases) >= 5
+    docs = [c.cu for c in cases if c.cu is not None]
+    assert any(any(b == a for a, b in zip(cu, cu[1:])) for cu in docs)        # an empty document
+    assert any(any(b - a == 1 for a, b in zip(cu, cu[1:])) for cu in docs)    # a one-token document
+    assert any(c.HV > c.H for c in cases) and any(c.HV == c.H for c in cases)
+    for flag in ("h0", "final", "l2norm", "beta_sigmoid", "neg_eig", "state_v_first", "alog_4d"):
+        assert {getattr(c, flag) for c in cases} == {False, True}, flag
+    assert all(c.beta_sigmoid for c in cases if c.neg_eig)  # fla's rule
+    assert {c.inputs for c in cases} == {"randn", "rand"}
+
+
+def test_bound_is_fla_tolerance_or_its_error_with_margin():
+    dense = next(c for c in acc.CASES if not c.varlen)
+    varlen = next(c for c in acc.CASES if c.varlen)
+    assert acc.bound(dense, "ddt_bias", None) == 0.008
+    assert acc.bound(varlen, "ddt_bias", None) == 0.005
+    assert acc.bound(dense, "dA_log", 0.001) == 0.003          # fla's tolerance when fla is better
+    assert acc.bound(dense, "dA_log", 0.02) == pytest.approx(0.025)
+    assert acc.bound(dense, "dq", float("nan")) == 0.008       # no usable fla error: the tolerance
+
+
+def test_inputs_are_reproducible_and_follow_the_options():
+    case = next(c for c in acc.CASES if c.name == "fla_varlen_mask09")
+    a, kw, seeds = acc.make_inputs(case, device="cpu")
+    b, _, _ = acc.make_inputs(case, device="cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    q, k, v, g, beta = a
+    assert q.dtype == torch.float16 and g.dtype == torch.float16
+    assert 0.85 < (g == -1000).float().mean().item() < 0.95
+    assert kw["A_log"].shape == (1, 1, 4, 1) and kw["cu_seqlens"].tolist() == [0, 256, 500, 1000]
+    assert kw["initial_state"].shape == (3, 4, 64, 64) and seeds["ht"].shape == (3, 4, 64, 64)
+    strong = next(c for c in acc.CASES if c.gate == "bounded_strong")
+    _, kw, _ = acc.make_inputs(strong, device="cpu")
+    assert kw["lower_bound"] == -5.0 and kw["safe_gate"] and "dt_bias" not in kw
+
+
+def test_reference_gradients_are_the_cpu_chunk_kda_ones():
+    """The fp64 recurrence through autograd against the front's CPU path (the chunked torch
+    reference, also fp64 here): two independent formulations, one small case."""
+    case = acc.GradCase("tiny", B=1, T=20, H=1, HV=2, K=16, V=16, gate="unbounded", h0=True, cu=(0, 7, 7, 20))
+    inputs, kw, seeds = acc.make_inputs(case, device="cpu")
+    ref = acc.reference(inputs, kw, seeds)
+    from kernel_fun.kda import chunk_kda
+    # fp64 everywhere but the initial state, which chunk_kda takes in fp32 only (as fla asserts)
+    wide = {n: (t.double() if n in ("A_log", "dt_bias") else t) for n, t in kw.items()}
+    got = acc.outputs_and_grads(chunk_kda, [x.double() for x in inputs], wide, seeds)
+    errs = acc.errors(ref, got)
+    assert max(errs.values()) < 1e-8, errs
+
+
+@pytest.mark.skipif(not _RESULTS.exists(), reason="no committed grad-accuracy results yet")
+def test_committed_results_match_this_matrix():
+    doc = json.loads(_RESULTS.read_text())
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert set(rows) == set(acc.CASE_NAMES)
+    for c in acc.CASES:
+        assert rows[c.name]["options"] == json.loads(json.dumps(dataclasses.asdict(c))), c.name
+        assert rows[c.name]["ours"] is not None, c.name
+        assert not acc.check_row(rows[c.name]), (c.name, acc.check_row(rows[c.name]))
+        if rows[c.name].get("fla") is None:
+            assert rows[c.name].get("fla_why"), f"{c.name}: fla's row is null without a reason"
+
+
+def test_list_needs_no_gpu(capsys):
+    assert acc.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == len(acc.CASES) and "fla_varlen_mask09" in out
