@@ -37,7 +37,7 @@ To build the kernels, install with the build requirements and without build isol
 kernels compile against the installed torch, which an isolated build cannot see):
     pip install -r requirements-build.txt && pip install --no-build-isolation .
 (add -e for an editable install; from PyPI: install torch for your CUDA major, nvidia-cutlass
-and ninja first, then `pip install --no-build-isolation kernel-fun`).
+and ninja first, then `pip install --no-build-isolation kernel-fun-hopper`).
 To install without the GPU kernels on purpose, set KERNEL_FUN_SKIP_CUDA=1."""
 
 

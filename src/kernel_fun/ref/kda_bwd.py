@@ -1,7 +1,7 @@
 """An explicit, stage-by-stage fp64 reference of the KDA backward (no autograd inside).
 
 ``chunk_kda_bwd_reference`` computes every gradient of ``chunk_kda`` by the same decomposition the
-CUDA kernels use (docs/kda-backward.md has the stage table), so each backward kernel can be tested
+CUDA kernels use (docs/kda.md has the stage table), so each backward kernel can be tested
 on its own against the stage it implements; tests/test_ref_kda_bwd.py checks the whole against
 torch autograd through ``chunk_kda_reference``.
 
@@ -159,7 +159,7 @@ def kda_bwd_core(q, k, v, gate, beta, scale, h0, do, dht, BT=64):
 
 
 def _gate_bwd(graw, dgate, A_log, dt_bias, lower_bound):
-    """d(gate)/d(raw g, A_log, dt_bias) for the in-kernel gate (fla-contract.md)."""
+    """d(gate)/d(raw g, A_log, dt_bias) for the in-kernel gate (docs/contract.md, "The gate")."""
     HV, K = graw.shape[-2], graw.shape[-1]
     cd = dgate.dtype
     x = graw.to(cd)
