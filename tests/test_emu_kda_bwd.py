@@ -57,7 +57,7 @@ CASES = {
     "varlen-int64-bounded": dict(T=200, K=128, V=128, cu=[0, 63, 63, 200], cu_dtype=torch.int64, gate="bounded"),
 }
 # dA_log sums dgate * gate over every token and dimension of a head: the terms cancel, so its relative
-# error is a few times that of dg. fla checks it at 0.003 as a warning only (fla-contract.md); we
+# error is a few times that of dg. fla checks it at 0.003 as a warning only (docs/contract.md); we
 # assert 0.02, the tolerance of the dg it is built from.
 DA_LOG_TOL = 0.02
 

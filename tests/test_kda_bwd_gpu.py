@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 # dA_log sums dgate * gate over every token and dimension of a head: the terms cancel, so its
 # relative error is a multiple of dg's (measured on the H200: up to 2.7e-2 with the bounded gate and
-# 6.7e-2 at exp(A_log) = 16). fla checks dA only as a warning, at 0.003 (fla-contract.md); this
+# 6.7e-2 at exp(A_log) = 16). fla checks dA only as a warning, at 0.003 (docs/contract.md); this
 # bound catches a broken reduction, and test_gradient_parity_with_fla holds ours to fla's own error.
 DA_LOG_TOL = 0.1
 STAGE_TOL = 0.01

@@ -18,7 +18,7 @@ namespace kernel_fun::kda {
 
 constexpr int kChunk = 64;  // BT: tokens per chunk (fla's default chunk_size)
 
-// How the per-step log-decay is obtained from g (fla-contract.md, "Gate").
+// How the per-step log-decay is obtained from g (docs/contract.md, "The gate").
 enum class GateMode : int {
   kPrecomputed = 0,      // g is already the natural-log gate (<= 0)
   kUnbounded = 1,        // -exp(A_log[h]) * softplus(g + dt_bias[h, :])

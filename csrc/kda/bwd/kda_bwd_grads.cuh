@@ -41,7 +41,7 @@
 // instruction count (readelf on an nvcc -cubin, docs/gpu-workflow.md) when adding code here: about 8.3k
 // instructions at bf16 / K = 128.
 //
-// THE NUMERICS LAW (kernel-fun-ALGORITHM.md): every exp2 argument is a difference g2[r] - g2[s]
+// THE NUMERICS RULES (docs/numerics.md): every exp2 argument is a difference g2[r] - g2[s]
 // with r >= s, built from the block-local cumsums and block totals (device/gate.cuh) as a sum of
 // terms <= 0; masks are selects; dA, dL, dg, h dh and every accumulator are fp32.
 #pragma once

@@ -22,9 +22,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Whether the decays inside one 16-row block may be factorised through a row m of the block,
 // exp2(g_r - g_s) = exp2(g_r - g_m) exp2(g_m - g_s), with one factor of the pair > 1: only for the
 // bounded gate lower_bound * sigmoid(..) with lower_bound >= -5 (fla's safe_gate range,
-// fla-contract.md). Every per-step log2 decay then lies in (-5 / ln2, 0], so a factor over at most
+// docs/contract.md). Every per-step log2 decay then lies in (-5 / ln2, 0], so a factor over at most
 // 8 steps stays within 2^+-57.7, far inside fp32's (and tf32's) exponent range. Every other gate
-// is unbounded per step (exp(A_log) = 16, steps at -1000): THE NUMERICS LAW, one-sided only.
+// is unbounded per step (exp(A_log) = 16, steps at -1000): one-sided only (docs/numerics.md).
 __host__ __device__ inline bool block_midpoint_ok(const KdaOptions& o) {
   return (o.gate_mode == GateMode::kBounded || o.gate_mode == GateMode::kBoundedNoALog) && o.lower_bound >= -5.f &&
          o.lower_bound < 0.f;

@@ -23,7 +23,7 @@
 // In the backward (p.M set) the same kernel also stores M = (I + L)^-1 beside Akk.
 //
 // P2 split (every decay factor is exp2 of a difference <= 0, a decay between j and i, never exp2
-// of a positive number: THE NUMERICS LAW of kernel-fun-ALGORITHM.md holds at any gate magnitude;
+// of a positive number: rule 1 of docs/numerics.md holds at any gate magnitude;
 // underflow to 0 is the correct limit):
 //   * warps 0-1: the 16 4x4 tiles ON the diagonal in SIMT with telescoping products,
 //     exp2(g_i - g_j) = prod_{t=j+1..i} a_t, a_t = exp2(g_t - g_{t-1}) <= 1;
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
     // o..o+7 through the boundary e = o+7; tile (blk, 1) the two 4x4 tiles rows o+4.., columns
     // o.. (e = o+3) and rows o+12.., columns o+8.. (e = o+11), whose cross products are formed
     // and discarded (finite: every factor is <= 1). Factors exp2(g_i - g_e) (i > e) and
-    // exp2(g_e - g_j) (e >= j): the law holds. 8 tiles: warp 4 takes [0,1), 5 [1,3), 6 [3,6), 7 [6,8).
+    // exp2(g_e - g_j) (e >= j): one-sided (docs/numerics.md). 8 tiles: warp 4 takes [0,1), 5 [1,3), 6 [3,6), 7 [6,8).
     const int w4 = warp - 4;
     const int t_begin = w4 <= 0 ? 0 : (w4 == 1 ? 1 : (w4 == 2 ? 3 : 6));
     const int t_end = w4 <= 0 ? (warp == 4 ? 1 : 0) : (w4 == 1 ? 3 : (w4 == 2 ? 6 : 8));

@@ -34,7 +34,7 @@ class KdaOptions:
                   use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: float | None,
                   A_log, state_v_first: bool, chunk_size: int) -> KdaOptions:
         """chunk_kda's arguments (already validated) -> options. The gate formula is chosen by
-        lower_bound (fla-contract.md), not by safe_gate."""
+        lower_bound (docs/contract.md, "The gate"), not by safe_gate."""
         if not use_gate_in_kernel:
             gate = "precomputed"
         elif lower_bound is None:
