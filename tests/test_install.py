@@ -105,7 +105,7 @@ def test_toolkit_with_torch_and_cutlass_builds_the_extension(toolkit, setup_py):
 @pytest.mark.parametrize("torch_present", [True, False])
 def test_no_toolkit_builds_kernel_less_and_says_so(no_toolkit, monkeypatch, torch_present):
     if not torch_present:
-        _hide(monkeypatch, "torch")  # `pip install kernel-fun` on a CPU box: still installs
+        _hide(monkeypatch, "torch")  # `pip install kernel-fun-hopper` on a CPU box: still installs
     reason = no_toolkit.kernel_less_reason()
     assert reason and "no CUDA toolkit (nvcc)" in reason
 
