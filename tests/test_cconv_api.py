@@ -64,10 +64,74 @@ def test_cpu_update_is_in_place():
 
 def test_cpu_cannot_take_fla_only_arguments():
     x, w = _inputs()
-    with pytest.raises(RuntimeError, match="cp_context"):
+    with pytest.raises(RuntimeError, match="cp_context is not supported on CPU"):
         cc.causal_conv1d(x, w, cp_context=object())
-    with pytest.raises(RuntimeError, match="brand_new"):
-        cc.causal_conv1d(x, w, brand_new=True)
+    # seq_idx is read by fla's cuda and mix backends only
+    seq_idx = torch.zeros(2, 12, dtype=torch.int32)
+    for backend in ("cuda", "mix"):
+        with pytest.raises(RuntimeError, match=f"seq_idx with backend='{backend}' is not supported on CPU"):
+            cc.causal_conv1d(x, w, backend=backend, seq_idx=seq_idx)
+
+
+def test_seq_idx_is_ignored_with_triton_as_fla_does():
+    """fla 0.5.2 / 0.6.0 read seq_idx (their one **kwargs keyword) for the mix / cuda backends only;
+    with 'triton' they ignore it, and so does the reference."""
+    x, w = _inputs()
+    y, _ = cc.causal_conv1d(x, w, activation="silu")
+    y_idx, _ = cc.causal_conv1d(x, w, activation="silu", seq_idx=torch.zeros(2, 12, dtype=torch.int32))
+    assert torch.equal(y, y_idx)
+    assert cc.causal_conv1d(x, w, backend="cuda", seq_idx=None)[0].shape == x.shape
+
+
+MISSPELT = dict(activaton="silu")  # fla's **kwargs would swallow it: a result without the activation
+
+
+def _assert_names_the_keyword(call):
+    with pytest.raises(TypeError, match=r"causal_conv1d\(\) got unexpected keyword argument\(s\): 'activaton'"):
+        call()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("disabled", [False, True], ids=["ours", "fla_route"])
+def test_misspelt_keyword_is_a_type_error_on_every_path(device, disabled, monkeypatch):
+    """CPU (the reference), meta (the non-CPU path: our ops' fakes or fla) and the fla route
+    (KERNEL_FUN_CCONV_DISABLE=1): a TypeError naming the keyword, before any routing."""
+    from kernel_fun import _dispatch
+
+    monkeypatch.setattr(_dispatch, "fla_function", lambda m, n: pytest.fail("reached fla"))
+    if disabled:
+        monkeypatch.setenv("KERNEL_FUN_CCONV_DISABLE", "1")
+    x, w = (t.to(device) for t in _inputs())
+    _assert_names_the_keyword(lambda: cc.causal_conv1d(x, w, **MISSPELT))
+    ok, why = cc.is_supported(x, w, **MISSPELT)
+    assert not ok and why.startswith("invalid:") and "'activaton'" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["ours", "disabled", "backend_cuda"])
+def test_misspelt_keyword_is_a_type_error_on_cuda(route, monkeypatch):
+    from kernel_fun import _dispatch
+
+    monkeypatch.setattr(_dispatch, "fla_function", lambda m, n: pytest.fail("reached fla"))
+    if route == "disabled":
+        monkeypatch.setenv("KERNEL_FUN_CCONV_DISABLE", "1")
+    x, w = (t.cuda().bfloat16() for t in _inputs())
+    backend = "cuda" if route == "backend_cuda" else "triton"
+    _assert_names_the_keyword(lambda: cc.causal_conv1d(x, w, backend=backend, **MISSPELT))
+
+
+@pytest.mark.gpu
+@pytest.mark.fla
+def test_seq_idx_reaches_fla_with_its_cuda_backends():
+    """seq_idx is legitimate: with backend='cuda' the call goes to fla with it (no TypeError)."""
+    pytest.importorskip("causal_conv1d", reason="fla's cuda backend needs the causal-conv1d package")
+    from helpers import rel_rms
+
+    x, w = (t.cuda().bfloat16() for t in _inputs(B=1))
+    seq_idx = torch.zeros(1, 12, dtype=torch.int32, device="cuda")  # one sequence: the dense result
+    y, _ = cc.causal_conv1d(x, w, activation="silu", backend="cuda", seq_idx=seq_idx)
+    y_ref, _ = cc.causal_conv1d(x, w, activation="silu")
+    assert rel_rms(y_ref.float(), y.float()) < 1e-2
 
 
 # ------------------------------------------------------------------ is_supported reasons
@@ -77,7 +141,9 @@ def test_is_supported_reasons(monkeypatch):
     ok, why = cc.is_supported(x, w, activation="silu")
     assert not ok and "cpu" in why
     ok, why = cc.is_supported(x, w, fancy_flag=1)
-    assert not ok and "unrecognized argument fancy_flag" in why and "fla may have grown a flag" in why
+    assert not ok and why.startswith("invalid:") and "unexpected keyword argument(s): 'fancy_flag'" in why
+    ok, why = cc.is_supported(x, w, seq_idx=None)
+    assert not ok and "cpu" in why  # a keyword fla reads: valid
     ok, why = cc.is_supported(x, w, cp_context=object())
     assert not ok and "cp_context" in why
     ok, why = cc.is_supported(x, w, backend="cuda")

@@ -56,18 +56,15 @@ def _once(key: tuple[str, str]) -> bool:
         return True
 
 
-def common_reason(family: str, kwargs: dict, known: frozenset, cp_context) -> str | None:
+def common_reason(family: str, cp_context) -> str | None:
     """The routing reasons every family shares, in order: the environment switches off the
-    family, a keyword argument we do not know (fla may have grown a flag), context parallelism
-    (fla's). None when none applies."""
+    family, context parallelism (fla's). None when none applies. (An unknown keyword is no
+    reason to route: each front raises TypeError for it first, on every path.)"""
     from kernel_fun import _env
 
     off = _env.family_disabled(family)
     if off:
         return f"disabled by {off}"
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        return f"unrecognized argument {', '.join(unknown)} (fla may have grown a flag)"
     if cp_context is not None:
         return "cp_context (context parallelism) is fla's"
     return None

@@ -11,8 +11,9 @@ documents packed along T never mix. Sums are fp32; results are bitwise reproduci
 Routing, per call (``causal_conv1d`` takes fla 0.5.2's exact arguments):
 
 1. Invalid input (wrong shapes, dtypes, devices, W outside 1..4, bad cu_seqlens when
-   cu_seqlens_cpu is given, B != 1 with cu_seqlens) raises ``ValueError``/``TypeError`` naming the
-   argument. The checks live in C++ (``torch.ops.kernel_fun.cconv_support``).
+   cu_seqlens_cpu is given, B != 1 with cu_seqlens, a keyword fla does not read) raises
+   ``ValueError``/``TypeError`` naming the argument, on every path. The checks live in C++
+   (``torch.ops.kernel_fun.cconv_support``, for tensors on any device), the keyword check in Python.
 2. CPU tensors run the torch reference (``kernel_fun.ref.cconv``), forward and backward by autograd.
 3. CUDA tensors run our kernels when the call is supported (``is_supported``), else fla with the
    caller's original arguments (reason logged once at WARNING), else a clear RuntimeError.
@@ -43,8 +44,11 @@ FAMILY = "cconv"
 # fla 0.6.0 moved the convolution to fla.modules.causal_conv1d (the old names stay as aliases there);
 # fla 0.5.2 has fla.modules.convolution. Fallbacks try them in this order.
 _FLA_MODULE = ("fla.modules.causal_conv1d", "fla.modules.convolution", "fla.modules.conv")
-# fla's triton backend reads nothing from **kwargs; any keyword is a flag we do not know.
-_KNOWN_KWARGS: frozenset[str] = frozenset()
+# Keywords fla's causal_conv1d reads from **kwargs (0.5.2 and 0.6.0): only seq_idx, by its 'mix' and
+# 'cuda' backends ('triton' ignores it, and so do our kernels and the CPU reference there). Any other
+# keyword is a TypeError naming it, on every path, as Python raises for a misspelt parameter: fla's
+# **kwargs would swallow a typo such as activaton="silu" and return the result without activation.
+_KNOWN_KWARGS = frozenset({"seq_idx"})
 _BACKENDS = ("triton", "cuda", "mix")
 _ACT_CODE = {None: 0, "silu": 1, "swish": 1}
 
@@ -55,6 +59,13 @@ class _Unsupported(Exception):
 
 def _fail(fn: str, exc, msg: str):
     raise exc(f"kernel_fun.cconv.{fn}: {msg}")
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        raise TypeError(f"kernel_fun.cconv.causal_conv1d() got unexpected keyword argument(s): "
+                        f"{', '.join(repr(u) for u in unknown)}")
 
 
 def _check_types(fn: str, tensors: dict, activation) -> None:
@@ -130,10 +141,10 @@ def _plan(meta: tuple) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _routing_const(kw_names: tuple, has_cp: bool, backend, device: str) -> str | None:
-    """The environment switches, unknown keywords, cp_context, backend and device, as one
-    trace-time constant under torch.compile (the environment is read when a graph is traced)."""
-    why = _dispatch.common_reason(FAMILY, dict.fromkeys(kw_names), _KNOWN_KWARGS, True if has_cp else None)
+def _routing_const(has_cp: bool, backend, device: str) -> str | None:
+    """The environment switches, cp_context, backend and device, as one trace-time constant under
+    torch.compile (the environment is read when a graph is traced)."""
+    why = _dispatch.common_reason(FAMILY, True if has_cp else None)
     if why:
         return why
     if backend != "triton":
@@ -143,9 +154,9 @@ def _routing_const(kw_names: tuple, has_cp: bool, backend, device: str) -> str |
     return None
 
 
-def _routing_reason(x, backend, cp_context, kwargs) -> str | None:
+def _routing_reason(x, backend, cp_context) -> str | None:
     """Why our CUDA kernels cannot serve this valid call for reasons of routing (None if none)."""
-    return _routing_const(tuple(sorted(kwargs)), cp_context is not None, backend, str(x.device))
+    return _routing_const(cp_context is not None, backend, str(x.device))
 
 
 def _prepare(x, weight, bias, residual, initial_state, output_final_state, activation, backend,
@@ -174,11 +185,12 @@ def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, o
     """(True, None) when ``causal_conv1d`` with these arguments runs our CUDA kernels, else
     (False, reason). Never raises: invalid input comes back as (False, 'invalid: ...')."""
     try:
+        _check_kwargs(kwargs)
         _, _, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
                              backend, cu_seqlens, cu_seqlens_cpu)
     except (TypeError, ValueError) as e:
         return False, f"invalid: {e}"
-    why = _routing_reason(x, backend, cp_context, kwargs) or why
+    why = _routing_reason(x, backend, cp_context) or why
     return (why is None), why
 
 
@@ -221,16 +233,22 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
                   chunk_indices=None, cp_context=None, **kwargs):
     """fla's ``causal_conv1d`` (same arguments, same results); returns (y, final_state or None).
     ``chunk_indices`` is accepted and not needed (our kernels find sequences themselves);
-    ``cu_seqlens_cpu``, when given, is validated on the host, so no device sync ever happens."""
+    ``cu_seqlens_cpu``, when given, is validated on the host, so no device sync ever happens.
+    ``seq_idx`` (a keyword fla reads for its 'mix' and 'cuda' backends) goes to fla with those
+    backends and is ignored with 'triton', as fla ignores it."""
+    _check_kwargs(kwargs)
     xf, rf, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
                            backend, cu_seqlens, cu_seqlens_cpu)
     # Meta tensors (shape inference) take our ops' fakes when the extension is there, exactly the
     # GPU path's output shapes; else the reference, which also runs on meta (dense input).
     if x.device.type == "cpu" or (x.device.type == "meta" and not _ext.available()):
-        # The reference computes any valid call (float64 too); it cannot guess unknown flags.
-        if cp_context is not None or kwargs:
-            extra = "cp_context" if cp_context is not None else f"argument(s) {', '.join(sorted(kwargs))}"
-            raise RuntimeError(f"kernel_fun.cconv.causal_conv1d: {extra} not supported on CPU "
+        # The reference computes any valid call (float64 too) as fla's triton backend does; what
+        # only fla's context parallelism or its other backends read, it cannot.
+        extra = ("cp_context" if cp_context is not None else
+                 f"seq_idx with backend={backend!r}" if kwargs.get("seq_idx") is not None and backend != "triton"
+                 else None)
+        if extra:
+            raise RuntimeError(f"kernel_fun.cconv.causal_conv1d: {extra} is not supported on CPU "
                                f"(the torch reference serves CPU tensors; fla is CUDA-only)")
         if weight is None:
             _fail("causal_conv1d", ValueError, "weight is required on CPU (fla has no weight-free path)")
@@ -239,7 +257,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
         y, ht = causal_conv1d_ref(xf, weight, bias, rf, initial_state, output_final_state, activation,
                                   cu_seqlens)
         return y.view(x.shape), ht
-    why = _routing_reason(x, backend, cp_context, kwargs) or why
+    why = _routing_reason(x, backend, cp_context) or why
     if why is not None:
         return _dispatch.fallback(
             FAMILY, why, _FLA_MODULE, "causal_conv1d", (x,),
@@ -280,7 +298,7 @@ def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activa
         with torch.no_grad():
             cache.copy_(new_cache)
         return y.view(x.shape), cache
-    why = why or _dispatch.common_reason(FAMILY, {}, _KNOWN_KWARGS, None)
+    why = why or _dispatch.common_reason(FAMILY, None)
     if why is not None:
         return _dispatch.fallback(FAMILY, why, _FLA_MODULE, "causal_conv1d_update", (x, cache),
                                   dict(residual=residual, weight=weight, bias=bias, activation=activation))

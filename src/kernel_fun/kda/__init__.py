@@ -182,13 +182,13 @@ def _needs_grad(*tensors) -> bool:
 def _call_meta(q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context,
                kwargs) -> tuple:
-    """Everything but the sizes that the routing decision depends on (dtypes, flags, keyword
-    names), as Python constants, so that ``_plan`` runs once at trace time under torch.compile
+    """Everything but the sizes that the routing decision of a valid call depends on (dtypes,
+    flags), as Python constants, so that ``_plan`` runs once at trace time under torch.compile
     (assume_constant_result). Sizes stay out: under torch.compile they may be symbolic (a new
     document count, batch or length must neither recompile nor break the graph), so
     ``_size_reason`` checks them with plain comparisons, which are guards."""
     return (q.dtype, v.dtype, g.dtype, beta.dtype, None if cu_seqlens is None else cu_seqlens.dtype,
-            None if initial_state is None else initial_state.dtype, tuple(sorted(kwargs)), cp_context is not None,
+            None if initial_state is None else initial_state.dtype, cp_context is not None,
             float(scale), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
             bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
             use_gate_in_kernel and kwargs.get("A_log") is not None, int(kwargs.get("chunk_size", 64)))
@@ -233,12 +233,12 @@ def _size_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> str | None:
 def _plan(meta: tuple) -> tuple:
     """(reason, options, uses_A_log, uses_dt_bias) for a valid CUDA call described by
     ``_call_meta``: reason is None when our kernels serve it as far as all but its sizes go, else
-    why not; options is the call's encoded KdaOptions. The environment switches and keywords and
+    why not; options is the call's encoded KdaOptions. The environment switches, cp_context and
     the extension (read on every call), then the C++ support check on meta stand-ins of supported
     sizes (the sizes are ``_size_reason``'s); the same eagerly and at trace time."""
-    kw_names, has_cp = meta[6], meta[7]
+    has_cp = meta[6]
     options, uses_A_log, uses_dt_bias = _options(meta)
-    why = _dispatch.common_reason(FAMILY, dict.fromkeys(kw_names), _KNOWN_KWARGS, True if has_cp else None)
+    why = _dispatch.common_reason(FAMILY, True if has_cp else None)
     if why is None:
         ok, status = _ext.status()
         why = None if ok else status
@@ -250,7 +250,7 @@ def _plan(meta: tuple) -> tuple:
 @functools.lru_cache(maxsize=512)
 def _options(meta: tuple) -> tuple[str, bool, bool]:
     """(encoded KdaOptions, uses_A_log, uses_dt_bias) of the call ``_call_meta`` describes."""
-    (_, _, _, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
+    (_, _, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
      has_A_log, chunk_size) = meta
     opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
