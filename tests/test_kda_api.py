@@ -2,6 +2,7 @@
 reference forward and backward, is_supported explains itself, env switches parse safely."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_cpu_path_matches_naive_reference(dtype):
     from kernel_fun.ref.kda import naive_recurrent_kda
 
     q, k, v, g, beta = _inputs(dtype=dtype)
-    h0 = torch.randn(1, 4, 16, 24, dtype=dtype)
+    h0 = torch.randn(1, 4, 16, 24)  # float32, as fla asserts; float64 inputs compute in float64
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert o.dtype == q.dtype and o.shape == v.shape
@@ -77,7 +78,7 @@ def test_cpu_path_backward_reaches_every_input():
     q, k, v, g, beta = _inputs(T=20)
     A_log = torch.log(torch.empty(4, dtype=torch.float64).uniform_(1, 16))
     dt_bias = torch.randn(4 * 16, dtype=torch.float64) * 0.1
-    h0 = torch.randn(1, 4, 16, 24, dtype=torch.float64)
+    h0 = torch.randn(1, 4, 16, 24)
     leaves = [q, k, v, g, beta, A_log, dt_bias, h0]
     for t in leaves:
         t.requires_grad_(True)
@@ -100,8 +101,88 @@ def test_cpu_varlen_resets_state_at_boundaries():
 
 def test_return_intermediate_states_on_cpu():
     q, k, v, g, beta = _inputs(T=70)
-    o, ht, h = chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
+    with torch.inference_mode():
+        o, ht, h = chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
     assert h.shape == (1, 2, 4, 16, 24) and ht is None
+
+
+# --- one validation for every device: CPU tensors (the reference) and meta tensors (the path of
+# CUDA tensors: routing, then our ops or fla) raise the same error before any routing. ---
+
+def _h0(q, v, dtype):
+    return torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=dtype)
+
+
+def _mixed(q, k, v, g, b):
+    return dict(q=q.float(), k=k.bfloat16(), v=v.bfloat16())
+
+
+SAME_ON_EVERY_DEVICE = [  # (id, change, exception, message)
+    # fla would run q float32 with k, v bfloat16 forward (o held at v's precision) and fail to
+    # compile its backward; with v's dtype not k's its forward fails to compile
+    ("q32_kv16", _mixed, TypeError, r"k must have q's dtype torch\.float32, got torch\.bfloat16"),
+    ("v_differs", lambda q, k, v, g, b: dict(q=q.float(), k=k.float(), v=v.half()), TypeError,
+     r"v must have q's dtype torch\.float32, got torch\.float16"),
+    ("k_differs", lambda q, k, v, g, b: dict(k=k.float()), TypeError, r"k must have q's dtype torch\.float64"),
+    ("h0_bf16", lambda q, k, v, g, b: dict(initial_state=_h0(q, v, torch.bfloat16)),
+     TypeError, r"initial_state must be float32 \(as fla asserts\), got torch\.bfloat16"),
+    ("h0_fp64", lambda q, k, v, g, b: dict(initial_state=_h0(q, v, torch.float64)),
+     TypeError, "initial_state must be float32"),
+    # fla's callers match these exact words
+    ("chunk_size", lambda q, k, v, g, b: dict(chunk_size=16), ValueError,
+     "`chunk_size` must be either 32 or 64"),
+    # fla asserts it (h is for inference engines; the flag bypasses autograd)
+    ("intermediate_outside_inference", lambda q, k, v, g, b: dict(return_intermediate_states=True), ValueError,
+     r"return_intermediate_states is only allowed in inference mode"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("case", SAME_ON_EVERY_DEVICE, ids=[c[0] for c in SAME_ON_EVERY_DEVICE])
+def test_validation_is_the_same_on_every_device(case, device):
+    _, change, exc, msg = case
+    q, k, v, g, beta = _inputs()
+    args = dict(q=q, k=k, v=v, g=g, beta=beta)
+    args.update(change(q, k, v, g, beta))
+    args = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in args.items()}
+    with pytest.raises(exc, match=msg):
+        chunk_kda(**args)
+    ok, why = is_supported(args.pop("q"), args.pop("v"), **args)
+    assert not ok and why.startswith("invalid input:") and re.search(msg, why)
+
+
+def test_mixed_g_and_beta_dtypes_stay_valid():
+    """g and beta may differ from q's dtype (fla reads both as fp32), only q, k, v share one."""
+    q, k, v, g, beta = _inputs(dtype=torch.float32)
+    o32, _ = chunk_kda(q, k, v, g, beta)
+    o, _ = chunk_kda(q, k, v, g.double(), beta.bfloat16())
+    assert o.dtype == torch.float32 and rel_rms(o32, o) < 1e-2
+
+
+def test_intermediate_states_need_recompute():
+    q, k, v, g, beta = _inputs(T=70)
+    with torch.inference_mode(), pytest.raises(ValueError, match="disable_recompute=False"):
+        chunk_kda(q, k, v, g, beta, return_intermediate_states=True, disable_recompute=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SAME_ON_EVERY_DEVICE, ids=[c[0] for c in SAME_ON_EVERY_DEVICE])
+@pytest.mark.parametrize("disabled", [False, True], ids=["ours", "fla_route"])
+def test_validation_is_the_same_on_cuda(case, disabled, monkeypatch):
+    """On CUDA tensors, with our kernels or routed to fla (KERNEL_FUN_KDA_DISABLE=1), the same errors
+    as on CPU; the call never reaches fla (which would accept some and crash or assert on others)."""
+    from kernel_fun import _dispatch
+
+    monkeypatch.setattr(_dispatch, "fla_function", lambda m, n: pytest.fail("reached fla"))
+    if disabled:
+        monkeypatch.setenv("KERNEL_FUN_KDA_DISABLE", "1")
+    _, change, exc, msg = case
+    q, k, v, g, beta = _inputs(K=64, V=64, dtype=torch.bfloat16)
+    args = dict(q=q, k=k, v=v, g=g.float(), beta=beta.float())
+    args.update(change(q, k, v, g, beta))
+    args = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in args.items()}
+    with pytest.raises(exc, match=msg.replace("float64", "bfloat16")):
+        chunk_kda(**args)
 
 
 def test_is_supported_on_cpu_says_why():
@@ -238,7 +319,7 @@ def test_transpose_state_layout_is_honoured():
     torch.manual_seed(0)
     q, k, v, g, beta = _inputs(T=70)
     N, HV, K, V = 1, v.shape[2], q.shape[3], v.shape[3]
-    h0 = torch.randn(N, HV, V, K, dtype=q.dtype)
+    h0 = torch.randn(N, HV, V, K)
     o_new, ht_new = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, state_v_first=True)
     with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
         o_old, ht_old = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,

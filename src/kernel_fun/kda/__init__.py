@@ -86,7 +86,12 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
 
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
               allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
-              kwargs, use_graph: bool = False, max_num_seqs: int | None = None) -> torch.Tensor | None:
+              kwargs, use_graph: bool = False, max_num_seqs: int | None = None,
+              return_intermediate_states: bool = False, disable_recompute: bool = False) -> torch.Tensor | None:
+    """chunk_kda's argument rules, for every device: CPU tensors, CUDA tensors (whether our kernels
+    or fla then serve the call) and meta tensors go through this one function. It stays in Python:
+    kernel-less installs need it for the CPU reference, and under torch.compile its comparisons
+    of (possibly symbolic) sizes become guards. Returns the host copy of cu_seqlens (or None)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
@@ -112,13 +117,26 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_be
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.device != dev:
             _fail(ValueError, f"{name} is on {t.device} but q is on {dev}")
+    # fla checks nothing here, but its kernels need it: with v's dtype not k's its forward fails to
+    # compile (a Triton dot of Akk, in k's dtype, with v); with q's not k's the forward returns o
+    # held at v's precision and the backward fails to compile (do, in q's dtype, dotted with v).
+    # g and beta may differ (every kernel reads them as fp32).
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            _fail(TypeError, f"{name} must have q's dtype {q.dtype}, got {t.dtype} "
+                             f"(q, k and v share one dtype; g and beta may differ)")
     if scale is not None and not isinstance(scale, (int, float)):
         _fail(TypeError, f"scale must be a float or None, got {type(scale).__name__}")
     chunk_size = kwargs.get("chunk_size", 64)
-    if chunk_size not in (32, 64):
-        _fail(ValueError, f"chunk_size must be 32 or 64, got {chunk_size}")
+    if chunk_size not in (32, 64):  # fla's words: its callers match them
+        _fail(ValueError, f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         _fail(ValueError, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if return_intermediate_states:  # both asserted by fla: h is for inference engines, outside autograd
+        if not torch.is_inference_mode_enabled():
+            _fail(ValueError, "return_intermediate_states is only allowed in inference mode (torch.inference_mode())")
+        if disable_recompute:
+            _fail(ValueError, "return_intermediate_states must be used with disable_recompute=False")
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             _fail(ValueError, "lower_bound must be given when safe_gate=True and use_gate_in_kernel=True")
@@ -168,7 +186,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_be
             got = list(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
             _fail(ValueError, f"initial_state must be {list(want)} "
                               f"({'[N, HV, V, K]' if state_v_first else '[N, HV, K, V]'}), got {got}")
-        if initial_state.dtype != torch.float32 and dev.type == "cuda":
+        if initial_state.dtype != torch.float32:  # fla asserts it; float64 inputs take a float32 state too
             _fail(TypeError, f"initial_state must be float32 (as fla asserts), got {initial_state.dtype}")
         if initial_state.device != dev:
             _fail(ValueError, f"initial_state is on {initial_state.device} but q is on {dev}")
@@ -179,18 +197,17 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _call_meta(q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context,
-               kwargs) -> tuple:
+def _call_meta(q, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+               allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs) -> tuple:
     """Everything but the sizes that the routing decision of a valid call depends on (dtypes,
     flags), as Python constants, so that ``_plan`` runs once at trace time under torch.compile
     (assume_constant_result). Sizes stay out: under torch.compile they may be symbolic (a new
     document count, batch or length must neither recompile nor break the graph), so
     ``_size_reason`` checks them with plain comparisons, which are guards."""
     return (q.dtype, v.dtype, g.dtype, beta.dtype, None if cu_seqlens is None else cu_seqlens.dtype,
-            None if initial_state is None else initial_state.dtype, cp_context is not None,
-            float(scale), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
-            bool(allow_neg_eigval), None if lower_bound is None else float(lower_bound), bool(state_v_first),
+            cp_context is not None, float(scale), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
+            bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
+            None if lower_bound is None else float(lower_bound), bool(state_v_first),
             use_gate_in_kernel and kwargs.get("A_log") is not None, int(kwargs.get("chunk_size", 64)))
 
 
@@ -236,7 +253,7 @@ def _plan(meta: tuple) -> tuple:
     why not; options is the call's encoded KdaOptions. The environment switches, cp_context and
     the extension (read on every call), then the C++ support check on meta stand-ins of supported
     sizes (the sizes are ``_size_reason``'s); the same eagerly and at trace time."""
-    has_cp = meta[6]
+    has_cp = meta[5]
     options, uses_A_log, uses_dt_bias = _options(meta)
     why = _dispatch.common_reason(FAMILY, True if has_cp else None)
     if why is None:
@@ -250,7 +267,7 @@ def _plan(meta: tuple) -> tuple:
 @functools.lru_cache(maxsize=512)
 def _options(meta: tuple) -> tuple[str, bool, bool]:
     """(encoded KdaOptions, uses_A_log, uses_dt_bias) of the call ``_call_meta`` describes."""
-    (_, _, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
+    (_, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
      has_A_log, chunk_size) = meta
     opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
@@ -263,9 +280,7 @@ def _options(meta: tuple) -> tuple[str, bool, bool]:
 def _support_reason(meta: tuple, options: str, ops) -> str | None:
     """The C++ support check on meta stand-ins of sizes it accepts, for the dtypes and options of
     the call: once per distinct call and op library (the eager hot path pays a dict lookup)."""
-    q_dtype, v_dtype, g_dtype, beta_dtype, cu_dtype, h0_dtype = meta[:6]
-    if h0_dtype is not None and h0_dtype != torch.float32:
-        return f"initial_state dtype {h0_dtype} (kernels take float32)"
+    q_dtype, v_dtype, g_dtype, beta_dtype, cu_dtype = meta[:5]
     stand_in = lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")  # noqa: E731
     B, T, H, K = 1, 64, 1, 64  # sizes every rule of the C++ check accepts
     cu_t = None if cu_dtype is None else stand_in((2,), cu_dtype)
@@ -352,9 +367,8 @@ def chunk_kda(
     state_v_first = _take_kwargs(kwargs, state_v_first)
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                        kwargs, use_graph=bool(use_graph), max_num_seqs=max_num_seqs)
-    if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state):
-        _fail(ValueError, "return_intermediate_states is for inference only (no gradients)")
+                        kwargs, use_graph=bool(use_graph), max_num_seqs=max_num_seqs,
+                        return_intermediate_states=return_intermediate_states, disable_recompute=disable_recompute)
     if scale is None:
         scale = q.shape[-1] ** -0.5
 
@@ -366,7 +380,7 @@ def chunk_kda(
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)
 
     reason, options, uses_A_log, uses_dt_bias = _route(q, v, cu_seqlens, _call_meta(
-        q, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        q, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
         allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs))
     if reason is not None:
         return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
@@ -413,15 +427,16 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
         _validate(q, k, v, g, beta, a["scale"], a["initial_state"], a["use_gate_in_kernel"],
                   a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["safe_gate"],
                   a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cu_seqlens_cpu"], extra,
-                  use_graph=bool(a["use_graph"]), max_num_seqs=a["max_num_seqs"])
+                  use_graph=bool(a["use_graph"]), max_num_seqs=a["max_num_seqs"],
+                  return_intermediate_states=a["return_intermediate_states"], disable_recompute=a["disable_recompute"])
     except (ValueError, TypeError) as e:
         return False, f"invalid input: {e}"
     if q.device.type != "cuda":
         return False, f"tensors on {q.device} run the torch reference, not our kernels"
-    reason = _route(q, v, a["cu_seqlens"], _call_meta(q, v, g, beta, a["scale"] if a["scale"] is not None else K ** -0.5, a["initial_state"],
-                              a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
-                              a["allow_neg_eigval"], a["lower_bound"], a["state_v_first"], a["cu_seqlens"],
-                              a["cp_context"], extra))[0]
+    scale = a["scale"] if a["scale"] is not None else K ** -0.5
+    reason = _route(q, v, a["cu_seqlens"], _call_meta(
+        q, v, g, beta, scale, a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
+        a["allow_neg_eigval"], a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cp_context"], extra))[0]
     return (reason is None), reason
 
 
