@@ -199,6 +199,9 @@ def tree(tmp_path):
     shutil.copytree(ROOT / "csrc", dst / "csrc")
     shutil.copytree(ROOT / "src" / "kernel_fun", dst / "src" / "kernel_fun",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__", "_build_reason.txt"))
+    # the tests too: setuptools adds some of them to an sdist by itself
+    shutil.copytree(ROOT / "tests", dst / "tests",
+                    ignore=shutil.ignore_patterns("_build", "__pycache__", ".pytest_cache", "*.py[cod]"))
     return dst
 
 
@@ -235,6 +238,12 @@ def test_sdist_ships_the_kernel_sources_and_no_build_reason(tree):
     assert want <= names, f"sdist lacks {sorted(want - names)[:5]}"
     assert {"setup.py", "requirements-build.txt", "src/kernel_fun/py.typed"} <= names
     assert not any(n.endswith("_build_reason.txt") or n.endswith(".so") for n in names)
+    # The whole test tree or none of it: tests/test_*.py alone (setuptools' default) cannot run
+    # without conftest.py, helpers.py and tests/emu/.
+    shipped = {n for n in names if n.startswith("tests/") and not n.endswith("/")}
+    tree_tests = {str(p.relative_to(tree)) for p in (tree / "tests").rglob("*") if p.is_file()}
+    assert "tests/conftest.py" in tree_tests and "tests/helpers.py" in tree_tests
+    assert shipped in (set(), tree_tests), f"a partial test tree: lacks {sorted(tree_tests - shipped)[:5]}"
 
 
 def test_release_ships_only_a_checked_sdist():
