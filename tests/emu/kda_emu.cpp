@@ -1,7 +1,8 @@
 // The KDA kernels (csrc/kda/fwd, csrc/kda/bwd), compiled UNMODIFIED for the host emulator
 // (kf_emu.h) and exposed as two C functions for ctypes (tests/emu/kda_emu.py): the forward and the
-// backward stage sequences of kda_forward / kda_backward (csrc/kda/{fwd,bwd}/*.cu), with the same
-// grids, block and shared-memory sizes as the real launchers. The varlen chunk map (a cub kernel on
+// backward stage sequences of kda_forward / kda_backward (csrc/kda/{fwd,bwd}/*.cu), each kernel
+// launched from its launcher's own launch description (grid, block and shared-memory size:
+// csrc/kda/kda_launch_shape.h), never a copy of it. The varlen chunk map (a cub kernel on
 // the GPU) is computed here on the host; the scans' V-slice width is the caller's (`bv`) or, with 0, kda_policy.h's choice.
 #include "kf_emu.h"  // first: the CUDA surface the kernels compile against
 
@@ -192,62 +193,54 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   return p;
 }
 
-// ---- the launchers' configurations (fwd/kda_fwd_*.cuh, bwd/kda_bwd_*.cuh, bwd/kda_bwd.cu)
+// ---- every kernel launched as its launcher does, from the kernel's one launch description
+// (csrc/kda/kda_launch_shape.h; intra_launch, fwd_scan_launch, ...): nothing here restates a grid.
+template <typename Params>
+void launch(const kda::LaunchShape& s, void (*kernel)(Params), const Params& p) {
+  if (s.empty()) return;  // as the launchers: nothing launched for an empty problem
+  kf_emu::launch(s.grid, dim3(s.threads), s.smem, kernel, p);
+}
+
 template <typename WT, int K>
 void intra(const kda::KdaFwdParams& p) {
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kIntraThreads), kda::IntraSmem<K>::kBytes,
-                 kda::kda_fwd_intra_kernel<WT, K>, p);
+  launch(kda::intra_launch<K>(p), kda::kda_fwd_intra_kernel<WT, K>, p);
 }
 
 template <typename WT, int K, int BV>
 void scan(const kda::KdaFwdParams& p) {
-  if (p.N == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::dev::scan_threads<BV>()), kda::dev::ScanStage<WT, K, BV>::kBytes,
-                 kda::kda_fwd_scan_kernel<WT, K, BV>, p);
+  launch(kda::fwd_scan_launch<WT, K, BV>(p), kda::kda_fwd_scan_kernel<WT, K, BV>, p);
 }
 
 template <typename WT, int K, int BV>
 void dh_scan(const kda::KdaBwdParams& p) {
-  if (p.N == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.V / BV, p.HV, p.N), dim3(kda::dev::scan_threads<BV>()), kda::dev::ScanStage<WT, K, BV>::kBytes,
-                 kda::kda_bwd_dh_scan_kernel<WT, K, BV>, p);
+  launch(kda::dh_scan_launch<WT, K, BV>(p), kda::kda_bwd_dh_scan_kernel<WT, K, BV>, p);
 }
 
 template <typename WT, int K, int BV>
 void scans(const kda::KdaBwdParams& p) {
-  if (p.N == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(2 * (p.V / BV), p.HV, p.N), dim3(kda::dev::scan_threads<BV>()),
-                 kda::dev::ScanStage<WT, K, BV>::kBytes, kda::kda_bwd_scans_kernel<WT, K, BV>, p);
+  launch(kda::scans_launch<WT, K, BV>(p), kda::kda_bwd_scans_kernel<WT, K, BV>, p);
 }
 
 template <typename WT, int K>
 void prep(const kda::KdaBwdParams& p) {
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kPrepThreads), kda::PrepSmem<K>::kBytes,
-                 kda::kda_bwd_prep_kernel<WT, K>, p);
+  launch(kda::prep_launch<K>(p), kda::kda_bwd_prep_kernel<WT, K>, p);
 }
 
 template <typename WT, int K>
 void grads(const kda::KdaBwdParams& p) {
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kf_emu::launch(dim3(p.max_chunks, p.HV), dim3(kda::kGradsThreads), kda::GradsSmem<K>::kBytes,
-                 kda::grads_kernel_for<WT, K>(p), p);
+  // launch_grads (kda_bwd_grads.cuh) passes these two constants to dev::launch_chunk_grid, which
+  // builds the same chunk_grid
+  launch(kda::chunk_grid(p, kda::kGradsThreads, kda::GradsSmem<K>::kBytes), kda::grads_kernel_for<WT, K>(p), p);
 }
 
 template <typename WT>
 void gate_params(const kda::KdaBwdParams& p) {
-  if (p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias))
-    kf_emu::launch(dim3(p.HV), dim3(128), 0, kda::kda_bwd_gate_params_kernel, p);
+  launch(kda::gate_params_launch(p), kda::kda_bwd_gate_params_kernel, p);
 }
 
 template <typename WT>
 void group_sums(const kda::KdaBwdParams& p) {
-  if (p.HV != p.H) {
-    const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
-    if (items > 0)
-      kf_emu::launch(dim3(static_cast<unsigned>((items + 7) / 8)), dim3(256), 0, kda::kda_bwd_group_sum_kernel<WT>, p);
-  }
+  launch(kda::group_sum_launch(p), kda::kda_bwd_group_sum_kernel<WT>, p);
 }
 
 template <typename WT, int K, int BV>

@@ -101,19 +101,17 @@ void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream) {
 namespace {
 
 void gate_params(const KdaBwdParams& p, cudaStream_t stream) {
-  if (p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias)) {
-    kda_bwd_gate_params_kernel<<<p.HV, 128, 0, stream>>>(p);
-    KF_CHECK_LAUNCH();
-  }
+  const LaunchShape s = gate_params_launch(p);
+  if (s.empty()) return;
+  kda_bwd_gate_params_kernel<<<s.grid, s.threads, s.smem, stream>>>(p);
+  KF_CHECK_LAUNCH();
 }
 
 void group_sums(const KdaBwdParams& p, cudaStream_t stream) {
-  if (p.HV == p.H) return;
-  const int64_t items = static_cast<int64_t>(p.B) * p.T * p.H;
-  if (items == 0) return;
-  const int64_t blocks = (items + 7) / 8;
-  if (p.dtype == DType::kBFloat16) kda_bwd_group_sum_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-  else kda_bwd_group_sum_kernel<__half><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+  const LaunchShape s = group_sum_launch(p);
+  if (s.empty()) return;
+  if (p.dtype == DType::kBFloat16) kda_bwd_group_sum_kernel<__nv_bfloat16><<<s.grid, s.threads, s.smem, stream>>>(p);
+  else kda_bwd_group_sum_kernel<__half><<<s.grid, s.threads, s.smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 

@@ -7,12 +7,16 @@
 
 #include "kda/device/primitives.cuh"
 #include "kda/device/sequence.cuh"
+#include "kda/kda_launch_shape.h"
 
 namespace kernel_fun::kda {
 
+constexpr int kGateParamsThreads = 128;
+constexpr int kGroupSumThreads = 256;  // one warp per (token, q/k head) item
+
 // dA_log[hv] and ddt_bias[hv, :] from the per-chunk partials of kda_bwd_grads, summed over the
 // chunks in index order by one thread per output: deterministic, no atomics. One CTA per value head.
-__global__ void __launch_bounds__(128) kda_bwd_gate_params_kernel(const KdaBwdParams p) {
+__global__ void __launch_bounds__(kGateParamsThreads) kda_bwd_gate_params_kernel(const KdaBwdParams p) {
   const int hv = blockIdx.x, HV = p.HV, K = p.K;
   const int nc = dev::total_chunks(p);
   for (int d = threadIdx.x; d < K; d += blockDim.x) {
@@ -30,7 +34,7 @@ __global__ void __launch_bounds__(128) kda_bwd_gate_params_kernel(const KdaBwdPa
 // GVA: dq[t, h] = l2norm_backward(q[t, h], sum over the group's value heads of dq^[t, hv]), and the
 // same for dk. One warp per (token, q/k head); the group is summed in head order (deterministic).
 template <typename WT>
-__global__ void __launch_bounds__(256) kda_bwd_group_sum_kernel(const KdaBwdParams p) {
+__global__ void __launch_bounds__(kGroupSumThreads) kda_bwd_group_sum_kernel(const KdaBwdParams p) {
   using E = dev::Elem<WT>;
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
@@ -71,6 +75,20 @@ __global__ void __launch_bounds__(256) kda_bwd_group_sum_kernel(const KdaBwdPara
       }
     }
   }
+}
+
+// The launches (kda_launch_shape.h), kda_bwd.cu's and the emulator's. gate_params: once, one CTA
+// per value head, only when the gate has parameters and their gradients are asked for (pbias holds
+// the per-chunk partials then).
+inline LaunchShape gate_params_launch(const KdaBwdParams& p) {
+  const bool run = p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias);
+  return {dim3(run ? static_cast<unsigned>(p.HV) : 0u), kGateParamsThreads, 0};
+}
+// group_sum: per batch slice, GVA only (HV != H), one warp per (token, q/k head) item.
+inline LaunchShape group_sum_launch(const KdaBwdParams& p) {
+  constexpr int kItemsPerCta = kGroupSumThreads / 32;
+  const int64_t items = p.HV != p.H ? static_cast<int64_t>(p.B) * p.T * p.H : 0;
+  return {dim3(static_cast<unsigned>((items + kItemsPerCta - 1) / kItemsPerCta)), kGroupSumThreads, 0};
 }
 
 }  // namespace kernel_fun::kda

@@ -148,10 +148,16 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_ker
   }
 }
 
+// The launch (kda_launch_shape.h): launch_prep's and the emulator's.
+template <int K>
+inline LaunchShape prep_launch(const KdaProblem& p) {
+  return chunk_grid(p, kPrepThreads, PrepSmem<K>::kBytes);
+}
+
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_prep(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_grid(kda_bwd_prep_kernel<WT, K>, p, kPrepThreads, PrepSmem<K>::kBytes, stream);
+  dev::launch_chunk_kernel(kda_bwd_prep_kernel<WT, K>, prep_launch<K>(p), p, stream);
 }
 #endif
 

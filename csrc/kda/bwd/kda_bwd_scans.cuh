@@ -30,10 +30,17 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_scans_kern
   else dh_scan_cta<WT, K, BV>(p, dev::ScanBlock{x - nvs, hv, n}, sm);
 }
 
+// The launch (kda_launch_shape.h): both scans' CTAs side by side, x in [0, V / BV) the re-scan's
+// V-slices and x in [V / BV, 2 V / BV) the dh scan's; launch_scans' and the emulator's.
+template <typename WT, int K, int BV>
+inline LaunchShape scans_launch(const KdaProblem& p) {
+  return dev::scan_launch<WT, K, BV>(p, 2 * (p.V / BV));
+}
+
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scans(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_scan_grid<WT, K, BV>(kda_bwd_scans_kernel<WT, K, BV>, p, 2 * (p.V / BV), stream);
+  dev::launch_scan_grid(kda_bwd_scans_kernel<WT, K, BV>, scans_launch<WT, K, BV>(p), p, stream);
 }
 #endif
 

@@ -286,16 +286,21 @@ __device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[8][
   }
 }
 
+// The scans' launch (kda_launch_shape.h's scan_grid) at V-slice width BV: x_items work items per
+// (value head, sequence) row, BV / 16 warps, two ScanStage buffers of dynamic smem. Each scan
+// kernel's *_launch (fwd_scan_launch, dh_scan_launch, scans_launch) passes its x_items.
+template <typename WT, int K, int BV>
+inline LaunchShape scan_launch(const KdaProblem& p, int x_items) {
+  return scan_grid(p, x_items, scan_threads<BV>(), ScanStage<WT, K, BV>::kBytes);
+}
+
 #ifndef KF_EMU
-// The scans' grid: x_items work items per (value head, sequence) row -- V / BV for one scan, twice
-// that for kda_bwd_scans -- with two ScanStage buffers of dynamic smem; nothing launched for an
-// empty problem.
-template <typename WT, int K, int BV, typename Params>
-void launch_scan_grid(void (*kern)(Params), const Params& p, int x_items, cudaStream_t stream) {
-  constexpr size_t smem = ScanStage<WT, K, BV>::kBytes;
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  if (p.N == 0 || p.HV == 0) return;
-  kern<<<dim3(x_items, p.HV, p.N), scan_threads<BV>(), smem, stream>>>(p);
+// Launches a scan kernel as its description says; nothing launched for an empty problem.
+template <typename Params>
+void launch_scan_grid(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(s.smem)));
+  if (s.empty()) return;
+  kern<<<s.grid, s.threads, s.smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 #endif

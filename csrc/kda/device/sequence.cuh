@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kda/kda_launch_shape.h"
 #include "kda/kda_problem.h"
 
 namespace kernel_fun::kda::dev {
@@ -61,17 +62,24 @@ __device__ __forceinline__ int total_chunks(const KdaProblem& p) {
 }
 
 #ifndef KF_EMU
-// The per-chunk grid (one CTA per global chunk x value head; chunk_of maps blockIdx.x) of
-// kda_fwd_intra, kda_bwd_prep and kda_bwd_grads: dynamic smem opted in with the largest carveout,
-// nothing launched for an empty problem.
+// Launches a per-chunk kernel (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads) as its description says
+// (kda_launch_shape.h: intra_launch, prep_launch, chunk_grid): dynamic smem opted in with the
+// largest carveout, nothing launched for an empty problem.
 template <typename Params>
-void launch_chunk_grid(void (*kern)(Params), const Params& p, int threads, size_t smem, cudaStream_t stream) {
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+void launch_chunk_kernel(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(s.smem)));
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      cudaSharedmemCarveoutMaxShared));
-  if (p.max_chunks == 0 || p.HV == 0) return;
-  kern<<<dim3(p.max_chunks, p.HV), threads, smem, stream>>>(p);
+  if (s.empty()) return;
+  kern<<<s.grid, s.threads, s.smem, stream>>>(p);
   KF_CHECK_LAUNCH();
+}
+
+// The same with the description built here from (threads, smem): kda_bwd_grads' launcher; the
+// emulator launches that kernel with chunk_grid(p, kGradsThreads, GradsSmem<K>::kBytes) too.
+template <typename Params>
+void launch_chunk_grid(void (*kern)(Params), const Params& p, int threads, size_t smem, cudaStream_t stream) {
+  launch_chunk_kernel(kern, chunk_grid(p, threads, smem), p, stream);
 }
 #endif
 

@@ -619,10 +619,16 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   store_akk_rows(3, 0, NTH);
 }
 
+// The launch (kda_launch_shape.h): launch_intra's and the emulator's.
+template <int K>
+inline LaunchShape intra_launch(const KdaProblem& p) {
+  return chunk_grid(p, kIntraThreads, IntraSmem<K>::kBytes);
+}
+
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_grid(kda_fwd_intra_kernel<WT, K>, p, kIntraThreads, IntraSmem<K>::kBytes, stream);
+  dev::launch_chunk_kernel(kda_fwd_intra_kernel<WT, K>, intra_launch<K>(p), p, stream);
 }
 #endif
 

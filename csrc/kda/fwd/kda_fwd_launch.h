@@ -4,6 +4,7 @@
 // kda/kda_launch.h).
 #pragma once
 
+#include "kda/kda_launch_shape.h"
 #include "kda/kda_problem.h"
 
 namespace kernel_fun::kda {

@@ -170,10 +170,17 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   fwd_scan_cta<WT, K, BV>(p, dev::scan_block(), dev::scan_smem_base<WT>(smem_f4));
 }
 
+// The launch (kda_launch_shape.h): one CTA per (V-slice, value head, sequence); launch_scan's and
+// the emulator's.
+template <typename WT, int K, int BV>
+inline LaunchShape fwd_scan_launch(const KdaProblem& p) {
+  return dev::scan_launch<WT, K, BV>(p, p.V / BV);
+}
+
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch_scan_grid<WT, K, BV>(kda_fwd_scan_kernel<WT, K, BV>, p, p.V / BV, stream);
+  dev::launch_scan_grid(kda_fwd_scan_kernel<WT, K, BV>, fwd_scan_launch<WT, K, BV>(p), p, stream);
 }
 #endif
 

@@ -1,0 +1,40 @@
+// The one description of each KDA kernel's launch: its grid, threads per CTA and dynamic shared
+// memory, computed from the params. Every kernel header defines a `<kernel>_launch(p)` built from
+// the helpers here; its launcher (launch_* next to the kernel, kda_fwd.cu, kda_bwd.cu) and the host
+// emulator (tests/emu/kda_emu.cpp) both launch from that function, so the two cannot drift: a wrong
+// grid is wrong in the emulator too, where the CPU tests see it. Host code only, no CUDA runtime
+// calls (the emulator builds it under g++).
+#pragma once
+
+#include <cuda_runtime.h>  // dim3
+
+#include <cstddef>
+
+#include "kda/kda_problem.h"
+
+namespace kernel_fun::kda {
+
+struct LaunchShape {
+  dim3 grid;
+  int threads;  // per CTA (x only)
+  size_t smem;  // dynamic shared memory, bytes
+  // An empty grid launches nothing (an empty problem: no chunks, no heads, no sequences).
+  bool empty() const { return grid.x == 0 || grid.y == 0 || grid.z == 0; }
+};
+
+// The per-chunk grid of kda_fwd_intra, kda_bwd_prep and kda_bwd_grads: one CTA per global chunk
+// (dev::chunk_of maps blockIdx.x; with cu_seqlens max_chunks is an upper bound and the tail CTAs
+// find nothing to do) x value head.
+inline LaunchShape chunk_grid(const KdaProblem& p, int threads, size_t smem) {
+  return {dim3(static_cast<unsigned>(p.max_chunks), static_cast<unsigned>(p.HV)), threads, smem};
+}
+
+// The scans' grid (dev::scan_launch): x_items work items per (value head, sequence) row -- V / BV
+// for one scan, twice that for kda_bwd_scans -- with blockIdx (x, y, z) = (item, value head,
+// sequence).
+inline LaunchShape scan_grid(const KdaProblem& p, int x_items, int threads, size_t smem) {
+  return {dim3(static_cast<unsigned>(x_items), static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N)), threads,
+          smem};
+}
+
+}  // namespace kernel_fun::kda
