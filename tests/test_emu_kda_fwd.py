@@ -1,7 +1,7 @@
 """The KDA forward kernels (csrc/kda), UNMODIFIED, on the host emulator (tests/emu/): o, the
 final state, the per-chunk states and the workspace (w, qg, kg, Aqk, Akk, exp2(G)) against the fp64
 chunked reference, plus checks of the emulator itself (mma.sync / ldmatrix fragment layouts against
-a matmul, cp.async deferral, and the bugs it must report). No GPU needed: g++ and the CUDA headers.
+a matmul, cp.async and wgmma deferral, and the bugs it must report). No GPU needed: g++ and the CUDA headers.
 
 These kernels pass the same comparisons on the H200, so a mismatch here is an emulator bug, a test
 layout bug, or a kernel change that broke them.
@@ -259,6 +259,55 @@ def test_cp_async_is_deferred_until_wait_group(emu):
     np.testing.assert_array_equal(out[2].view(np.float32), src[::4])  # wait_group 1: group 0 landed
     assert (out[3] == poison).all(), "wait_group 1 also performed the most recent group"
     assert (out[4] == 0).all(), "src-size 0 must zero-fill"
+
+
+WGMMA_POISON = 0x7F80DEAD  # kf_emu.h's kWgmmaPoison (a signalling NaN)
+
+
+def _wgmma_inputs():
+    gen = torch.Generator().manual_seed(4)
+    A = torch.randn(64, 16, generator=gen).to(torch.bfloat16)
+    B = torch.randn(16, 64, generator=gen).to(torch.bfloat16)
+    C = torch.randn(64, 64, generator=gen).numpy().astype(np.float32)
+    raw = lambda x: np.ascontiguousarray(x.view(torch.int16).numpy().view(np.uint16))  # noqa: E731
+    return A, B, C, raw(A), raw(B)
+
+
+def test_wgmma_lands_only_at_its_wait_group(emu):
+    """wgmma.mma_async is asynchronous on the GPU: its accumulator registers are undefined until the
+    wgmma.wait_group that completes its commit group. The emulator models that (kf_emu.h): a read
+    before the wait sees poison, so a wgmma_wait removed from a scan (csrc/kda/fwd/kda_fwd_scan.cuh,
+    bwd/kda_bwd_dh_scan.cuh) fails the KDA emulator tests (tried: each of the five waits removed in
+    turn, 8-18 failures each). Here: K-major and MN-major B through 128-byte-swizzle descriptors, C
+    accumulated, two products chained into one accumulator, and wait_group 1 landing only the older
+    of two groups."""
+    A, B, C, a16, b16 = _wgmma_inputs()
+    out = np.zeros((6, 64, 64), np.uint32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_wgmma(0, _p(a16), _p(b16), _p(C), _p(out)) == 0, L.kf_emu_selftest_last_error().decode()
+    AB = A.double().numpy() @ B.double().numpy()
+    f32 = lambda i: out[i].view(np.float32)  # noqa: E731
+    assert (out[0] == WGMMA_POISON).all(), "the accumulator was readable before its wait_group: wgmma completed at once"
+    np.testing.assert_allclose(f32(1), AB + C, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(2), 2 * AB, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(3), AB, rtol=1e-5, atol=1e-5)
+    assert (out[4] == WGMMA_POISON).all(), "wait_group 1 also completed the most recent group"
+    np.testing.assert_allclose(f32(5), AB, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which, message", [
+    (1, "exits with 1 wgmma.mma_async in flight"),                 # no wait_group at all
+    (2, "written while its wgmma.mma_async was in flight"),        # accumulator touched before the wait
+    (3, "without a wgmma.fence"),                                  # issue after a wait, no fence
+    (4, "A operand registers"),                                    # A registers changed before the wait
+])
+def test_emulator_reports_wgmma_misuse(emu, which, message):
+    _, _, C, a16, b16 = _wgmma_inputs()
+    out = np.zeros((6, 64, 64), np.uint32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_wgmma(which, _p(a16), _p(b16), _p(C), _p(out)) != 0
+    err = L.kf_emu_selftest_last_error().decode()
+    assert message in err, err
 
 
 def test_emulated_shuffles_votes_and_static_smem(emu):

@@ -1,5 +1,5 @@
 // Small kernels that check the emulator itself (tests/test_emu_kda_fwd.py): mma.sync / ldmatrix
-// fragment layouts against a plain matmul, the deferral of cp.async, and the failure reports
+// fragment layouts against a plain matmul, the deferral of cp.async and of wgmma, and the failure reports
 // (divergent collectives, deadlock, smem overflow). They call the same helpers as the KDA kernels
 // (kda_device.cuh), so these checks cover the KF_EMU branches of that header.
 #include "kf_emu.h"
@@ -92,6 +92,66 @@ __global__ void cp_async_kernel(const float* src, uint32_t* out) {
   out[4 * 32 + i] = __float_as_uint(sB[4 * i]);
 }
 
+// wgmma m64n64k16 (bf16, A from registers) by one warpgroup, deferred to its wait_group (kf_emu.h).
+// A [64][16] and B [16][64] raw bf16, C [64][64] fp32; out: 6 x [64][64] words (raw fp32 bits).
+// which 0, correct use: out[0] the accumulator after the issue, before its wait (poison);
+// out[1] = A B + C (B K-major, acc); out[2] = 2 A B (two chained products into one accumulator in one
+// group, B MN-major); two groups, then wait_group 1: out[3] the first group's A B, out[4] the
+// second's accumulator (still poison); wait_group 0: out[5] the second's A B.
+// Misuse the emulator must report: 1 no wait_group before the thread exits, 2 the accumulator
+// written before its wait, 3 no wgmma.fence before an issue that follows a wait, 4 the A registers
+// changed before the wait.
+__global__ void wgmma_kernel(int which, const uint16_t* A, const uint16_t* B, const float* C, uint32_t* out) {
+  KF_DYN_SMEM(float4, smem_f4);
+  uint16_t* tK = reinterpret_cast<uint16_t*>(smem_f4);  // K-major B: row n = B[:, n], [64][64] swizzled
+  uint16_t* tMN = tK + 64 * 64;                          // MN-major B: row k = B[k, :], [16][64] swizzled
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < 64 * 64; i += 128) {
+    const int r = i / 64, c = i % 64;
+    tK[dev::sw128_offset(r, c) / 2] = c < 16 ? B[c * 64 + r] : uint16_t{0};
+    if (r < 16) tMN[dev::sw128_offset(r, c) / 2] = B[r * 64 + c];
+  }
+  __syncthreads();
+  const uint64_t dK = dev::sw128_desc(dev::smem_u32(tK), 16, 1024);
+  const uint64_t dMN = dev::sw128_desc(dev::smem_u32(tMN), 8192, 1024);
+  const int r0 = 16 * warp + g;
+  auto pk = [&](int r, int c) { return static_cast<uint32_t>(A[r * 16 + c]) | (static_cast<uint32_t>(A[r * 16 + c + 1]) << 16); };
+  uint32_t a[4] = {pk(r0, 2 * t), pk(r0 + 8, 2 * t), pk(r0, 2 * t + 8), pk(r0 + 8, 2 * t + 8)};
+  auto put = [&](int slot, const float (&d)[8][4]) {
+    for (int j = 0; j < 8; ++j)
+      for (int e = 0; e < 4; ++e)
+        out[(slot * 64 + r0 + 8 * (e >> 1)) * 64 + 8 * j + 2 * t + (e & 1)] = __float_as_uint(d[j][e]);
+  };
+  float d1[8][4], d2[8][4], d3[8][4], d4[8][4];
+  for (int j = 0; j < 8; ++j)
+    for (int e = 0; e < 4; ++e) d1[j][e] = C[(r0 + 8 * (e >> 1)) * 64 + 8 * j + 2 * t + (e & 1)];
+  dev::wgmma_fence();
+  dev::wgmma_rs<__nv_bfloat16, 64, 0>(d1, a, dK, true);
+  if (which == 2) d1[0][0] = 1.f;
+  if (which == 4) a[0] ^= 1u;
+  put(0, d1);
+  dev::wgmma_commit();
+  if (which == 1) return;
+  dev::wgmma_wait<0>();
+  put(1, d1);
+  if (which != 3) dev::wgmma_fence();
+  dev::wgmma_rs<__nv_bfloat16, 64, 1>(d2, a, dMN, false);
+  dev::wgmma_rs<__nv_bfloat16, 64, 1>(d2, a, dMN, true);
+  dev::wgmma_commit();
+  dev::wgmma_wait<0>();
+  put(2, d2);
+  dev::wgmma_fence();
+  dev::wgmma_rs<__nv_bfloat16, 64, 1>(d3, a, dMN, false);
+  dev::wgmma_commit();
+  dev::wgmma_rs<__nv_bfloat16, 64, 0>(d4, a, dK, false);
+  dev::wgmma_commit();
+  dev::wgmma_wait<1>();
+  put(3, d3);
+  put(4, d4);
+  dev::wgmma_wait<0>();
+  put(5, d4);
+}
+
 // Bugs the emulator must report: 0 a shuffle in divergent code (half the warp at another
 // collective), 1 a barrier that only half the block reaches while the rest waits in a shuffle
 // (deadlock), 2 a write past the end of the dynamic shared memory, 3 ldmatrix from a misaligned row.
@@ -181,6 +241,10 @@ void kf_emu_selftest_tf32(const float* x, uint32_t* out, int n) {
 
 int kf_emu_selftest_cp_async(const float* src, uint32_t* out) {
   return guarded([&] { kf_emu::launch(dim3(1), dim3(32), 2 * 128 * sizeof(float), cp_async_kernel, src, out); });
+}
+
+int kf_emu_selftest_wgmma(int which, const uint16_t* A, const uint16_t* B, const float* C, uint32_t* out) {
+  return guarded([&] { kf_emu::launch(dim3(1), dim3(128), 64 * 64 * 2 + 16 * 64 * 2, wgmma_kernel, which, A, B, C, out); });
 }
 
 int kf_emu_selftest_bug(int which, float* out) {

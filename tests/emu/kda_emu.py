@@ -67,6 +67,7 @@ def lib():
         L.kf_emu_selftest_tf32.restype = None
         L.kf_emu_selftest_cp_async.argtypes = [vp, vp]
         L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
+        L.kf_emu_selftest_wgmma.argtypes = [ctypes.c_int, vp, vp, vp, vp]
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
         if L.kda_emu_args_size() != ctypes.sizeof(KdaEmuArgs):
             raise RuntimeError("KdaEmuArgs layout differs between kda_emu.cpp and kda_emu.py")

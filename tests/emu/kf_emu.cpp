@@ -133,6 +133,20 @@ struct Copy {
   int src_size;
 };
 
+// One wgmma.mma_async in flight (kf_emu.h, wgmma_rs_m64k16): performed at the wgmma.wait_group
+// that completes its commit group.
+struct Wgmma {
+  int op;                 // kOpMmaBf16 / kOpMmaF16
+  float* d;               // the accumulator registers (N / 2 floats of the calling thread)
+  int N;
+  const uint32_t* a_src;  // the A registers, checked unchanged at the wait
+  uint32_t a[4];          // their values at the issue (what is multiplied)
+  uint64_t desc;
+  bool trans_b, acc;
+  bool chained;           // an earlier operation in flight owns d: C is that operation's result
+  float c[128];           // d at the issue (acc, not chained): C
+};
+
 struct Worker;
 
 struct Fiber {
@@ -146,6 +160,9 @@ struct Fiber {
   int lane = 0, warp = 0;
   std::vector<Copy> open;                 // issued cp.async not yet committed
   std::deque<std::vector<Copy>> groups;   // committed groups, oldest first
+  std::vector<Wgmma> wg_open;             // issued wgmma not yet committed
+  std::deque<std::vector<Wgmma>> wg_groups;  // committed wgmma groups, oldest first
+  bool wg_fenced = false;                 // a wgmma.fence since the last wgmma.wait_group
   char* stack_lo = nullptr;
   Worker* worker = nullptr;
 };
@@ -309,6 +326,9 @@ struct Worker {
       f.state = kReady;
       f.open.clear();
       f.groups.clear();
+      f.wg_open.clear();
+      f.wg_groups.clear();
+      f.wg_fenced = false;
       init_fiber(f);
     }
     // Scheduling (config().schedule, config().warp_greedy). Each pass resumes every ready fiber in
@@ -409,6 +429,13 @@ struct Worker {
   }
 
   void thread_exit(Fiber& f) {
+    // A wgmma in flight at exit writes registers that no longer exist: its wait_group is missing.
+    size_t wg = f.wg_open.size();
+    for (const auto& g : f.wg_groups) wg += g.size();
+    if (wg)
+      failf("the thread exits with %zu wgmma.mma_async in flight (%zu of them not committed): a wgmma.wait_group "
+            "is missing",
+            wg, f.wg_open.size());
     // outstanding cp.async still land (as on the hardware), committed or not
     while (!f.groups.empty()) {
       perform(f.groups.front());
@@ -758,6 +785,130 @@ void cp_async_wait(int n) {
     w.perform(f.groups.front());
     f.groups.pop_front();
   }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// wgmma.mma_async, deferred to its wait_group (kf_emu.h)
+namespace {
+void wgmma_poison(float* d, int nreg) {
+  for (int i = 0; i < nreg; ++i) std::memcpy(d + i, &kWgmmaPoison, 4);
+}
+
+// B element (k, n) of a 128-byte-swizzled operand, at the canonical-layout address (kf_emu.h).
+uint32_t wgmma_b_elem(const detail::Worker& w, uint64_t desc, bool trans_b, int k, int n) {
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
+  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4;
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
+  uint32_t addr = trans_b ? start + (n / 64) * lbo + 2 * (n % 64) + (k / 8) * sbo + (k % 8) * 128
+                          : start + (n / 8) * sbo + (n % 8) * 128 + 2 * k;
+  addr ^= ((addr >> 7) & 7) << 4;
+  if (addr + 2 > w.smem_bytes)
+    failf("wgmma: B element (%d, %d) at smem offset %u is outside the dynamic shared memory (%zu bytes)", k, n, addr,
+          w.smem_bytes);
+  uint16_t v;
+  std::memcpy(&v, w.smem + addr, 2);
+  return v;
+}
+
+// The product lands: D = A B (+ C), B read from shared memory now, as N / 8 warp-collective mma.sync.
+void wgmma_perform(detail::Worker& w, const detail::Wgmma& x) {
+  float* d = x.d;
+  const int nreg = x.N / 2;
+  if (!x.chained) {
+    for (int i = 0; i < nreg; ++i) {
+      if (detail::f2u(d[i]) != kWgmmaPoison)
+        failf("wgmma: accumulator register %d of %d was written while its wgmma.mma_async was in flight (before "
+              "the wgmma.wait_group that completes it)",
+              i, nreg);
+    }
+  }
+  if (std::memcmp(x.a_src, x.a, sizeof x.a) != 0)
+    failf("wgmma: the A operand registers of a wgmma.mma_async changed (or went out of scope) before the "
+          "wgmma.wait_group that completes it");
+  const int lane = w.cur->lane, g = lane >> 2, t = lane & 3;
+  for (int j = 0; j < x.N / 8; ++j) {
+    const int n = 8 * j + g;
+    const uint32_t b0 = wgmma_b_elem(w, x.desc, x.trans_b, 2 * t, n) | (wgmma_b_elem(w, x.desc, x.trans_b, 2 * t + 1, n) << 16);
+    const uint32_t b1 =
+        wgmma_b_elem(w, x.desc, x.trans_b, 2 * t + 8, n) | (wgmma_b_elem(w, x.desc, x.trans_b, 2 * t + 9, n) << 16);
+    float c[4];
+    for (int e = 0; e < 4; ++e) c[e] = !x.acc ? 0.f : (x.chained ? d[4 * j + e] : x.c[4 * j + e]);
+    detail::mma_call(x.op, c, x.a, b0, b1);
+    for (int e = 0; e < 4; ++e) d[4 * j + e] = c[e];
+  }
+}
+}  // namespace
+
+void wgmma_issue(int op, float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc) {
+  detail::Worker& w = need_fiber("wgmma.mma_async");
+  detail::Fiber& f = *w.cur;
+  if (N < 8 || N > 256 || N % 8) failf("wgmma: N=%d is not a multiple of 8 in [8, 256]", N);
+  if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0)
+    failf("wgmma: descriptor %#llx: only the 128-byte swizzle with base offset 0 is emulated",
+          static_cast<unsigned long long>(desc));
+  if (!f.wg_fenced)
+    failf("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group (the fence orders the earlier "
+          "register accesses before the asynchronous reads and writes)");
+  detail::Wgmma x;
+  x.op = op;
+  x.d = d;
+  x.N = N;
+  x.a_src = a;
+  std::memcpy(x.a, a, sizeof x.a);
+  x.desc = desc;
+  x.trans_b = trans_b;
+  x.acc = acc;
+  x.chained = false;
+  const int nreg = N / 2;
+  auto owner = [&](const detail::Wgmma& q) {
+    if (q.d == d && q.N == N) {
+      x.chained = true;
+    } else if (q.d < d + nreg && d < q.d + q.N / 2) {
+      failf("wgmma: accumulators of two wgmma.mma_async in flight overlap partially");
+    }
+  };
+  for (const auto& grp : f.wg_groups)
+    for (const auto& q : grp) owner(q);
+  for (const auto& q : f.wg_open) owner(q);
+  if (!x.chained) {
+    if (acc) std::memcpy(x.c, d, sizeof(float) * static_cast<size_t>(nreg));
+    wgmma_poison(d, nreg);
+  }
+  f.wg_open.push_back(x);
+}
+
+void wgmma_fence() { need_fiber("wgmma.fence").cur->wg_fenced = true; }
+
+void wgmma_commit() {
+  detail::Worker& w = need_fiber("wgmma.commit_group");
+  detail::Fiber& f = *w.cur;
+  f.wg_groups.emplace_back(std::move(f.wg_open));
+  f.wg_open.clear();
+}
+
+void wgmma_wait(int n) {
+  detail::Worker& w = need_fiber("wgmma.wait_group");
+  detail::Fiber& f = *w.cur;
+  while (static_cast<int>(f.wg_groups.size()) > n) {
+    const std::vector<detail::Wgmma> grp = std::move(f.wg_groups.front());
+    f.wg_groups.pop_front();
+    for (const detail::Wgmma& x : grp) wgmma_perform(w, x);
+  }
+  // An operation still in flight whose predecessor on the same accumulator just landed owns the
+  // registers now: its C is the value that landed, and they hold poison again until it lands.
+  std::vector<const float*> owned;
+  auto rebase = [&](detail::Wgmma& x) {
+    if (std::find(owned.begin(), owned.end(), x.d) != owned.end()) return;
+    owned.push_back(x.d);
+    if (!x.chained) return;
+    x.chained = false;
+    if (x.acc) std::memcpy(x.c, x.d, sizeof(float) * static_cast<size_t>(x.N / 2));
+    wgmma_poison(x.d, x.N / 2);
+  };
+  for (auto& grp : f.wg_groups)
+    for (auto& x : grp) rebase(x);
+  for (auto& x : f.wg_open) rebase(x);
+  f.wg_fenced = false;
 }
 
 uint32_t shfl32(int mode, unsigned mask, uint32_t v, int b, int c) {

@@ -20,6 +20,8 @@
 //   * cp.async copies are DEFERRED: recorded per thread, grouped by commit_group, performed by
 //     wait_group (all but the N most recent groups) or when the thread exits, so a missing wait
 //     reads poison;
+//   * wgmma.mma_async is DEFERRED the same way: its accumulator registers hold poison until the
+//     wgmma.wait_group that completes its group (see wgmma_rs_m64k16);
 //   * "global" memory is plain host memory.
 //
 // Use: compile with -DKF_EMU, include this header BEFORE any kernel source, then
@@ -196,38 +198,26 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) { ldmatrix
 //   K-major B (trans_b false), element (k, n): start + (n / 8) SBO + (n % 8) 128 + 2 k
 //   MN-major B (trans_b true),  element (k, n): start + (n / 64) LBO + 2 (n % 64) + (k / 8) SBO + (k % 8) 128
 // then the 128-byte swizzle of the address: bits [4, 7) ^= bits [7, 10). acc false: D = A B.
-// Completion is immediate (wgmma.fence / commit_group / wait_group are no-ops here).
+//
+// ASYNCHRONOUS, as on the GPU: the issue records the operation (A's values, the descriptor, the
+// accumulator's address and, for the first operation in flight on it, the accumulator's values)
+// and overwrites the accumulator registers with a signalling-NaN poison (kWgmmaPoison); the product
+// lands in them only at the wgmma.wait_group that completes its commit group (B is read from shared
+// memory then). So a read of the accumulator before its wait sees NaN, and a removed wait_group
+// leaves NaN (or, when the thread exits with operations in flight, a reported error). Also reported:
+// an issue without a wgmma.fence since the last wait_group, an accumulator written while in flight
+// (the poison's bits changed: arithmetic on a signalling NaN quiets it), A registers changed
+// before the wait. Operations on the same accumulator chain in issue order, as the hardware orders
+// them.
+constexpr uint32_t kWgmmaPoison = 0x7f80deadu;  // a signalling NaN
+void wgmma_issue(int op, float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc);
 template <typename T>
 inline void wgmma_rs_m64k16(float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc) {
-  if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0)
-    detail::failf("wgmma: descriptor %#llx: only the 128-byte swizzle with base offset 0 is emulated",
-                  static_cast<unsigned long long>(desc));
-  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
-  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4;
-  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
-  const auto* sm = static_cast<const unsigned char*>(dyn_smem());
-  auto elem = [&](int k, int n) -> uint32_t {
-    uint32_t addr = trans_b ? start + (n / 64) * lbo + 2 * (n % 64) + (k / 8) * sbo + (k % 8) * 128
-                            : start + (n / 8) * sbo + (n % 8) * 128 + 2 * k;
-    addr ^= ((addr >> 7) & 7) << 4;
-    if (addr + 2 > dyn_smem_bytes())
-      detail::failf("wgmma: B element (%d, %d) at smem offset %u is outside the dynamic shared memory (%zu bytes)",
-                    k, n, addr, dyn_smem_bytes());
-    uint16_t v;
-    std::memcpy(&v, sm + addr, 2);
-    return v;
-  };
-  const int lane = static_cast<int>(detail::t_cur.tid.x & 31), g = lane >> 2, t = lane & 3;
-  for (int j = 0; j < N / 8; ++j) {
-    const int n = 8 * j + g;
-    const uint32_t b0 = elem(2 * t, n) | (elem(2 * t + 1, n) << 16);
-    const uint32_t b1 = elem(2 * t + 8, n) | (elem(2 * t + 9, n) << 16);
-    float c[4];
-    for (int e = 0; e < 4; ++e) c[e] = acc ? d[4 * j + e] : 0.f;
-    mma_m16n8k16<T>(c, a, b0, b1);
-    for (int e = 0; e < 4; ++e) d[4 * j + e] = c[e];
-  }
+  wgmma_issue(detail::MmaOp<T>::op, d, N, a, desc, trans_b, acc);
 }
+void wgmma_fence();     // wgmma.fence.sync.aligned
+void wgmma_commit();    // wgmma.commit_group.sync.aligned
+void wgmma_wait(int n);  // wgmma.wait_group.sync.aligned n: all but the n most recent groups land
 
 // cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size: DEFERRED (see the header comment).
 void cp_async(void* dst_smem, const void* src_global, int cp_size, int src_size);

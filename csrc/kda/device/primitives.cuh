@@ -360,10 +360,12 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
 }
 
 #ifdef KF_EMU
-__device__ __forceinline__ void wgmma_fence() {}
-__device__ __forceinline__ void wgmma_commit() {}
+// Emulated asynchronously, as the hardware runs them: the accumulators hold poison until the wait
+// (tests/emu/kf_emu.h), so a missing or misplaced wgmma_wait fails the emulator tests.
+__device__ __forceinline__ void wgmma_fence() { kf_emu::wgmma_fence(); }
+__device__ __forceinline__ void wgmma_commit() { kf_emu::wgmma_commit(); }
 template <int N>
-__device__ __forceinline__ void wgmma_wait() {}
+__device__ __forceinline__ void wgmma_wait() { kf_emu::wgmma_wait(N); }
 template <typename T, int N, int kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc, bool acc) {
   kf_emu::wgmma_rs_m64k16<T>(&d[0][0], N, a, desc, kTransB != 0, acc);
