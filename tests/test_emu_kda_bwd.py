@@ -55,6 +55,10 @@ CASES = {
     "gva-2-4-K128": dict(T=140, H=2, HV=4, K=128, V=128, h0=True),
     "gva-varlen": dict(T=300, H=1, HV=2, cu=[0, 15, 100, 300], h0=True),
     "varlen-int64-bounded": dict(T=200, K=128, V=128, cu=[0, 63, 63, 200], cu_dtype=torch.int64, gate="bounded"),
+    # q and k of norm ~1e-3: the l2norm's epsilon (1e-6) sets q^ and k^ and their backward, in
+    # kda_bwd_grads (l2norm factors of device/gate.cuh) and, with GVA, kda_bwd_group_sum_kernel
+    "l2norm-eps-tiny-qk": dict(T=90, qk_scale=1e-4, h0=True),
+    "gva-l2norm-eps-tiny-qk": dict(T=90, H=1, HV=2, qk_scale=1e-4),
 }
 # dA_log sums dgate * gate over every token and dimension of a head: the terms cancel, so its relative
 # error is a few times that of dg. fla checks it at 0.003 as a warning only (docs/contract.md); we

@@ -43,7 +43,9 @@ def ref():
 # ------------------------------------------------------------------------------------------------ cases
 def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="unbounded", g_dtype=None,
               l2norm=True, beta_sigmoid=True, neg_eig=False, h0=False, state_v_first=False, cu=None,
-              cu_dtype=torch.int32, scale=None, extreme=0.0, seed=0):
+              cu_dtype=torch.int32, scale=None, extreme=0.0, seed=0, qk_scale=1.0):
+    """qk_scale multiplies the raw q and k: 1e-4 puts sum q^2 at K * 1e-8, where the l2norm's
+    epsilon (x / sqrt(sum x^2 + 1e-6)) sets the result, so a kernel with another epsilon fails."""
     HV = HV or H
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
@@ -51,6 +53,7 @@ def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="
     if not l2norm:  # the delta rule needs unit keys
         q = torch.nn.functional.normalize(q, dim=-1)
         k = torch.nn.functional.normalize(k, dim=-1)
+    q, k = qk_scale * q, qk_scale * k
     v = torch.randn(B, T, HV, V, generator=gen)
     beta_raw = torch.randn(B, T, HV, generator=gen)
     kw = dict(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
@@ -106,6 +109,7 @@ CASES = {
     "g-fp16-misaligned": dict(T=80, g_dtype=torch.float16, misalign=True),
     "misaligned-K128": dict(T=66, K=128, misalign=True),
     "extreme-1000": dict(T=130, gate="precomputed", extreme=0.5, h0=True),
+    "l2norm-eps-tiny-qk": dict(T=100, qk_scale=1e-4, h0=True),  # the kernels' l2norm epsilon (gate.cuh)
     "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
     "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,
                                         dtype=torch.float16, h0=True),

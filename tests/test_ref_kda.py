@@ -221,6 +221,50 @@ def test_prepare_inputs():
                        A_log=None, dt_bias=None)
 
 
+def test_l2norm_epsilon_is_1e_6():
+    """The l2norm is x / sqrt(sum x^2 + 1e-6) (fla's l2norm eps), pinned where the epsilon matters:
+    rows whose sum of squares is near 1e-6 (another epsilon, 1e-5 or 1e-7 or none, moves them by
+    tens of percent; at unit-scale inputs, test_prepare_inputs', it moves nothing visible), and an
+    all-zero row (0, not NaN). Checked against a hand computation in Python floats, in
+    prepare_inputs, in the chunked reference's stages and in both references' outputs."""
+    torch.manual_seed(6)
+    K = 16
+    q = 1e-4 * torch.randn(1, 4, 2, K, dtype=F64)  # sum q^2 ~ 1.6e-7 .. 4e-7
+    k = 3e-4 * torch.randn(1, 4, 2, K, dtype=F64)  # sum k^2 ~ 1.4e-6
+    q[0, 3, 1] = 0.0
+
+    def by_hand(x):
+        out = torch.empty_like(x)
+        for idx in torch.cartesian_prod(*(torch.arange(n) for n in x.shape[:-1])).tolist():
+            row = [float(e) for e in x[tuple(idx)]]
+            r = 1.0 / math.sqrt(sum(e * e for e in row) + 1e-6)
+            out[tuple(idx)] = torch.tensor([e * r for e in row], dtype=F64)
+        return out
+
+    want_q, want_k = by_hand(q), by_hand(k)
+    norms = want_q.norm(dim=-1)
+    assert 0.2 < norms[0, :3].min() and norms[0, :3].max() < 0.6, "inputs not in the epsilon's range"
+    assert norms[0, 3, 1] == 0.0
+    g, beta = torch.zeros(1, 4, 2, K, dtype=F64), torch.zeros(1, 4, 2, dtype=F64)
+    qq, kk, _, _ = prepare_inputs(q, k, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+                                  use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                  A_log=None, dt_bias=None)
+    torch.testing.assert_close(qq, want_q, rtol=1e-12, atol=0)
+    torch.testing.assert_close(kk, want_k, rtol=1e-12, atol=0)
+    # through both references: one token per sequence of a zero state, o = scale (q^ . k^) beta v
+    v = torch.randn(1, 4, 2, 8, dtype=F64)
+    beta = torch.rand(1, 4, 2, dtype=F64)
+    cu = torch.tensor([0, 1, 2, 3, 4])
+    gg = torch.zeros_like(g)
+    o_want = 0.5 * ((want_q * want_k).sum(-1) * beta)[..., None] * v
+    for fn in (naive_recurrent_kda, chunk_kda_reference):
+        o, _ = fn(q, k, v, gg, beta, scale=0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        torch.testing.assert_close(o, o_want, rtol=1e-12, atol=1e-300)
+    _, _, st = chunk_kda_reference(q, k, v, gg, beta, use_qk_l2norm_in_kernel=True, return_stages=True)
+    torch.testing.assert_close(st["q"], want_q, rtol=1e-12, atol=0)
+    torch.testing.assert_close(st["k"], want_k, rtol=1e-12, atol=0)
+
+
 def test_dtypes_and_errors():
     inputs, kw = make_case(5, T=20, H=2, HV=4, K=8, V=8, dtype=torch.float32, h0=True)
     inputs = [inputs[0].to(torch.bfloat16)] + inputs[1:]
