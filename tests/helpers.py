@@ -4,6 +4,7 @@ the host emulator's loader."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -47,6 +48,20 @@ def assert_bitwise_same(ref: dict, got: dict, what: str = "") -> None:
         if t is not None:
             assert torch.isfinite(got[key]).all(), (what, key)
             assert torch.equal(t, got[key]), (what, key)
+
+
+@contextlib.contextmanager
+def our_launches(**want: int):
+    """The block runs inside kernel_fun.strict() (a fallback to fla raises) and must launch exactly
+    `want` of our kernel ops, e.g. our_launches(cconv_fwd=1, cconv_bwd=1): counted in C++ at every
+    op entry (kernel_fun._ext.op_calls), so a result that fla or the reference produced cannot pass
+    as ours. Under CUDA-graph capture a call counts once; replays launch what was captured."""
+    import kernel_fun
+    from kernel_fun.check import count_kernel_ops
+
+    with kernel_fun.strict(), count_kernel_ops() as counts:
+        yield counts
+    assert dict(counts) == want, f"our kernel ops launched {dict(counts)}, expected {want}"
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:

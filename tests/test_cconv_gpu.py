@@ -3,14 +3,16 @@ fp64 reference (kernel_fun.ref.cconv, outputs rounded to the tested tensor's dty
 rel-RMS), odd lengths, T < W, D not a multiple of 8, varlen with empty and one-token documents,
 strided x and dy, every dtype combination, NaN-poisoned outputs, bitwise determinism, a side
 stream, opcheck, CUDA-graph replay, bad inputs, and parity with fla (without final-state
-gradients, where fla deviates; see kernel_fun.cconv's docstring)."""
+gradients, where fla deviates; see kernel_fun.cconv's docstring). Every call of the public
+functions checked here runs inside kernel_fun.strict() and counts our ops' launches
+(helpers.our_launches), so no test can pass on fla's output after a fallback."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import CCONV_TOL, nan_like, rel_rms
+from helpers import CCONV_TOL, nan_like, our_launches, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +107,10 @@ def ref64(inp, activation=None, final=False, dy=None, dht=None, grads=True):
 
 
 def ours(inp, activation=None, final=False, dy=None, dht=None, grads=True, **kw):
-    return run(_cc().causal_conv1d, inp, activation, final, dy, dht, grads, **kw)
+    """run() on kernel_fun.cconv.causal_conv1d, proven to launch our forward (and our backward when
+    gradients are taken) exactly once."""
+    with our_launches(**({"cconv_fwd": 1, "cconv_bwd": 1} if grads else {"cconv_fwd": 1})):
+        return run(_cc().causal_conv1d, inp, activation, final, dy, dht, grads, **kw)
 
 
 def assert_match(ref, got, tol=CCONV_TOL, what=""):
@@ -203,7 +208,7 @@ def test_projection_slice_is_not_copied():
     inp = make(2, 256, 128, 4, layout="slice")
     x = inp["x"]
     before = torch.cuda.memory_allocated()
-    with torch.no_grad():
+    with torch.no_grad(), our_launches(cconv_fwd=1):
         y, _ = _cc().causal_conv1d(x, inp["weight"], activation="silu")
     grew = torch.cuda.memory_allocated() - before
     assert grew <= y.numel() * y.element_size() + 4096, f"{grew} bytes allocated: x was copied"
@@ -214,12 +219,13 @@ def test_multidim_x_folds_trailing_dims():
     g = torch.Generator(device=DEV).manual_seed(5)
     x = torch.randn(2, 70, 4, 32, device=DEV, generator=g).to(BF16).requires_grad_(True)
     w = torch.randn(128, 4, device=DEV, generator=g).to(BF16).requires_grad_(True)
-    y, _ = _cc().causal_conv1d(x, w, activation="silu")
+    with our_launches(cconv_fwd=1, cconv_bwd=1):
+        y, _ = _cc().causal_conv1d(x, w, activation="silu")
+        y.sum().backward()
     assert y.shape == x.shape
     from kernel_fun.ref.cconv import causal_conv1d_ref
     yr, _ = causal_conv1d_ref(x.detach().double().flatten(2), w.detach().double(), activation="silu")
     assert rel_rms(yr.to(BF16), y.flatten(2)) <= CCONV_TOL
-    y.sum().backward()
     assert x.grad.shape == x.shape
 
 
@@ -326,12 +332,15 @@ def test_cuda_graph_replay_equals_eager():
             step()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    eager = step()
+    with our_launches(cconv_fwd=1, cconv_bwd=1):  # what the graph holds
+        with torch.cuda.graph(graph):
+            captured = step()
+    with our_launches(cconv_fwd=1, cconv_bwd=1):
+        eager = step()
     with torch.no_grad():
         leaves["x"].add_(1.0)  # replay reads the new values
-    eager2 = step()
+    with our_launches(cconv_fwd=1, cconv_bwd=1):
+        eager2 = step()
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(captured, eager2):
@@ -357,7 +366,8 @@ def test_update_vs_reference(xshape, W, cdtype):
     res = torch.randn(x.shape, device=DEV, generator=g).to(BF16)
     yr, cr = causal_conv1d_update_ref(x.double(), cache.double(), res.double(), w.double(), b.double(), "silu")
     ptr = cache.data_ptr()
-    y, c = _cc().causal_conv1d_update(x, cache, res, w, b, "silu")
+    with our_launches(cconv_update=1):
+        y, c = _cc().causal_conv1d_update(x, cache, res, w, b, "silu")
     assert c is cache and cache.data_ptr() == ptr
     assert y.shape == x.shape and y.dtype == x.dtype
     assert rel_rms(yr.to(y.dtype), y) <= CCONV_TOL
@@ -368,7 +378,7 @@ def test_update_chain_equals_forward():
     """Decoding token by token from the prefill's final state reproduces the full forward."""
     inp = make(3, 40, 64, 4, bias=True)
     cc = _cc()
-    with torch.no_grad():
+    with torch.no_grad(), our_launches(cconv_fwd=2, cconv_update=10):
         y_full, _ = cc.causal_conv1d(inp["x"], inp["weight"], inp["bias"], activation="silu")
         _, cache = cc.causal_conv1d(inp["x"][:, :30], inp["weight"], inp["bias"], activation="silu",
                                     output_final_state=True)
@@ -521,6 +531,7 @@ def test_update_parity_with_fla():
     b = torch.randn(256, device=DEV, generator=g).to(BF16)
     c1, c2 = cache.clone(), cache.clone()
     yf, c1 = fla_update(x, c1, None, w, b, "silu")
-    yo, c2 = _cc().causal_conv1d_update(x, c2, None, w, b, "silu")
+    with our_launches(cconv_update=1):
+        yo, c2 = _cc().causal_conv1d_update(x, c2, None, w, b, "silu")
     assert rel_rms(yf, yo) <= CCONV_TOL
     assert torch.equal(c1, c2)

@@ -29,3 +29,23 @@ def test_as_stored_fp32_flushes_what_fp32_cannot_hold():
     ref = torch.tensor([1e-270, 2.0 ** -127, 2.0 ** -126, 0.1], dtype=torch.float64)
     got = as_stored_fp32(ref)
     assert got.tolist() == [0.0, 0.0, 2.0 ** -126, float(torch.tensor(0.1).float())]
+
+
+def test_our_launches_fails_unless_exactly_our_ops_ran(monkeypatch):
+    """helpers.our_launches, which the GPU tests use to prove our kernels (not fla's) served a call:
+    strict mode inside, and exactly the wanted launches (kernel_fun._ext.op_calls faked here)."""
+    import pytest
+    from helpers import our_launches
+    from kernel_fun import _dispatch, _ext
+
+    state = {"kda_fwd": 0, "kda_bwd": 0}
+    monkeypatch.setattr(_ext, "op_calls", lambda: dict(state))
+    with our_launches(kda_fwd=1):
+        assert _dispatch.strict_enabled()
+        state["kda_fwd"] += 1
+    assert not _dispatch.strict_enabled()
+    for bump in ({}, {"kda_fwd": 2}, {"kda_fwd": 1, "kda_bwd": 1}):
+        with pytest.raises(AssertionError, match="our kernel ops launched"):
+            with our_launches(kda_fwd=1):
+                for name, n in bump.items():
+                    state[name] += n

@@ -1,7 +1,9 @@
 """What users of a kernel library expect beyond numerics, checked on the public API of each family:
 launches on the caller's current stream (CUDA-graph capture on a side stream fails otherwise),
 graph replay is bit-identical to eager, memory does not grow over repeated calls, outputs never
-alias across calls, results are bitwise deterministic."""
+alias across calls, results are bitwise deterministic; fla 0.6.0's use_graph with padded
+cu_seqlens. Every call runs inside kernel_fun.strict() and counts our op's launches (C++ op
+counters), so none of this can pass on fla's output after a fallback."""
 
 import gc
 
@@ -9,6 +11,17 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+
+
+def _ours(fn, op: str):
+    """fn(x) inside kernel_fun.strict(), checked to launch our op once per call (helpers.our_launches)."""
+    from helpers import our_launches
+
+    def run(x):
+        with our_launches(**{op: 1}):
+            return fn(x)
+
+    return run
 
 
 def _cconv_call():
@@ -23,7 +36,7 @@ def _cconv_call():
     def run(x_):
         return causal_conv1d(x_, w, activation="silu")[0]
 
-    return run, x
+    return _ours(run, "cconv_fwd"), x
 
 
 def _kda_call():
@@ -45,7 +58,7 @@ def _kda_call():
         with torch.no_grad():
             return chunk_kda(q_, k, v, g, beta, **kw)[0]
 
-    return run, q
+    return _ours(run, "kda_fwd"), q
 
 
 CALLS = {"cconv": _cconv_call, "kda": _kda_call}
@@ -183,3 +196,88 @@ def test_fla_06_arguments_keep_every_benchmark_case_on_our_kernels():
             assert ok, f"{case.name} {extra}: {why}"
         del inp
         torch.cuda.empty_cache()
+
+
+# fla 0.6.0's use_graph: cu_seqlens padded with empty tail sequences to max_num_seqs + 1 entries and
+# trusted on the device (never read on the host), so a captured graph replays new documents.
+USE_GRAPH_T, USE_GRAPH_MAX = 300, 6
+USE_GRAPH_DOCS = {"a": [0, 100, 100, 250, 300, 300, 300],  # 4 documents (one empty) + 2 empty tail slots
+                  "b": [0, 1, 64, 64, 200, 300, 300]}      # 5 documents (one token, one empty) + 1
+
+
+def _use_graph_case():
+    from test_kda_fwd_gpu import make_case
+    inputs, kw = make_case(T=USE_GRAPH_T, cu=USE_GRAPH_DOCS["a"], h0=True)
+    kw = {n: x for n, x in kw.items() if x is not None}
+    return inputs, kw, dict(kw, use_graph=True, max_num_seqs=USE_GRAPH_MAX)
+
+
+def test_kda_use_graph_with_padded_cu_seqlens_runs_our_kernels():
+    """chunk_kda(use_graph=True, max_num_seqs, cu_seqlens padded with empty tail sequences) runs our
+    forward and backward (counted, strict mode) and gives bitwise the call without use_graph (the same
+    kernels: only the host-side validation of cu_seqlens is skipped), within the tolerances of the
+    fp64 naive recurrence (outputs and gradients; the empty tail sequences' final states are their
+    initial states)."""
+    from helpers import KDA_TOL, KDA_VARLEN_TOL, assert_bitwise_same, our_launches, rel_rms
+    from kernel_fun.kda import chunk_kda
+    from test_kda_bwd_gpu import _do_dht, _grads_naive, _grads_through
+    from test_kda_fwd_gpu import reference
+
+    inputs, kw, kw_graph = _use_graph_case()
+    with torch.no_grad(), our_launches(kda_fwd=1):
+        o_g, ht_g = chunk_kda(*inputs, **kw_graph)
+    with torch.no_grad():
+        o_p, ht_p = chunk_kda(*inputs, **kw)
+    assert_bitwise_same({"o": o_p, "ht": ht_p}, {"o": o_g, "ht": ht_g}, "forward, use_graph vs not")
+    o_ref, ht_ref = reference(inputs, kw)
+    assert rel_rms(o_ref, o_g) <= KDA_TOL["o"] and rel_rms(ht_ref, ht_g) <= KDA_TOL["ht"]
+    assert torch.equal(ht_g[-2:], kw["initial_state"][-2:])  # empty tail sequences pass h0 through
+
+    do, dht = _do_dht(inputs, kw)
+    with our_launches(kda_fwd=1, kda_bwd=1):
+        ours = _grads_through(chunk_kda, inputs, kw_graph, do, dht)
+    plain = _grads_through(chunk_kda, inputs, kw, do, dht)
+    assert_bitwise_same(plain, ours, "gradients, use_graph vs not")
+    ref = _grads_naive(inputs, kw, do, dht)
+    errs = {key: rel_rms(r, ours[key]) for key, r in ref.items() if r is not None and key != "dA_log"}
+    tol = dict(KDA_VARLEN_TOL, ddt_bias=KDA_TOL["dbias"])
+    assert all(errs[key] <= tol[key] for key in errs), errs
+
+
+def test_kda_use_graph_capture_replays_new_documents():
+    """What use_graph is for: a training step (forward, backward) captured in a CUDA graph with one
+    set of documents replays another after only the padded cu_seqlens' contents change, equal bit for
+    bit to an eager call (without use_graph) on the new documents."""
+    from helpers import our_launches
+    from kernel_fun.kda import chunk_kda
+    from test_kda_bwd_gpu import _do_dht
+
+    inputs, kw, kw_graph = _use_graph_case()
+    static_cu = kw_graph["cu_seqlens"]
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    do, dht = _do_dht(inputs, kw)
+
+    def step(call):
+        o, ht = chunk_kda(*leaves, **call)
+        loss = (o.float() * do.float()).sum() + (ht * dht).sum()
+        return (o, ht) + torch.autograd.grad(loss, leaves)
+
+    first = [t.clone() for t in step(kw_graph)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs asks
+        step(kw_graph)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with our_launches(kda_fwd=1, kda_bwd=1):  # what the graph holds: our forward and backward
+        with torch.cuda.graph(graph):
+            static = step(kw_graph)
+    static_cu.copy_(torch.tensor(USE_GRAPH_DOCS["b"], dtype=static_cu.dtype, device=static_cu.device))
+    graph.replay()
+    cu_b = torch.tensor(USE_GRAPH_DOCS["b"], dtype=static_cu.dtype, device=static_cu.device)
+    eager_b = step(dict(kw, cu_seqlens=cu_b))
+    torch.cuda.synchronize()
+    names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta"]
+    for name, r, e in zip(names, static, eager_b):
+        assert torch.isfinite(r).all() and torch.equal(r, e), f"{name}: replay with new documents != eager"
+    assert not torch.equal(static[0], first[0]), "the replay did not follow the new cu_seqlens"

@@ -153,6 +153,11 @@ def _check_against_naive(case, tol):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_match_fp64_naive(name):
+    """Every gradient of the public chunk_kda (our forward and backward, their launches counted)
+    against autograd through the fp64 naive recurrence. On real kernels this is the check of the
+    autograd wiring (kernel_fun.kda._kernel's backward): dq and dk swapped there fail it (as they fail
+    tests/test_kda_autograd_wiring.py on CPU, with faked ops); the emulator tests call the kernel ops
+    directly and cannot see such a swap."""
     _check_against_naive(CASES[name], KDA_TOL)
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import as_stored_fp32, KDA_TOL, kda_reference, rel_rms
+from helpers import as_stored_fp32, KDA_TOL, kda_reference, our_launches, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -299,7 +299,7 @@ def test_front_engages_our_kernels():
     call_kw = {n: x for n, x in kw.items() if x is not None}
     ok, why = is_supported(q, v, k=k, g=g, beta=beta, **call_kw)
     assert ok, why
-    with torch.no_grad():
+    with torch.no_grad(), our_launches(kda_fwd=1):  # strict mode, our forward counted
         o, ht = chunk_kda(q, k, v, g, beta, **call_kw)
     o_ref, ht_ref = reference(inputs, kw)
     assert rel_rms(o_ref, o) <= KDA_TOL["o"] and rel_rms(ht_ref, ht) <= KDA_TOL["ht"]
