@@ -651,23 +651,18 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
 }
 
 // ---------------------------------------------------------------- I1: below the diagonal blocks
-// Both sides of a pair (r in block bi, s in block bj < bi) go through the same anchor f = 16 bi, the
-// first row of r's block:
-//   row side (warp rb = bi): rowQ_r = exp2(g_r - g_f) sum_s dA1[r][s] X_s, rowK the same with dL,
-//     X_s = k^_s exp2(g_f - g_s), g_f - g_s = (T_bj - loc_s) + mid, mid = loc_f + sum_{bj < m < bi} T_m
-//   column side (warp rb = bj): colS_s = exp2(g_f - g_s) sum_r (dA1[r][s] Y_r + dL[r][s] W_r),
-//     Y_r = q^_r exp2(g_r - g_f), W_r = beta_r k^_r exp2(g_r - g_f), g_r - g_f = loc_r - loc_f
-// (every exponent a difference <= 0). THE CANCELLATION: each pair's product P_rs enters dg at row r
-// (+, row side) and at row s (-, column side), and the reverse cumsum leaves only the pairs that
-// cross a row, so the two must be the same number. The tensor cores round their operands to tf32
-// (2^-11): the row side rounds X_s, the column side Y_r / W_r. So dg takes the row side's sums
-// times the column side's ROUNDED operands Y_r / W_r, and the column side's times the row side's
-// rounded X_s: both sides then form tf32(dA1) tf32(X_s) tf32(Y_r) (dL: ... tf32(W_r)), and what
-// is left is fp32 summation order. (With plain fp32 factors on both sides, the per-pair residue
-// ~2^-11 |P_rs|, summed by the cumsum over the chunk and by dA_log / ddt_bias over all tokens, cost
-// ddt_bias 10x its accuracy, docs/notes/2026-12-02-gate-gradients.md.) dq / dk keep the plain
-// factors. The dg terms go in as corrections to what I2 forms from dq^ / dk^ (dg^ = q^ dq^ + ...),
-// left in X_g at this thread's C-fragment places for I2 to add (X is free from I1 on: E is done).
+// Row side, blocks bj < rb, through f = 16 rb: rowQ = exp2(g_r - g_f) sum_s dA1[r][s] (k^_s exp2(g_f - g_s)),
+// rowK the same with dL; g_f - g_s = (T_bj - loc_s) + sum_{bj < m < rb} T_m + loc_f (all <= 0).
+// Column side, blocks bi > rb, through e = 16 rb + 15: colS = exp2(g_e - g_s) sum_r
+// (dA1[r][s] q^_r + beta_r dL[r][s] k^_r) exp2(g_r - g_e); g_r - g_e = loc_r + sum_{rb < m < bi} T_m.
+// THE CANCELLATION: each pair's product P_rs enters dg at row r (+, row side) and at row s (-, column
+// side), and the reverse cumsum leaves only the pairs that cross a row, so the two must be the same
+// number. The sides factor P_rs through different anchors (f, e), so a tf32 rounding of their B
+// operands (2^-11 each, independent) would leave a residue ~2^-11 |P_rs| per pair, summed by the
+// cumsum over the chunk and by dA_log / ddt_bias over all tokens (ddt_bias lost 10x its accuracy,
+// docs/notes/2026-12-02-gate-gradients.md). So B is carried as tf32 hi + lo (dev::split_tf32, two
+// mma): products good to ~2^-22; the A elements (dA1, dL; beta on the column side's B) are rounded
+// once, identically on both sides.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4],
                                               float (&dkA)[K / 32][4], float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
@@ -679,7 +674,6 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
   const float* sG = c.sG();
   const float* sBT = c.sBT();
   const float* sBeta = c.sBeta();
-  float* Xg = c.template at<float>(S::iXg);
   if (rb > 0) {
     float rq[NTK][4], rk[NTK][4];
 #pragma unroll
@@ -700,10 +694,10 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
           const float tb = sBT[bj * K + d];
-          const uint32_t b0 = dev::to_tf32(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
-          const uint32_t b1 = dev::to_tf32(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
-          dev::mma_1688_tf32(rq[j], a1, b0, b1);
-          dev::mma_1688_tf32(rk[j], al, b0, b1);
+          const dev::Tf32Pair b0 = dev::split_tf32(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
+          const dev::Tf32Pair b1 = dev::split_tf32(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
+          dev::mma_1688_tf32_x2(rq[j], a1, b0, b1);
+          dev::mma_1688_tf32_x2(rk[j], al, b0, b1);
         }
       }
 #pragma unroll
@@ -713,72 +707,51 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
     for (int j = 0; j < NTK; ++j) {
       const int col = cb + 8 * j + 2 * t;
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int r = h2 ? r1 : r0;
-        float corr[2];
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int e = 2 * h2 + e1, d = col + e1;
-          const float fa = dev::fast_exp2(sG[r * KP + d] - sG[f * KP + d]);
-          const float vq = rq[j][e] * fa, vk = rk[j][e] * fa;
-          dqh[j][e] += vq;
-          dkA[j][e] += sBeta[r] * vk;
-          rowsumK[h2] += c.khat(r, d) * vk;
-          // Y_r and W_r exactly as the column side's B operands are formed (same expressions)
-          const float y = c.qhat(r, d) * fa, w = sBeta[r] * c.khat(r, d) * fa;
-          corr[e1] = rq[j][e] * (dev::tf32_value(y) - y) + rk[j][e] * (dev::tf32_value(w) - w);
-        }
-        *reinterpret_cast<float2*>(Xg + Ctx::xs(r, col)) = make_float2(corr[0], corr[1]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = e < 2 ? r0 : r1, d = col + (e & 1);
+        const float fa = dev::fast_exp2(sG[r * KP + d] - sG[f * KP + d]);
+        const float vq = rq[j][e] * fa, vk = rk[j][e] * fa;
+        dqh[j][e] += vq;
+        dkA[j][e] += sBeta[r] * vk;
+        rowsumK[e >> 1] += c.khat(r, d) * vk;
       }
     }
   }
   KF_GRADS_PHASE(4);
   if (rb < 3) {
+    float cs[NTK][4];
+#pragma unroll
+    for (int j = 0; j < NTK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cs[j][e] = 0.f;
+    float mid[NTK];  // the totals of the blocks strictly between rb and bi (grows as bi rises)
+#pragma unroll
+    for (int j = 0; j < NTK; ++j) mid[j] = 0.f;
     for (int bi = rb + 1; bi < 4; ++bi) {
-      const int f = 16 * bi;
-      float cs[NTK][4];
-#pragma unroll
-      for (int j = 0; j < NTK; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cs[j][e] = 0.f;
-      float lf[NTK];  // loc_f at this lane's B columns
-#pragma unroll
-      for (int j = 0; j < NTK; ++j) lf[j] = sG[f * KP + cb + 8 * j + g];
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
-        const int ra = f + 8 * ks + t, rc = ra + 4;
-        uint32_t a1[4], al[4];  // A[m = s][k = r] = dA1[r][s] / dL[r][s]
+        const int ra = 16 * bi + 8 * ks + t, rc = ra + 4;
+        uint32_t a1[4], al[4];  // A[m = s][k = r] = dA1[r][s] / beta_r dL[r][s]
         c.a_col_side(ra, a1, al);
 #pragma unroll
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
-          const float ea = dev::fast_exp2(sG[ra * KP + d] - lf[j]), ec = dev::fast_exp2(sG[rc * KP + d] - lf[j]);
-          dev::mma_1688_tf32(cs[j], a1, dev::to_tf32(c.qhat(ra, d) * ea), dev::to_tf32(c.qhat(rc, d) * ec));
-          dev::mma_1688_tf32(cs[j], al, dev::to_tf32(sBeta[ra] * c.khat(ra, d) * ea),
-                             dev::to_tf32(sBeta[rc] * c.khat(rc, d) * ec));
+          const float ea = dev::fast_exp2(sG[ra * KP + d] + mid[j]), ec = dev::fast_exp2(sG[rc * KP + d] + mid[j]);
+          dev::mma_1688_tf32_x2(cs[j], a1, dev::split_tf32(c.qhat(ra, d) * ea), dev::split_tf32(c.qhat(rc, d) * ec));
+          dev::mma_1688_tf32_x2(cs[j], al, dev::split_tf32(sBeta[ra] * c.khat(ra, d) * ea),
+                                dev::split_tf32(sBeta[rc] * c.khat(rc, d) * ec));
         }
       }
 #pragma unroll
-      for (int j = 0; j < NTK; ++j) {
-        const int col = cb + 8 * j + 2 * t;
+      for (int j = 0; j < NTK; ++j) mid[j] += sBT[bi * K + cb + 8 * j + g];
+    }
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int s = h2 ? r1 : r0, x = Ctx::xs(s, col);
-          // what the row sides before this one left here (none for rb = 0 and the first bi)
-          float2 acc = (rb > 0 || bi > rb + 1) ? *reinterpret_cast<const float2*>(Xg + x) : make_float2(0.f, 0.f);
+    for (int j = 0; j < NTK; ++j) {
+      const int col = cb + 8 * j + 2 * t;
 #pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            const int e = 2 * h2 + e1, d = col + e1;
-            // mid for the pair (bi, rb), summed in the row side's order (loc_f, then T_{bi-1} down)
-            float m = sG[f * KP + d];
-            for (int bm = bi - 1; bm > rb; --bm) m += sBT[bm * K + d];
-            const float es = dev::fast_exp2((sBT[rb * K + d] - sG[s * KP + d]) + m);
-            dkB[j][e] += cs[j][e] * es;
-            const float xv = c.khat(s, d) * es;  // X_s exactly as the row side's B operand is formed
-            (e1 ? acc.y : acc.x) -= cs[j][e] * (dev::tf32_value(xv) - xv);
-          }
-          *reinterpret_cast<float2*>(Xg + x) = acc;
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int s = e < 2 ? r0 : r1, d = col + (e & 1);
+        dkB[j][e] += cs[j][e] * dev::fast_exp2(sBT[rb * K + d] - sG[s * KP + d]);
       }
     }
   }
@@ -864,9 +837,10 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
         vk[e1] = rk[j][e] * fa;
         vs[e1] = cs[j][e] * es;
         rowsumK[h2] += c.khat(r, d) * vk[e1];
-        // dg as grads_offdiag forms it: each side's sums times the other side's tf32-rounded
-        // operands (Y_r, W_r: the column side's B; X_r: the row side's B), so that a pair's two
-        // products cancel in the reverse cumsum to fp32 summation order
+        // dg: each side's sums times the other side's tf32-rounded operands (Y_r, W_r: the column
+        // side's B; X_r: the row side's B). Both sides go through the one anchor m here, so a pair's
+        // two products are then the same number up to fp32 summation order and cancel in the reverse
+        // cumsum (I1's two anchors need the hi / lo split instead; this costs no extra mma)
         const float y = dev::tf32_value(c.qhat(r, d) * fa), w = dev::tf32_value(br * c.khat(r, d) * fa);
         const float xv = dev::tf32_value(c.khat(r, d) * es);
         (e1 ? xg.y : xg.x) += y * rq[j][e] + w * rk[j][e] - xv * cs[j][e];
@@ -911,12 +885,11 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {  // (e = 2 h2, 2 h2 + 1): row r0 / r1, columns col, col + 1
       const int r = h2 ? r1 : r0, x = Ctx::xs(r, col);
-      const float2 corr = *reinterpret_cast<const float2*>(Xg + x);  // I1's dg corrections (grads_offdiag)
       float xg[2];
 #pragma unroll
       for (int e1 = 0; e1 < 2; ++e1) {
         const int e = 2 * h2 + e1;
-        xg[e1] = c.qhat(r, col + e1) * dqh[j][e] + c.khat(r, col + e1) * (dkA[j][e] - dkB[j][e]) + (e1 ? corr.y : corr.x);
+        xg[e1] = c.qhat(r, col + e1) * dqh[j][e] + c.khat(r, col + e1) * (dkA[j][e] - dkB[j][e]);
       }
       *reinterpret_cast<float2*>(Xq + x) = make_float2(dqh[j][2 * h2], dqh[j][2 * h2 + 1]);
       *reinterpret_cast<float2*>(Xk + x) =
