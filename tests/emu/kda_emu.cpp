@@ -228,9 +228,7 @@ void prep(const kda::KdaBwdParams& p) {
 
 template <typename WT, int K>
 void grads(const kda::KdaBwdParams& p) {
-  // launch_grads (kda_bwd_grads.cuh) passes these two constants to dev::launch_chunk_grid, which
-  // builds the same chunk_grid
-  launch(kda::chunk_grid(p, kda::kGradsThreads, kda::GradsSmem<K>::kBytes), kda::grads_kernel_for<WT, K>(p), p);
+  launch(kda::grads_launch<K>(p), kda::grads_kernel_for<WT, K>(p), p);
 }
 
 template <typename WT>

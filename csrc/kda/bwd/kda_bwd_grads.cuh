@@ -28,7 +28,7 @@
 //       side through the last row e of the column's block: every factor exp2 of a difference
 //       <= 0) into the C-layout accumulators  |  those -> smem; the 16 x 16 diagonal blocks: with a
 //       bounded gate (lower_bound >= -5) on tensor cores through the block midpoint, added in place;
-//       else  |  in SIMT, one thread per (column, block), one exp2 of a one-sided LOCAL difference per pair  |
+//       else  |  in SIMT, one thread per (column, block), e_ij as telescoping products of per-row factors <= 1  |
 //   F   dG at the last valid row, reverse cumsum (per (column, block), carries through smem)    |
 //       gate backward (dg; ddt_bias / dA_log partials)  |  beta's sigmoid backward; l2norm backward
 //       in one pass per (row, 8 lanes) (or, with GVA, dq^ / dk^ per value head to the workspace
@@ -860,9 +860,10 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
 // The C-layout results -> smem (X_q = dq^, X_k = dk^ = dkA + dkB, X_g = dg^ so far = q^ dq^ +
 // k^ (dkA - dkB)), then the 16 x 16 diagonal blocks: on tensor cores through the block midpoint when
 // the gate is bounded (grads_diag_mid, kMid), else in SIMT, one thread per (column d, block): the
-// block's 16 rows of g2 / q^ / k^ at column d in registers, every pair (i >= j) once, one exp2 of a
-// one-sided LOCAL difference per pair (nothing inside a diagonal block is factorised), shared by the
-// row side (dq^, dk^ rows) and the column side (dk^ columns, dg^):
+// block's 16 rows of g2 / q^ / k^ at column d in registers, every pair (i >= j) once, e_ij a
+// telescoping product of the per-row factors exp2(g2_i - g2_{i-1}) <= 1 (nothing inside a diagonal
+// block is factorised through another row), shared by the row side (dq^, dk^ rows) and the column
+// side (dk^ columns, dg^); the pair i = j goes to dq^ / dk^ only (its two dg products cancel exactly):
 //   rowQ_i = sum_{j <= i} dA1_ij k^_j e_ij,  rowK_i = sum_{j < i} dL_ij k^_j e_ij,
 //   colS_j = sum_{i >= j} (dA1_ij q^_i + beta_i dL_ij k^_i) e_ij,  e_ij = exp2(g2_i - g2_j).
 // dA1 / dL reads are warp-uniform (broadcast); the row side of dbeta is summed over d by shuffles.
@@ -1252,10 +1253,16 @@ auto grads_kernel_for(const KdaBwdParams& p) {
   return dev::block_midpoint_ok(p.opt) ? kda_bwd_grads_kernel<WT, K, true> : kda_bwd_grads_kernel<WT, K, false>;
 }
 
+// The launch (kda_launch_shape.h): one CTA of kGradsThreads per (chunk, value head).
+template <int K>
+inline LaunchShape grads_launch(const KdaProblem& p) {
+  return chunk_grid(p, kGradsThreads, GradsSmem<K>::kBytes);
+}
+
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_grads(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_grid(grads_kernel_for<WT, K>(p), p, kGradsThreads, GradsSmem<K>::kBytes, stream);
+  dev::launch_chunk_kernel(grads_kernel_for<WT, K>(p), grads_launch<K>(p), p, stream);
 }
 #endif
 

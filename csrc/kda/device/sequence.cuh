@@ -74,13 +74,6 @@ void launch_chunk_kernel(void (*kern)(Params), const LaunchShape& s, const Param
   kern<<<s.grid, s.threads, s.smem, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
-
-// The same with the description built here from (threads, smem): kda_bwd_grads' launcher; the
-// emulator launches that kernel with chunk_grid(p, kGradsThreads, GradsSmem<K>::kBytes) too.
-template <typename Params>
-void launch_chunk_grid(void (*kern)(Params), const Params& p, int threads, size_t smem, cudaStream_t stream) {
-  launch_chunk_kernel(kern, chunk_grid(p, threads, smem), p, stream);
-}
 #endif
 
 }  // namespace kernel_fun::kda::dev
