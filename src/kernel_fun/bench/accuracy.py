@@ -376,9 +376,8 @@ def check_row(row: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ CLI
 def _worker(args):
-    names, impls, fla_where = args
-    by_name = {c.name: c for c in CASES}
-    return [run_case(by_name[n], impls, fla_where) for n in names]
+    name, impls, fla_where = args
+    return run_case(next(c for c in CASES if c.name == name), impls, fla_where)
 
 
 def _table(rows: list[dict], impls) -> str:
@@ -410,6 +409,20 @@ def summary(rows: list[dict], impls) -> dict:
     return {"worst": worst, "over_bound": over}
 
 
+def _document(rows: list[dict], meta: dict, impls) -> dict:
+    order = {n: i for i, n in enumerate(CASE_NAMES)}
+    rows = sorted(rows, key=lambda r: order.get(r["case"], len(order)))
+    return {"meta": meta, "summary": summary(rows, [i for i in impls if any(r.get(i) for r in rows)]), "rows": rows}
+
+
+def _load_rows(path: str) -> list[dict]:
+    """Rows of an earlier run whose case still has the same options in this matrix."""
+    by_name = {c.name: json.loads(json.dumps(dataclasses.asdict(c))) for c in CASES}
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return [r for r in rows if by_name.get(r["case"]) == r.get("options")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernel_fun.bench.accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results", help="folder for <gpu>-grad-accuracy.json")
@@ -418,8 +431,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="processes on the GPU (default 1)")
     ap.add_argument("--fla-where", choices=("all", "needed"), default="all",
                     help="'needed': run fla only where ours exceeds fla's tolerance (default: all)")
+    ap.add_argument("--resume", metavar="JSON", help="keep this earlier run's rows (same options) and run "
+                    "only the cases it lacks: a run cut off at a time limit goes on where it stopped")
     ap.add_argument("--label", default="", help="written into the JSON (e.g. the commit measured)")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
+    ap.add_argument("--before", metavar="JSON", help="no GPU: add this earlier run's errors of ours to each row "
+                    "of --merge as 'before' (an A/B of two builds on the same inputs) and write --out")
+    ap.add_argument("--merge", metavar="JSON", help="with --before: the run to merge into")
+    ap.add_argument("--note", default="", help="with --merge: a note written into the JSON's meta")
     a = ap.parse_args(argv)
     names = a.case or list(CASE_NAMES)
     unknown = sorted(set(names) - set(CASE_NAMES))
@@ -430,42 +449,71 @@ def main(argv=None) -> int:
             if c.name in names:
                 print(f"{c.name}: {c.label()}")
         return 0
+    if a.merge:
+        with open(a.merge) as f:
+            doc = json.load(f)
+        before, before_meta = {}, {}
+        if a.before:
+            before = {r["case"]: r for r in _load_rows(a.before)}
+            with open(a.before) as f:
+                before_meta = json.load(f)["meta"]
+        for r in doc["rows"]:
+            if r["case"] in before:
+                r["before"] = before[r["case"]].get("ours")
+            if r.get("fla") is None and not r.get("fla_why"):  # an ours-only run: say why fla is missing
+                r["fla"], r["fla_why"] = None, "not measured (meta.note says why)"
+        doc["meta"]["before_label"] = before_meta.get("label", "")
+        if a.note:
+            doc["meta"]["note"] = a.note
+        doc["summary"] = summary(doc["rows"], [i for i in ("ours", "fla", "before") if any(r.get(i) for r in doc["rows"])])
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, os.path.basename(a.merge))
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {path}")
+        return 0
     import torch
 
+    from kernel_fun import versions
     from kernel_fun.bench.report import gpu_slug
 
     impls = ("ours",) if a.no_fla else ("ours", "fla")
     t0 = time.time()
-    if a.workers > 1:
-        import multiprocessing as mp
-
-        # longest cases first, dealt round-robin, so no worker ends up with all the long ones
-        order = sorted(names, key=lambda n: -next(c.T for c in CASES if c.name == n))
-        parts = [order[i::a.workers] for i in range(a.workers)]
-        with mp.get_context("spawn").Pool(a.workers) as pool:
-            got = pool.map(_worker, [(p, impls, a.fla_where) for p in parts])
-        by_name = {r["case"]: r for part in got for r in part}
-        rows = [by_name[n] for n in names]
-    else:
-        rows = []
-        for i, n in enumerate(names):
-            rows.append(run_case(next(c for c in CASES if c.name == n), impls, a.fla_where))
-            print(f"[{i + 1}/{len(names)}] {n} ({rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
-    from kernel_fun import versions
-
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "versions": versions(),
-            "label": a.label, "seconds": round(time.time() - t0, 1), "impls": list(impls), "fla_where": a.fla_where,
+            "label": a.label, "impls": list(impls), "fla_where": a.fla_where,
             "bound": f"max(fla's tolerance, {FLA_FACTOR} x fla's own error on the same inputs)",
             "reference": "autograd through kernel_fun.ref.kda.naive_recurrent_kda in fp64"}
-    doc = {"meta": meta, "summary": summary(rows, impls), "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"{gpu_slug(meta['device'])}-grad-accuracy.json")
+    rows = [r for r in _load_rows(a.resume) if r["case"] in names] if a.resume else []
+    todo = [n for n in names if n not in {r["case"] for r in rows}]
+    # longest first, so the long cases do not all end up last; the file is rewritten after every case,
+    # so a run stopped at a time limit leaves what it finished (and --resume goes on from there)
+    todo.sort(key=lambda n: -next(c.T for c in CASES if c.name == n))
+
+    def done(row):
+        rows.append(row)
+        meta["seconds"] = round(time.time() - t0, 1)
+        with open(path, "w") as f:
+            json.dump(_document(rows, meta, impls), f, indent=1)
+        print(f"[{len(rows)}/{len(names)}] {row['case']} ({row['seconds']} s)", file=sys.stderr, flush=True)
+
+    if a.workers > 1 and todo:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(a.workers) as pool:
+            for row in pool.imap_unordered(_worker, [(n, impls, a.fla_where) for n in todo]):
+                done(row)
+    else:
+        for n in todo:
+            done(_worker((n, impls, a.fla_where)))
+    doc = _document(rows, meta, impls)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    print(_table(rows, impls))
+    print(_table(doc["rows"], impls))
     over = doc["summary"]["over_bound"]
     print(f"\n{len(rows)} cases, {len(over)} with a gradient over its bound; wrote {path} "
-          f"({meta['seconds']} s)")
+          f"({meta.get('seconds', 0)} s)")
     for impl, w in doc["summary"]["worst"].items():
         print(f"worst {impl}: " + ", ".join(f"{k} {v['rel_rms']:.2e} ({v['case']})" for k, v in w.items()))
     return 0
