@@ -18,6 +18,15 @@ KDA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0"
 KDA_VARLEN_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.007, "dk": 0.008, "dv": 0.007,
                   "dg": 0.015, "dbeta": 0.015, "dh0": 0.007}
 CCONV_TOL = 1e-3
+# dA_log sums dgate * gate over every token and dimension of a head. Its terms cancel (the true value
+# can be far below the terms' size), so its relative error is a multiple of dg's, and bf16 storage of
+# the intermediates (v', kg, Akk, h, dh) sets a floor that fla's kernels share (docs/notes/
+# 2026-12-02-gate-gradients.md). fla checks dA at 0.003 (dense) / 0.008 (varlen) as a warning only;
+# kernel_fun.bench.accuracy holds ours to max(that, 1.25 x fla's own error) case by case. Here, one
+# bound for the emulator and the GPU tests alike: 0.03, above what the fixed intra products give on
+# the H200 matrix (<= 2.4e-2 where the true value is not near 0, 2026-12-02) and on the emulator's
+# cases (<= 6.2e-3); the old inconsistent rounding gave up to 0.86 on the matrix.
+DA_LOG_TOL = 0.03
 
 
 def rel_rms(ref: torch.Tensor, got: torch.Tensor) -> float:

@@ -25,9 +25,9 @@ import sys
 from typing import Callable, Iterable
 
 # rel-RMS tolerances against the fp64 reference: tests/helpers.py's KDA_TOL / CCONV_TOL (ddt_bias is
-# its "dbias") and dA_log the bound of tests/test_kda_bwd_gpu.py; tests/test_check.py keeps them equal.
+# its "dbias") and dA_log tests/helpers.py's DA_LOG_TOL; tests/test_check.py keeps them equal.
 KDA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02,
-           "dA_log": 0.1, "ddt_bias": 0.008, "dh0": 0.008}
+           "dA_log": 0.03, "ddt_bias": 0.008, "dh0": 0.008}
 CCONV_TOL = 1e-3
 
 FAMILIES = ("cconv", "kda")
