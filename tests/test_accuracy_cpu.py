@@ -117,3 +117,14 @@ def test_resume_keeps_only_rows_of_unchanged_cases_and_merge_adds_before(tmp_pat
     row = doc["rows"][0]
     assert row["before"] == {"dq": 1e-3} and row["fla"] is None and row["fla_why"]
     assert doc["meta"]["before_label"] == "x" and doc["meta"]["note"] == "why"
+
+
+def test_resume_reruns_rows_without_the_implementations_asked_for():
+    ours_only = {"case": "x", "ours": {"dq": 1e-3}, "fla": None, "fla_why": "not measured (meta.note says why)"}
+    skipped = {"case": "x", "ours": {"dq": 1e-3}, "fla": None, "fla_why": acc._FLA_NOT_NEEDED}
+    failed = {"case": "x", "ours": {"dq": 1e-3}, "fla": None, "fla_why": "AssertionError: fla cannot run it"}
+    both = {"case": "x", "ours": {"dq": 1e-3}, "fla": {"dq": 2e-3}}
+    assert acc._complete(ours_only, ("ours",), "all")
+    assert not acc._complete(ours_only, ("ours", "fla"), "needed")
+    assert acc._complete(skipped, ("ours", "fla"), "needed") and not acc._complete(skipped, ("ours", "fla"), "all")
+    assert acc._complete(failed, ("ours", "fla"), "all") and acc._complete(both, ("ours", "fla"), "all")

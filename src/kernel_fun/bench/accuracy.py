@@ -423,6 +423,19 @@ def _load_rows(path: str) -> list[dict]:
     return [r for r in rows if by_name.get(r["case"]) == r.get("options")]
 
 
+def _complete(row: dict, impls, fla_where: str) -> bool:
+    """Whether an earlier row already answers this run: every implementation asked for either ran or
+    could not (its reason), not merely went unmeasured (an ours-only run, or fla skipped as not
+    needed when this run wants fla everywhere)."""
+    for impl in impls:
+        if row.get(impl) is not None:
+            continue
+        why = row.get(impl + "_why") or ""
+        if not why or why.startswith("not measured") or (why == _FLA_NOT_NEEDED and fla_where == "all"):
+            return False
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernel_fun.bench.accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results", help="folder for <gpu>-grad-accuracy.json")
@@ -485,7 +498,8 @@ def main(argv=None) -> int:
             "reference": "autograd through kernel_fun.ref.kda.naive_recurrent_kda in fp64"}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"{gpu_slug(meta['device'])}-grad-accuracy.json")
-    rows = [r for r in _load_rows(a.resume) if r["case"] in names] if a.resume else []
+    rows = [r for r in _load_rows(a.resume) if r["case"] in names and _complete(r, impls, a.fla_where)] \
+        if a.resume else []
     todo = [n for n in names if n not in {r["case"] for r in rows}]
     # longest first, so the long cases do not all end up last; the file is rewritten after every case,
     # so a run stopped at a time limit leaves what it finished (and --resume goes on from there)
