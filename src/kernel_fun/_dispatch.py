@@ -56,6 +56,15 @@ def _once(key: tuple[str, str]) -> bool:
         return True
 
 
+def reject_unknown_kwargs(qualname: str, kwargs: dict, known: frozenset) -> None:
+    """TypeError naming every keyword in kwargs that fla's function does not read from its
+    **kwargs, as Python raises for a misspelt parameter, on every path: fla's **kwargs would
+    swallow a typo (dt_bais=, activaton=) and return a result without it."""
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"{qualname}() got unexpected keyword argument(s): {', '.join(repr(u) for u in unknown)}")
+
+
 def common_reason(family: str, cp_context) -> str | None:
     """The routing reasons every family shares, in order: the environment switches off the
     family, context parallelism (fla's). None when none applies. (An unknown keyword is no

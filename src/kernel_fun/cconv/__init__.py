@@ -61,13 +61,6 @@ def _fail(fn: str, exc, msg: str):
     raise exc(f"kernel_fun.cconv.{fn}: {msg}")
 
 
-def _check_kwargs(kwargs: dict) -> None:
-    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
-    if unknown:
-        raise TypeError(f"kernel_fun.cconv.causal_conv1d() got unexpected keyword argument(s): "
-                        f"{', '.join(repr(u) for u in unknown)}")
-
-
 def _check_types(fn: str, tensors: dict, activation) -> None:
     for name, t in tensors.items():
         if t is not None and not isinstance(t, torch.Tensor):
@@ -185,7 +178,7 @@ def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, o
     """(True, None) when ``causal_conv1d`` with these arguments runs our CUDA kernels, else
     (False, reason). Never raises: invalid input comes back as (False, 'invalid: ...')."""
     try:
-        _check_kwargs(kwargs)
+        _dispatch.reject_unknown_kwargs("kernel_fun.cconv.causal_conv1d", kwargs, _KNOWN_KWARGS)
         _, _, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
                              backend, cu_seqlens, cu_seqlens_cpu)
     except (TypeError, ValueError) as e:
@@ -236,7 +229,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     ``cu_seqlens_cpu``, when given, is validated on the host, so no device sync ever happens.
     ``seq_idx`` (a keyword fla reads for its 'mix' and 'cuda' backends) goes to fla with those
     backends and is ignored with 'triton', as fla ignores it."""
-    _check_kwargs(kwargs)
+    _dispatch.reject_unknown_kwargs("kernel_fun.cconv.causal_conv1d", kwargs, _KNOWN_KWARGS)
     xf, rf, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
                            backend, cu_seqlens, cu_seqlens_cpu)
     # Meta tensors (shape inference) take our ops' fakes when the extension is there, exactly the

@@ -45,10 +45,7 @@ def _take_kwargs(kwargs: dict, state_v_first: bool) -> bool:
         warnings.warn("chunk_kda: `transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                       DeprecationWarning, stacklevel=3)
         state_v_first = bool(value)
-    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
-    if unknown:
-        raise TypeError(f"kernel_fun.kda.chunk_kda() got unexpected keyword argument(s): "
-                        f"{', '.join(repr(u) for u in unknown)}")
+    _dispatch.reject_unknown_kwargs("kernel_fun.kda.chunk_kda", kwargs, _KNOWN_KWARGS)
     return state_v_first
 
 
