@@ -167,7 +167,8 @@ CASES: tuple[GradCase, ...] = tuple([
 ] + _random_cases(56, seed=20261202))
 
 CASE_NAMES = tuple(c.name for c in CASES)
-assert len(set(CASE_NAMES)) == len(CASES)
+BY_NAME = {c.name: c for c in CASES}
+assert len(BY_NAME) == len(CASES)
 
 
 def tolerances(case: GradCase) -> dict:
@@ -246,45 +247,34 @@ def make_inputs(case: GradCase, device="cuda"):
     return inputs, kw, seeds
 
 
-_LEAF_GRAD = {"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}
+_INPUTS = ("q", "k", "v", "g", "beta")
+_LEAVES = ("A_log", "dt_bias", "initial_state")  # keyword arguments that get gradients too
 
 
 def outputs_and_grads(fn, inputs, kw, seeds, cast=None):
     """o, ht and every gradient of <o, seeds.o> + <ht, seeds.ht> through fn (chunk_kda's
-    signature). ``cast`` converts every floating input first (fp64 for the reference)."""
-    import torch
+    signature), by kernel_fun.check.outputs_and_grads; gradients named as chunk_kda's inputs
+    (dq .. dbeta, dA_log, ddt_bias, dh0). ``cast`` converts every leaf first (fp64 for the reference)."""
+    from kernel_fun.check import outputs_and_grads as through
 
     conv = (lambda t: t) if cast is None else cast
-    leaves = [conv(x).detach().clone().requires_grad_(True) for x in inputs]
-    call = dict(kw)
-    extra = {}
-    for n in _LEAF_GRAD:
-        if call.get(n) is not None:
-            call[n] = extra[n] = conv(call[n]).detach().clone().requires_grad_(True)
-    o, ht = fn(*leaves, **call)
-    loss = (o * seeds["o"].to(o.dtype)).sum()
-    if seeds["ht"] is not None:
-        loss = loss + (ht * seeds["ht"].to(ht.dtype)).sum()
-    grads = torch.autograd.grad(loss, leaves + list(extra.values()), allow_unused=True)
-    out = dict(zip(("dq", "dk", "dv", "dg", "dbeta"), grads[:5]))
-    out.update({_LEAF_GRAD[n]: gr for n, gr in zip(extra, grads[5:])})
-    out["o"], out["ht"] = o.detach(), (ht.detach() if ht is not None else None)
+    leaves = {n: conv(x) for n, x in zip(_INPUTS, inputs)}
+    consts = {n: x for n, x in kw.items() if not (n in _LEAVES and x is not None)}
+    leaves.update({n: conv(kw[n]) for n in _LEAVES if kw.get(n) is not None})
+    outs, grads = through(fn, leaves, consts, {n: seeds[n] for n in ("o", "ht") if seeds[n] is not None})
+    out = {("dh0" if n == "initial_state" else "d" + n): grads["d" + n] for n in leaves}
+    out["o"], out["ht"] = outs["o"].detach(), (outs["ht"].detach() if "ht" in outs else None)
     return out
 
 
 def reference(inputs, kw, seeds):
     """Autograd through the fp64 token-by-token recurrence."""
-    import torch
-
     from kernel_fun.ref.kda import naive_recurrent_kda
 
     rk = {n: x for n, x in kw.items() if n not in ("safe_gate", "cu_seqlens_cpu")}
     rk["output_final_state"] = seeds["ht"] is not None or kw.get("output_final_state", False)
-
-    def fn(q, k, v, g, beta, **call):
-        return naive_recurrent_kda(q, k, v, g, beta, **call)
-
-    return outputs_and_grads(fn, inputs, rk, seeds, cast=lambda t: t.double() if t.is_floating_point() else t)
+    return outputs_and_grads(naive_recurrent_kda, inputs, rk, seeds,
+                             cast=lambda t: t.double() if t.is_floating_point() else t)
 
 
 def ours(inputs, kw, seeds):
@@ -361,7 +351,7 @@ def run_case(case: GradCase, impls=("ours", "fla"), fla_where: str = "all") -> d
 
 def check_row(row: dict) -> list[str]:
     """The gradients (and outputs) of a row where ours is over its bound; [] when all hold."""
-    case = next(c for c in CASES if c.name == row["case"])
+    case = BY_NAME[row["case"]]
     bad = []
     mine = row.get("ours")
     if mine is None:
@@ -377,7 +367,7 @@ def check_row(row: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------ CLI
 def _worker(args):
     name, impls, fla_where = args
-    return run_case(next(c for c in CASES if c.name == name), impls, fla_where)
+    return run_case(BY_NAME[name], impls, fla_where)
 
 
 def _table(rows: list[dict], impls) -> str:
@@ -503,7 +493,7 @@ def main(argv=None) -> int:
     todo = [n for n in names if n not in {r["case"] for r in rows}]
     # longest first, so the long cases do not all end up last; the file is rewritten after every case,
     # so a run stopped at a time limit leaves what it finished (and --resume goes on from there)
-    todo.sort(key=lambda n: -next(c.T for c in CASES if c.name == n))
+    todo.sort(key=lambda n: -BY_NAME[n].T)
 
     def done(row):
         rows.append(row)
