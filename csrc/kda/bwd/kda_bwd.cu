@@ -101,18 +101,12 @@ void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream) {
 namespace {
 
 void gate_params(const KdaBwdParams& p, cudaStream_t stream) {
-  const LaunchShape s = gate_params_launch(p);
-  if (s.empty()) return;
-  kda_bwd_gate_params_kernel<<<s.grid, s.threads, s.smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
+  dev::launch(kda_bwd_gate_params_kernel, gate_params_launch(p), p, stream);
 }
 
 void group_sums(const KdaBwdParams& p, cudaStream_t stream) {
-  const LaunchShape s = group_sum_launch(p);
-  if (s.empty()) return;
-  if (p.dtype == DType::kBFloat16) kda_bwd_group_sum_kernel<__nv_bfloat16><<<s.grid, s.threads, s.smem, stream>>>(p);
-  else kda_bwd_group_sum_kernel<__half><<<s.grid, s.threads, s.smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
+  if (p.dtype == DType::kBFloat16) dev::launch(kda_bwd_group_sum_kernel<__nv_bfloat16>, group_sum_launch(p), p, stream);
+  else dev::launch(kda_bwd_group_sum_kernel<__half>, group_sum_launch(p), p, stream);
 }
 
 // Rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with M) and the state

@@ -169,7 +169,7 @@ inline LaunchShape dh_scan_launch(const KdaProblem& p) {
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_scan_grid(kda_bwd_dh_scan_kernel<WT, K, BV>, dh_scan_launch<WT, K, BV>(p), p, stream);
+  dev::launch(kda_bwd_dh_scan_kernel<WT, K, BV>, dh_scan_launch<WT, K, BV>(p), p, stream);
 }
 #endif
 

@@ -836,13 +836,14 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
         vq[e1] = rq[j][e] * fa;
         vk[e1] = rk[j][e] * fa;
         vs[e1] = cs[j][e] * es;
-        rowsumK[h2] += c.khat(r, d) * vk[e1];
+        const float qh = c.qhat(r, d), kh = c.khat(r, d);
+        rowsumK[h2] += kh * vk[e1];
         // dg: each side's sums times the other side's tf32-rounded operands (Y_r, W_r: the column
         // side's B; X_r: the row side's B). Both sides go through the one anchor m here, so a pair's
         // two products are then the same number up to fp32 summation order and cancel in the reverse
         // cumsum (I1's two anchors need the hi / lo split instead; this costs no extra mma)
-        const float y = dev::tf32_value(c.qhat(r, d) * fa), w = dev::tf32_value(br * c.khat(r, d) * fa);
-        const float xv = dev::tf32_value(c.khat(r, d) * es);
+        const float y = dev::tf32_value(qh * fa), w = dev::tf32_value(br * kh * fa);
+        const float xv = dev::tf32_value(kh * es);
         (e1 ? xg.y : xg.x) += y * rq[j][e] + w * rk[j][e] - xv * cs[j][e];
       }
       xq.x += vq[0];

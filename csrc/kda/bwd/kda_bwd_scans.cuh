@@ -40,7 +40,7 @@ inline LaunchShape scans_launch(const KdaProblem& p) {
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scans(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_scan_grid(kda_bwd_scans_kernel<WT, K, BV>, scans_launch<WT, K, BV>(p), p, stream);
+  dev::launch(kda_bwd_scans_kernel<WT, K, BV>, scans_launch<WT, K, BV>(p), p, stream);
 }
 #endif
 

@@ -261,15 +261,19 @@ __device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const uint32_t (&a)
 #endif
 }
 
-// An fp32 operand carried to ~2^-22 through the tf32 tensor cores: x = hi + lo, both tf32 (hi's low
-// 13 bits masked, so the subtraction is exact whatever cvt leaves there). Where two products of the
-// same pair of values, formed from differently factorised operands, must cancel (kda_bwd_grads, I1).
+// The value a tf32 operand carries into the tensor core: x rounded as to_tf32 rounds it, low 13 bits
+// cleared (mma ignores them; clearing them makes the float exact whatever cvt leaves there).
+__device__ __forceinline__ float tf32_value(float x) { return __uint_as_float(to_tf32(x) & 0xffffe000u); }
+
+// An fp32 operand carried to ~2^-22 through the tf32 tensor cores: x = hi + lo, both tf32 (hi from
+// tf32_value, so the subtraction is exact). Where two products of the same pair of values, formed
+// from differently factorised operands, must cancel (kda_bwd_grads, I1).
 struct Tf32Pair {
   uint32_t hi, lo;
 };
 __device__ __forceinline__ Tf32Pair split_tf32(float x) {
-  const uint32_t hi = to_tf32(x) & 0xffffe000u;
-  return {hi, to_tf32(x - __uint_as_float(hi))};
+  const float hi = tf32_value(x);
+  return {__float_as_uint(hi), to_tf32(x - hi)};
 }
 // c += A (B.hi + B.lo): A rounded once (its rounding is the same wherever the same A element is used).
 __device__ __forceinline__ void mma_1688_tf32_x2(float (&c)[4], const uint32_t (&a)[4], const Tf32Pair& b0,
@@ -277,10 +281,6 @@ __device__ __forceinline__ void mma_1688_tf32_x2(float (&c)[4], const uint32_t (
   mma_1688_tf32(c, a, b0.hi, b1.hi);
   mma_1688_tf32(c, a, b0.lo, b1.lo);
 }
-
-// The value a tf32 operand carries into the tensor core: x rounded as to_tf32 rounds it, low 13 bits
-// cleared (mma ignores them; clearing them makes the float exact whatever cvt leaves there).
-__device__ __forceinline__ float tf32_value(float x) { return __uint_as_float(to_tf32(x) & 0xffffe000u); }
 
 // ---------------------------------------------------------------- ldmatrix / cp.async
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

@@ -294,15 +294,4 @@ inline LaunchShape scan_launch(const KdaProblem& p, int x_items) {
   return scan_grid(p, x_items, scan_threads<BV>(), ScanStage<WT, K, BV>::kBytes);
 }
 
-#ifndef KF_EMU
-// Launches a scan kernel as its description says; nothing launched for an empty problem.
-template <typename Params>
-void launch_scan_grid(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(s.smem)));
-  if (s.empty()) return;
-  kern<<<s.grid, s.threads, s.smem, stream>>>(p);
-  KF_CHECK_LAUNCH();
-}
-#endif
-
 }  // namespace kernel_fun::kda::dev

@@ -62,17 +62,23 @@ __device__ __forceinline__ int total_chunks(const KdaProblem& p) {
 }
 
 #ifndef KF_EMU
-// Launches a per-chunk kernel (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads) as its description says
-// (kda_launch_shape.h: intra_launch, prep_launch, chunk_grid): dynamic smem opted in with the
-// largest carveout, nothing launched for an empty problem.
+// Launches a kernel as its description says (kda_launch_shape.h; every KDA launcher goes through
+// here): dynamic smem opted in, nothing launched for an empty problem.
 template <typename Params>
-void launch_chunk_kernel(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
+void launch(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(s.smem)));
-  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     cudaSharedmemCarveoutMaxShared));
   if (s.empty()) return;
   kern<<<s.grid, s.threads, s.smem, stream>>>(p);
   KF_CHECK_LAUNCH();
+}
+
+// The per-chunk kernels (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads) also ask for the largest
+// shared-memory carveout (they run one or two CTAs of ~100-210 KB per SM).
+template <typename Params>
+void launch_chunk_kernel(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
+  KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+  launch(kern, s, p, stream);
 }
 #endif
 

@@ -180,7 +180,7 @@ inline LaunchShape fwd_scan_launch(const KdaProblem& p) {
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch_scan_grid(kda_fwd_scan_kernel<WT, K, BV>, fwd_scan_launch<WT, K, BV>(p), p, stream);
+  dev::launch(kda_fwd_scan_kernel<WT, K, BV>, fwd_scan_launch<WT, K, BV>(p), p, stream);
 }
 #endif
 
