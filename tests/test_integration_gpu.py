@@ -244,12 +244,6 @@ def test_kda_use_graph_with_padded_cu_seqlens_runs_our_kernels():
     assert all(errs[key] <= tol[key] for key in errs), errs
 
 
-@pytest.mark.xfail(run=False, strict=True, reason=(
-    "H200, 2026-12-02 (db04838): capturing the backward fails with 'CUDA error: operation would make the legacy "
-    "stream depend on a capturing blocking stream' (in autograd's run_backward), and the aborted capture leaves "
-    "the CUDA generator mid-capture, which then fails the next test that draws random numbers. The same "
-    "capture without use_graph / varlen passes (test_kda_bwd_gpu::test_cuda_graph_capture_and_replay_of_a_"
-    "training_step). Not yet diagnosed: not run until it is, so it cannot take other tests down"))
 def test_kda_use_graph_capture_replays_new_documents():
     """What use_graph is for: a training step (forward, backward) captured in a CUDA graph with one
     set of documents replays another after only the padded cu_seqlens' contents change, equal bit for
@@ -268,7 +262,12 @@ def test_kda_use_graph_capture_replays_new_documents():
         loss = (o.float() * do.float()).sum() + (ht * dht).sum()
         return (o, ht) + torch.autograd.grad(loss, leaves)
 
-    first = [t.clone() for t in step(kw_graph)]
+    # detach: o and ht of an eager step would otherwise keep its autograd graph alive, and with it
+    # the leaves' gradient-accumulator nodes, which remember the stream they were made on (here the
+    # legacy default stream); capturing the backward then makes the capture stream wait on the legacy
+    # stream ("operation would make the legacy stream depend on a capturing blocking stream", H200
+    # 2026-12-02, when this line kept o and ht attached).
+    first = [t.detach().clone() for t in step(kw_graph)]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs asks
