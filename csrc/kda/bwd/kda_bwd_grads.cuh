@@ -660,11 +660,9 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
 // number. The sides factor P_rs through different anchors (f, e), so a tf32 rounding of their B
 // operands (2^-11 each, independent) would leave a residue ~2^-11 |P_rs| per pair, summed by the
 // cumsum over the chunk and by dA_log / ddt_bias over all tokens (ddt_bias lost 10x its accuracy,
-// docs/notes/2026-12-02-gate-gradients.md). So B is carried as tf32 hi + an fp32 lo, and the lo parts
-// of both k8 steps of a 16-column block go through one bf16 m16n8k16 mma (dev::split_tf32_lo,
-// dev::mma_lo_k16): products good to ~2^-19 for 3 mma per 16 columns where tf32 hi + lo took 4. The A
-// elements (dA1, dL; beta on the column side's B) are rounded once, identically on both sides (tf32;
-// bf16 of that tf32 value for the lo product).
+// docs/notes/2026-12-02-gate-gradients.md). So B is carried as tf32 hi + lo (dev::split_tf32, two
+// mma): products good to ~2^-22; the A elements (dA1, dL; beta on the column side's B) are rounded
+// once, identically on both sides.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4],
                                               float (&dkA)[K / 32][4], float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
@@ -687,26 +685,20 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 #pragma unroll
     for (int j = 0; j < NTK; ++j) mid[j] = sG[f * KP + cb + 8 * j + g];
     for (int bj = rb - 1; bj >= 0; --bj) {
-      uint32_t a1[2][4], al[2][4], a1h[4], alh[4];  // the two k8 steps' tf32 A, and both as bf16 k16
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks) c.a_row_side(16 * bj + 8 * ks + t, a1[ks], al[ks]);
-      dev::tf32_a_to_bf16_k16(a1h, a1[0], a1[1]);
-      dev::tf32_a_to_bf16_k16(alh, al[0], al[1]);
+      for (int ks = 0; ks < 2; ++ks) {
+        const int sa = 16 * bj + 8 * ks + t, sb = sa + 4;
+        uint32_t a1[4], al[4];
+        c.a_row_side(sa, a1, al);
 #pragma unroll
-      for (int j = 0; j < NTK; ++j) {
-        const int d = cb + 8 * j + g;
-        const float tb = sBT[bj * K + d];
-        dev::Tf32Lo b[2][2];
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          const int sa = 16 * bj + 8 * ks + t, sb = sa + 4;
-          b[ks][0] = dev::split_tf32_lo(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
-          b[ks][1] = dev::split_tf32_lo(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
-          dev::mma_1688_tf32(rq[j], a1[ks], b[ks][0].hi, b[ks][1].hi);
-          dev::mma_1688_tf32(rk[j], al[ks], b[ks][0].hi, b[ks][1].hi);
+        for (int j = 0; j < NTK; ++j) {
+          const int d = cb + 8 * j + g;
+          const float tb = sBT[bj * K + d];
+          const dev::Tf32Pair b0 = dev::split_tf32(c.khat(sa, d) * dev::fast_exp2((tb - sG[sa * KP + d]) + mid[j]));
+          const dev::Tf32Pair b1 = dev::split_tf32(c.khat(sb, d) * dev::fast_exp2((tb - sG[sb * KP + d]) + mid[j]));
+          dev::mma_1688_tf32_x2(rq[j], a1, b0, b1);
+          dev::mma_1688_tf32_x2(rk[j], al, b0, b1);
         }
-        dev::mma_lo_k16(rq[j], a1h, b[0][0].lo, b[0][1].lo, b[1][0].lo, b[1][1].lo);
-        dev::mma_lo_k16(rk[j], alh, b[0][0].lo, b[0][1].lo, b[1][0].lo, b[1][1].lo);
       }
 #pragma unroll
       for (int j = 0; j < NTK; ++j) mid[j] += sBT[bj * K + cb + 8 * j + g];
@@ -736,28 +728,19 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 #pragma unroll
     for (int j = 0; j < NTK; ++j) mid[j] = 0.f;
     for (int bi = rb + 1; bi < 4; ++bi) {
-      uint32_t a1[2][4], al[2][4], a1h[4], alh[4];  // A[m = s][k = r] = dA1[r][s] / dL[r][s]
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks) c.a_col_side(16 * bi + 8 * ks + t, a1[ks], al[ks]);
-      dev::tf32_a_to_bf16_k16(a1h, a1[0], a1[1]);
-      dev::tf32_a_to_bf16_k16(alh, al[0], al[1]);
+      for (int ks = 0; ks < 2; ++ks) {
+        const int ra = 16 * bi + 8 * ks + t, rc = ra + 4;
+        uint32_t a1[4], al[4];  // A[m = s][k = r] = dA1[r][s] / beta_r dL[r][s]
+        c.a_col_side(ra, a1, al);
 #pragma unroll
-      for (int j = 0; j < NTK; ++j) {
-        const int d = cb + 8 * j + g;
-        dev::Tf32Lo bq[2][2], bk[2][2];
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          const int ra = 16 * bi + 8 * ks + t, rc = ra + 4;
+        for (int j = 0; j < NTK; ++j) {
+          const int d = cb + 8 * j + g;
           const float ea = dev::fast_exp2(sG[ra * KP + d] + mid[j]), ec = dev::fast_exp2(sG[rc * KP + d] + mid[j]);
-          bq[ks][0] = dev::split_tf32_lo(c.qhat(ra, d) * ea);
-          bq[ks][1] = dev::split_tf32_lo(c.qhat(rc, d) * ec);
-          bk[ks][0] = dev::split_tf32_lo(sBeta[ra] * c.khat(ra, d) * ea);
-          bk[ks][1] = dev::split_tf32_lo(sBeta[rc] * c.khat(rc, d) * ec);
-          dev::mma_1688_tf32(cs[j], a1[ks], bq[ks][0].hi, bq[ks][1].hi);
-          dev::mma_1688_tf32(cs[j], al[ks], bk[ks][0].hi, bk[ks][1].hi);
+          dev::mma_1688_tf32_x2(cs[j], a1, dev::split_tf32(c.qhat(ra, d) * ea), dev::split_tf32(c.qhat(rc, d) * ec));
+          dev::mma_1688_tf32_x2(cs[j], al, dev::split_tf32(sBeta[ra] * c.khat(ra, d) * ea),
+                                dev::split_tf32(sBeta[rc] * c.khat(rc, d) * ec));
         }
-        dev::mma_lo_k16(cs[j], a1h, bq[0][0].lo, bq[0][1].lo, bq[1][0].lo, bq[1][1].lo);
-        dev::mma_lo_k16(cs[j], alh, bk[0][0].lo, bk[0][1].lo, bk[1][0].lo, bk[1][1].lo);
       }
 #pragma unroll
       for (int j = 0; j < NTK; ++j) mid[j] += sBT[bi * K + cb + 8 * j + g];

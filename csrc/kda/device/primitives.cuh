@@ -282,36 +282,6 @@ __device__ __forceinline__ void mma_1688_tf32_x2(float (&c)[4], const uint32_t (
   mma_1688_tf32(c, a, b0.lo, b1.lo);
 }
 
-// The cheaper form of the same: x = hi (tf32) + lo (fp32, exact), and the lo parts of TWO k8 steps
-// go through ONE bf16 m16n8k16 mma (mma_lo_k16) instead of two more tf32 ones. Residue: lo <= 2^-11 |x|
-// rounded to bf16 (2^-9) and A rounded to bf16 for that product alone: ~2^-19 |A x| (tf32 hi alone:
-// 2^-11). The k16 fragment's slots 2t, 2t+1, 2t+8, 2t+9 of thread t stand for (step 0, k t),
-// (step 0, k t+4), (step 1, k t), (step 1, k t+4): the same thread-local order for A and B, so the
-// k-sum is the same sum; no shuffle.
-struct Tf32Lo {
-  uint32_t hi;
-  float lo;
-};
-__device__ __forceinline__ Tf32Lo split_tf32_lo(float x) {
-  const float hi = tf32_value(x);
-  return {__float_as_uint(hi), x - hi};
-}
-// A (m16n8k8 tf32 fragments of steps 0 and 1) as the bf16 m16n8k16 fragment of the lo product. The
-// tf32 value (low bits cleared) is what is rounded, so an element is rounded the same wherever it is used.
-__device__ __forceinline__ void tf32_a_to_bf16_k16(uint32_t (&a16)[4], const uint32_t (&s0)[4],
-                                                   const uint32_t (&s1)[4]) {
-  const auto f = [](uint32_t u) { return __uint_as_float(u & 0xffffe000u); };
-  a16[0] = Elem<__nv_bfloat16>::pack2(f(s0[0]), f(s0[2]));  // row g,     k t, t+4
-  a16[1] = Elem<__nv_bfloat16>::pack2(f(s0[1]), f(s0[3]));  // row g + 8, k t, t+4
-  a16[2] = Elem<__nv_bfloat16>::pack2(f(s1[0]), f(s1[2]));
-  a16[3] = Elem<__nv_bfloat16>::pack2(f(s1[1]), f(s1[3]));
-}
-// c += A16 (lo of B over the two steps): b{0,1}s{0,1} = B's lo at (k t / t + 4, step 0 / 1).
-__device__ __forceinline__ void mma_lo_k16(float (&c)[4], const uint32_t (&a16)[4], float b0s0, float b1s0,
-                                           float b0s1, float b1s1) {
-  mma_16816<__nv_bfloat16>(c, a16, Elem<__nv_bfloat16>::pack2(b0s0, b1s0), Elem<__nv_bfloat16>::pack2(b0s1, b1s1));
-}
-
 // ---------------------------------------------------------------- ldmatrix / cp.async
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
