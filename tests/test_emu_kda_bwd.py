@@ -44,6 +44,10 @@ CASES = {
     "bounded": dict(T=100, gate="bounded"),
     "bounded-noalog": dict(T=80, gate="bounded_noalog"),
     "bounded16-K128": dict(T=90, K=128, gate="bounded16", h0=True),
+    # sigmoid's slope where sigmoid is near 1: s (1 - s) in fp32 is 1e-3..20% off there (0 from z ~ 17),
+    # dA_log is the sum of slope * z * dgate (gate.cuh, sigmoid_slope)
+    "bounded-saturated": dict(T=100, gate="bounded_saturated", h0=True),
+    "beta-saturated": dict(T=100, beta_shift=16.0, h0=True),  # the same slope for beta's sigmoid
     "precomputed-nol2": dict(T=100, gate="precomputed", l2norm=False, beta_sigmoid=False),
     "neg-eig-svf": dict(T=70, neg_eig=True, h0=True, state_v_first=True),
     "fp16": dict(T=100, dtype=torch.float16, h0=True),

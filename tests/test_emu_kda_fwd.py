@@ -43,7 +43,7 @@ def ref():
 # ------------------------------------------------------------------------------------------------ cases
 def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="unbounded", g_dtype=None,
               l2norm=True, beta_sigmoid=True, neg_eig=False, h0=False, state_v_first=False, cu=None,
-              cu_dtype=torch.int32, scale=None, extreme=0.0, seed=0, qk_scale=1.0):
+              cu_dtype=torch.int32, scale=None, extreme=0.0, seed=0, qk_scale=1.0, beta_shift=0.0):
     """qk_scale multiplies the raw q and k: 1e-4 puts sum q^2 at K * 1e-8, where the l2norm's
     epsilon (x / sqrt(sum x^2 + 1e-6)) sets the result, so a kernel with another epsilon fails."""
     HV = HV or H
@@ -55,7 +55,7 @@ def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="
         k = torch.nn.functional.normalize(k, dim=-1)
     q, k = qk_scale * q, qk_scale * k
     v = torch.randn(B, T, HV, V, generator=gen)
-    beta_raw = torch.randn(B, T, HV, generator=gen)
+    beta_raw = torch.randn(B, T, HV, generator=gen) + beta_shift  # shift 14: sigmoid(beta) near 1
     kw = dict(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
               state_v_first=state_v_first, output_final_state=True, scale=scale)
     beta = beta_raw if beta_sigmoid else torch.sigmoid(beta_raw)
@@ -69,6 +69,9 @@ def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="
                   dt_bias=0.5 * torch.randn(HV * K, generator=gen), lower_bound=-5.0)
     elif gate == "bounded16":  # nearly every step at lower_bound = -5: the widest midpoint factors
         g = 3 * torch.randn(B, T, HV, K, generator=gen) + 4
+        kw.update(use_gate_in_kernel=True, A_log=torch.full((HV,), math.log(16.0)), dt_bias=None, lower_bound=-5.0)
+    elif gate == "bounded_saturated":  # every z = exp(A_log) x in [12, 16]: sigmoid near 1, slope ~1e-6
+        g = 0.75 + 0.25 * torch.rand(B, T, HV, K, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=torch.full((HV,), math.log(16.0)), dt_bias=None, lower_bound=-5.0)
     elif gate == "bounded_noalog":
         g = torch.randn(B, T, HV, K, generator=gen)

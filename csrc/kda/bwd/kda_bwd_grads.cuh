@@ -1113,8 +1113,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       for (int w = 0; w < K / 32; ++w) db += sRowD[(b * (K / 32) + w) * 16 + i];
       const int64_t bi = (tok0 + r) * HV + hv;
       if (p.opt.beta_sigmoid_scale != 0.f) {
-        const float sg = dev::sigmoid_f(load_any(p.beta, p.beta_dtype, bi));
-        db *= p.opt.beta_sigmoid_scale * sg * (1.f - sg);
+        // the slope in its stable form (dev::sigmoid_slope): s (1 - s) is 0 from raw beta ~17
+        db *= p.opt.beta_sigmoid_scale * dev::sigmoid_slope(load_any(p.beta, p.beta_dtype, bi));
       }
       store_any(p.dbeta, p.beta_dtype, bi, db);
     }
