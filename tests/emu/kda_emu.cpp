@@ -18,6 +18,7 @@
 #include "kda/bwd/kda_bwd_prep.cuh"
 #include "kda/bwd/kda_bwd_scans.cuh"
 #include "kda/bwd/kda_bwd_slice.h"
+#include "kda/kda_dispatch.h"
 #include "kda/kda_policy.h"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
@@ -271,24 +272,19 @@ void backward(const kda::KdaBwdParams& p, int64_t pair) {
   gate_params<WT>(r);
 }
 
-template <typename WT, int K>
-void run(const kda::KdaBwdParams& p, int bv, bool bwd, int64_t pair) {
-  if (bv == 128) return bwd ? backward<WT, K, 128>(p, pair) : forward<WT, K, 128>(p);
-  return bwd ? backward<WT, K, 64>(p, pair) : forward<WT, K, 64>(p);
-}
-
 void run_any(const KdaEmuArgs& a, bool bwd) {
   if (a.pair_scans < 0 || a.pair_scans > 2) throw std::invalid_argument("kda_emu: pair_scans must be 0, 1 or 2");
   const kda::KdaBwdParams p = make_params(a);
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
-  if (bv != 64 && bv != 128) throw std::invalid_argument("kda_emu: bv must be 64 or 128");
-  if (p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
-  const bool bf = p.dtype == DType::kBFloat16;
-  if (!bf && p.dtype != DType::kFloat16) throw std::invalid_argument("kda_emu: dtype must be bfloat16 or float16");
+  if (bv > 0 && p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
   const int64_t pr = a.pair_scans;
-  if (p.K == 64) return bf ? run<__nv_bfloat16, 64>(p, bv, bwd, pr) : run<__half, 64>(p, bv, bwd, pr);
-  if (p.K == 128) return bf ? run<__nv_bfloat16, 128>(p, bv, bwd, pr) : run<__half, 128>(p, bv, bwd, pr);
-  throw std::invalid_argument("kda_emu: K must be 64 or 128");
+  // the launchers' switch (kda_dispatch.h): the same variants, the same errors
+  kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu", [&](auto wt, auto k, auto b) {
+    using WT = typename decltype(wt)::type;
+    constexpr int K = decltype(k)::value, BV = decltype(b)::value;
+    if (bwd) backward<WT, K, BV>(p, pr);
+    else forward<WT, K, BV>(p);
+  });
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
+#include "kda/kda_dispatch.h"
 #include "kda/kda_launch.h"
 #include "kda/kda_policy.h"
 
@@ -52,21 +53,10 @@ void kda_chunk_map(const KdaProblem& p, cudaStream_t stream) {
   KF_CHECK_LAUNCH();
 }
 
-template <typename WT>
-static void intra_k(const KdaFwdParams& p, cudaStream_t s) {
-  switch (p.K) {
-    case 64: return launch_intra<WT, 64>(p, s);
-    case 128: return launch_intra<WT, 128>(p, s);
-    default: throw std::invalid_argument("kda_fwd_intra: K must be 64 or 128, got " + std::to_string(p.K));
-  }
-}
-
 void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kBFloat16: return intra_k<__nv_bfloat16>(p, stream);
-    case DType::kFloat16: return intra_k<__half>(p, stream);
-    default: throw std::invalid_argument("kda_fwd_intra: dtype must be bfloat16 or float16");
-  }
+  dispatch_wt_k(p.dtype, p.K, "kda_fwd_intra", [&](auto wt, auto k) {
+    launch_intra<typename decltype(wt)::type, decltype(k)::value>(p, stream);
+  });
 }
 
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
@@ -76,28 +66,11 @@ int kda_fwd_scan_bv(const KdaFwdParams& p) {
   return scan_choice(p).bv;
 }
 
-template <typename WT, int K>
-static void scan_bv(const KdaFwdParams& p, cudaStream_t s) {
-  if (kda_fwd_scan_bv(p) == 128) return launch_scan<WT, K, 128>(p, s);
-  return launch_scan<WT, K, 64>(p, s);
-}
-
-template <typename WT>
-static void scan_k(const KdaFwdParams& p, cudaStream_t s) {
-  switch (p.K) {
-    case 64: return scan_bv<WT, 64>(p, s);
-    case 128: return scan_bv<WT, 128>(p, s);
-    default: throw std::invalid_argument("kda_fwd_scan: K must be 64 or 128, got " + std::to_string(p.K));
-  }
-}
-
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
   if (p.V % 64 != 0) throw std::invalid_argument("kda_fwd_scan: V must be a multiple of 64");
-  switch (p.dtype) {
-    case DType::kBFloat16: return scan_k<__nv_bfloat16>(p, stream);
-    case DType::kFloat16: return scan_k<__half>(p, stream);
-    default: throw std::invalid_argument("kda_fwd_scan: dtype must be bfloat16 or float16");
-  }
+  dispatch_wt_k_bv(p.dtype, p.K, kda_fwd_scan_bv(p), "kda_fwd_scan", [&](auto wt, auto k, auto bv) {
+    launch_scan<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
+  });
 }
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
