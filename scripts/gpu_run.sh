@@ -18,6 +18,11 @@
 #                Triton compile is single-threaded CPU work, so N processes compile N tests at once
 #   KF_PROBE     a shell command run on the quiet GPU after the build, before the tests (stage
 #                timings, ncu); its output goes to probe.log
+#   KF_FLASHKDA  1 = also build FlashKDA (MoonshotAI/FlashKDA at 1ce47ea, forward only) from the
+#                FlashKDA source tree carried in .flashkda/ (carry [".whl", ".flashkda"]; how to prepare
+#                it: scripts/build_flashkda.sh's header) after our extension, log in flashkda_build.log,
+#                and put it on PYTHONPATH, so the benchmark times it too (its "flashkda" rows:
+#                docs/benchmark.md). A failed build is reported and the run goes on without it.
 set -u
 out="${1:-${OUT:-$PWD/gpu-out}}"
 mkdir -p "$out"
@@ -43,6 +48,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 # later call can carry (unpacked to .triton-cache/) to skip fla's minutes of compile and autotune.
 export TRITON_CACHE_DIR=$PWD/.triton-cache
 export FLA_TILELANG=0  # fla 0.5.2's Triton backward, not its optional TileLang one (docs/benchmark.md)
+export FLA_FLASH_KDA=0  # fla stays on its own forward when flash_kda is importable (KF_FLASHKDA)
 
 if [ "${KF_NO_BUILD:-0}" != "1" ]; then
   stamp "building the extension"
@@ -54,6 +60,21 @@ if [ "${KF_NO_BUILD:-0}" != "1" ]; then
 fi
 python3 -c "import kernel_fun, json; print(json.dumps(kernel_fun.versions()))" | tee -a "$out/env.txt"
 stamp "extension ready"
+
+if [ "${KF_FLASHKDA:-0}" = "1" ]; then
+  if [ -f .flashkda/setup.py ]; then
+    stamp "building FlashKDA (.flashkda/, log in flashkda_build.log)"
+    if bash scripts/build_flashkda.sh .flashkda > "$out/flashkda_build.log" 2>&1; then
+      export PYTHONPATH=$PWD/.flashkda:$PYTHONPATH
+      stamp "FlashKDA built, on PYTHONPATH"
+    else
+      tail -20 "$out/flashkda_build.log"
+      stamp "FlashKDA build FAILED (flashkda_build.log): going on without it"
+    fi
+  else
+    stamp "KF_FLASHKDA=1 but no .flashkda/setup.py (carry .flashkda): going on without FlashKDA"
+  fi
+fi
 
 if [ -n "${KF_PROBE:-}" ]; then
   stamp "probe"

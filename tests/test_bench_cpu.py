@@ -31,7 +31,7 @@ def _restore_dispatch_memory():
     _dispatch._versions_logged = logged
 
 
-ANCHOR_CASES = {"prod8192", "k3_h32", "small", "bounded_b16", "bounded_b1", "long_b1_t32k",
+ANCHOR_CASES = {"prod8192", "k3_h32", "small", "bounded_b16", "bounded_b8_h32", "bounded_b1", "long_b1_t32k",
                 "varlen", "gva", "cconv_d2048", "cconv_d4096", "cconv_small"}
 
 
@@ -51,6 +51,19 @@ def test_list_prints_every_case():
     for name in ANCHOR_CASES:
         assert name in r.stdout
     assert "fwd+bwd GB" in r.stdout
+
+
+def test_list_shows_the_flashkda_b8_h32_case():
+    r = _cli("--list", "--family", "kda", "--pass", "fwd")
+    assert r.returncode == 0, r.stderr
+    names = [ln.split()[0] for ln in r.stdout.splitlines()[1:]]
+    assert names[names.index("bounded_b16") + 1] == "bounded_b8_h32"
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("bounded_b8_h32 "))
+    assert "B8 T8192 H32 K128 V128 bounded gate (lower_bound=-5, safe_gate)" in line
+    # fwd bytes: q, k, g, v, o 8*8192*32*128*2 each, beta 8*8192*32*2, A_log 32*4, dt_bias 32*128*4
+    bt = 8 * 8192
+    fwd = 5 * bt * 32 * 128 * 2 + bt * 32 * 2 + 32 * 4 + 32 * 128 * 4
+    assert line.split()[-1] == f"{fwd / 1e9:.3f}"
 
 
 def test_list_filters_family_and_case():
@@ -161,10 +174,13 @@ def test_case_list_holds_every_anchor_case():
     by = {c.name: c for c in bc.CASES}
     p = by["prod8192"]
     assert (p.B, p.T, p.H, p.HV, p.K, p.V, p.lower_bound) == (16, 8192, 16, 16, 128, 256, None)
-    for n in ("bounded_b16", "bounded_b1", "long_b1_t32k", "varlen"):
+    for n in ("bounded_b16", "bounded_b8_h32", "bounded_b1", "long_b1_t32k", "varlen"):
         c = by[n]
         assert (c.K, c.V, c.lower_bound, c.safe_gate) == (128, 128, -5.0, True), n
     assert (by["long_b1_t32k"].B, by["long_b1_t32k"].T, by["long_b1_t32k"].H) == (1, 32768, 32)
+    b = by["bounded_b8_h32"]  # anchors-h200.md: fla 6.73 ms for B8 T8192 H32 bounded fwd
+    assert (b.B, b.T, b.H, b.HV, b.anchor_fla_ms) == (8, 8192, 32, 32, {"fwd": 6.73})
+    assert bc.CASE_NAMES.index("bounded_b8_h32") == bc.CASE_NAMES.index("bounded_b16") + 1
     v = by["varlen"]
     assert v.doc_lens == (1300, 547, 2048, 963, 271, 3063) and v.B == 1 and v.T == 8192 and v.H == 32
     g = by["gva"]
@@ -560,3 +576,225 @@ def test_forward_rows_leave_no_inference_tensors_for_the_fwd_bwd_row(fake_cuda, 
     assert by[("t_varlen", "fwd", "fla")]["status"] == "ok"
     r = by[("t_varlen", "fwd+bwd", "fla")]
     assert r["status"] == "ok", r["note"]
+
+
+# ---------------------------------------------------------------- FlashKDA rows
+
+FLASHKDA_ROWS = {("bounded_b16", "fwd"), ("bounded_b8_h32", "fwd"), ("bounded_b1", "fwd"),
+                 ("long_b1_t32k", "fwd"), ("varlen", "fwd")}
+
+
+def test_flashkda_rows_only_for_bounded_forward_k128_without_gva():
+    got = {(c.name, p) for c in bc.CASES for p in bc.PASSES if brun.flashkda_supports(c, p)}
+    assert got == FLASHKDA_ROWS  # none for prod8192 (V=256, unbounded), gva, cconv or fwd+bwd
+    bnd = dict(B=1, T=64, lower_bound=-5.0, safe_gate=True)
+    assert brun.flashkda_supports(bc.KdaCase("x", H=2, HV=2, K=128, V=128, **bnd), "fwd")
+    for c in (bc.KdaCase("x", H=2, HV=2, K=64, V=128, **bnd),           # K != 128
+              bc.KdaCase("x", H=2, HV=2, K=128, V=64, **bnd),           # V != 128
+              bc.KdaCase("x", H=2, HV=4, K=128, V=128, **bnd),          # GVA
+              bc.KdaCase("x", B=1, T=64, H=2, HV=2, K=128, V=128),      # unbounded gate
+              bc.KdaCase("x", B=1, T=64, H=2, HV=2, K=128, V=128, lower_bound=-5.0),  # no safe_gate
+              bc.KdaCase("x", B=1, T=64, H=2, HV=2, K=128, V=128, lower_bound=-6.0, safe_gate=True),
+              bc.KdaCase("x", H=2, HV=2, K=128, V=128, dtype="fp16", **bnd)):
+        assert not brun.flashkda_supports(c, "fwd"), c
+    assert not brun.flashkda_supports(bc.KdaCase("x", H=2, HV=2, K=128, V=128, **bnd), "fwd+bwd")
+
+
+FK_CASES = [bc.KdaCase("t_fk", B=2, T=64, H=2, HV=2, K=128, V=128, lower_bound=-5.0, safe_gate=True),
+            bc.KdaCase("t_fk_varlen", B=1, T=64, H=2, HV=2, K=128, V=128, lower_bound=-5.0, safe_gate=True,
+                       doc_lens=(20, 44))]
+
+
+class _FakeFlashKda:
+    """flash_kda.fwd as its docstring states it, computed independently of kernel_fun.kda: asserts
+    the argument types and layouts, writes ``out`` in place; ``skew`` scales the result (a wrong
+    mapping)."""
+
+    def __init__(self, skew=1.0):
+        self.calls, self.skew = [], skew
+
+    def fwd(self, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
+            final_state=None, cu_seqlens=None):
+        from kernel_fun.ref.kda import naive_recurrent_kda
+
+        B, T, H, K = q.shape
+        assert all(t.dtype == torch.bfloat16 for t in (q, k, v, g, beta, out))
+        assert v.shape == out.shape == (B, T, H, 128) and K == 128 and beta.shape == (B, T, H)
+        assert A_log.dtype == dt_bias.dtype == torch.float32 and A_log.shape == (H,) and dt_bias.shape == (H, K)
+        assert isinstance(lower_bound, float) and -5.0 <= lower_bound <= 0.0 and scale == K ** -0.5
+        assert initial_state is None and final_state is None
+        if cu_seqlens is not None:
+            assert cu_seqlens.dtype == torch.int64 and B == 1
+        self.calls.append(dict(out=out, dt_bias=dt_bias, cu_seqlens=cu_seqlens))
+        gate = lower_bound * torch.sigmoid(torch.exp(A_log)[:, None] * (g.float() + dt_bias))
+        o, _ = naive_recurrent_kda(q.float(), k.float(), v.float(), gate, torch.sigmoid(beta.float()),
+                                   scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        out.copy_(o * self.skew)
+
+
+def _run_fk(monkeypatch, fk, passes=bc.PASSES, ours=None, with_flashkda=True, cases=FK_CASES):
+    from kernel_fun.kda import chunk_kda  # on CPU tensors: its torch reference
+
+    monkeypatch.setattr(brun, "load_flashkda", lambda: fk)
+    ours = ours or {"kda": (chunk_kda, _ok, None)}
+    monkeypatch.setattr(brun, "load_ours", lambda fam: ours[fam])
+    cfg = brun.Config(cases=list(cases), passes=passes, iters=3, warmup=2, with_fla=False,
+                      with_flashkda=with_flashkda, flush_l2=False, device="cpu")
+    meta = {"gpu": "fake", "device_name": "Fake GPU", "copy_tbps": 1.0, "versions": {}, "date": "d"}
+    return brun.run(cfg, meta, log=lambda s: None)
+
+
+def test_flashkda_row_is_timed_and_agrees_with_kernel_fun(fake_cuda, monkeypatch):
+    fk = _FakeFlashKda()
+    rows = _run_fk(monkeypatch, (fk.fwd, None))
+    by = _by(rows)
+    # forward rows only; fwd+bwd has none
+    assert sorted(k for k in by if k[2] == "flashkda") == [("t_fk", "fwd", "flashkda"),
+                                                          ("t_fk_varlen", "fwd", "flashkda")]
+    for name in ("t_fk", "t_fk_varlen"):
+        r = by[(name, "fwd", "flashkda")]
+        assert r["status"] == "ok", r["note"]
+        assert r["ms"] > 0 and r["tbps"] > 0 and r["bytes"] == by[(name, "fwd", "kernel_fun")]["bytes"]
+        # bf16 outputs of two fp32 computations of the same thing: ~ bf16 rounding apart
+        assert 0 < r["rel_rms_vs_kernel_fun"] < 5e-3
+        assert r["note"] == f"rel-RMS vs kernel_fun {r['rel_rms_vs_kernel_fun']:.1e}"
+        assert r["engaged"] is None and r["speedup_vs_fla"] is None and set(r) == set(report.ROW_KEYS)
+        assert by[(name, "fwd", "kernel_fun")]["rel_rms_vs_kernel_fun"] is None
+    # warm-up 2 + timed 3 + the agreement call, per case; a fresh `out` each call, the converted
+    # dt_bias / cu_seqlens made once per case
+    assert len(fk.calls) == 2 * 6
+    for calls in (fk.calls[:6], fk.calls[6:]):
+        assert len({id(c["out"]) for c in calls}) == 6
+        assert len({id(c["dt_bias"]) for c in calls}) == 1
+    assert all(c["cu_seqlens"] is None for c in fk.calls[:6])
+    assert fk.calls[6]["cu_seqlens"].tolist() == [0, 20, 44 + 20]
+
+
+def test_flashkda_disagreement_is_an_error_not_a_timing(fake_cuda, monkeypatch):
+    rows = _run_fk(monkeypatch, (_FakeFlashKda(skew=1.1).fwd, None), passes=("fwd",), cases=FK_CASES[:1])
+    r = _by(rows)[("t_fk", "fwd", "flashkda")]
+    assert r["status"] == "error" and r["ms"] is None and r["tbps"] is None
+    assert 0.09 < r["rel_rms_vs_kernel_fun"] < 0.11
+    assert r["note"].startswith("disagrees with kernel_fun's chunk_kda on the same inputs: rel-RMS 0.1")
+    assert "> 0.02" in r["note"] and "not reported" in r["note"]
+    assert _by(rows)[("t_fk", "fwd", "kernel_fun")]["status"] == "ok"
+
+
+def test_flashkda_not_importable_is_not_run_with_the_error(fake_cuda, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_kda", None)  # makes `import flash_kda` fail
+    fk = brun.load_flashkda()
+    assert fk[0] is None and fk[1].startswith("flash_kda not importable (ModuleNotFoundError: ")
+    assert fk[1].endswith(")") and "flash_kda" in fk[1][len("flash_kda not importable"):]
+    rows = _run_fk(monkeypatch, fk)
+    fk_rows = [r for r in rows if r["impl"] == "flashkda"]
+    assert [(r["case"], r["pass"]) for r in fk_rows] == [("t_fk", "fwd"), ("t_fk_varlen", "fwd")]
+    for r in fk_rows:
+        assert r["status"] == "not_run" and r["ms"] is None and r["note"] == fk[1]
+    # --no-flashkda: no rows at all, and flash_kda is not even looked for
+    monkeypatch.setattr(brun, "load_flashkda", lambda: pytest.fail("load_flashkda called"))
+    from kernel_fun.kda import chunk_kda
+
+    monkeypatch.setattr(brun, "load_ours", lambda fam: (chunk_kda, _ok, None))
+    cfg = brun.Config(cases=list(FK_CASES), passes=("fwd",), iters=1, warmup=1, with_fla=False,
+                      with_flashkda=False, flush_l2=False, device="cpu")
+    rows = brun.run(cfg, {"copy_tbps": 1.0}, log=lambda s: None)
+    assert {r["impl"] for r in rows} == {"kernel_fun"}
+
+
+def test_flashkda_needs_kernel_fun_for_its_agreement_check(fake_cuda, monkeypatch):
+    fk = _FakeFlashKda()
+    rows = _run_fk(monkeypatch, (fk.fwd, None), passes=("fwd",), cases=FK_CASES[:1],
+                   ours={"kda": (None, None, "kernel_fun.kda not importable: boom")})
+    r = _by(rows)[("t_fk", "fwd", "flashkda")]
+    assert r["status"] == "not_run" and r["ms"] is None and fk.calls == []
+    assert r["note"] == "not timed: its agreement check needs kernel_fun's chunk_kda (kernel_fun.kda not importable: boom)"
+
+
+def test_no_flashkda_flag():
+    from kernel_fun.bench.__main__ import _parser
+
+    assert _parser().parse_args(["--no-flashkda"]).no_flashkda is True
+    assert _parser().parse_args([]).no_flashkda is False
+    assert brun.Config(cases=[], passes=("fwd",)).with_flashkda is True
+
+
+def _flashkda_table_rows():
+    rows, meta = _synthetic_rows()
+    b = next(c for c in bc.CASES if c.name == "bounded_b16")
+    common = {k: rows[0][k] for k in ("gpu", "device_name", "copy_tbps", "versions", "date", "iters", "warmup")}
+    for impl, ms, note, rel in (("kernel_fun", 3.0, None, None), ("fla", 6.0, None, None),
+                                ("flashkda", 3.3, "rel-RMS vs kernel_fun 3.1e-03", 3.1e-3)):
+        rows.append(report.new_row(family="kda", case=b.name, impl=impl, ms=ms, status="ok", note=note,
+                                   bytes=b.bytes("fwd"), rel_rms_vs_kernel_fun=rel, shape=b.shape(),
+                                   params=b.params(), anchor_fla_ms=dict(b.anchor_fla_ms),
+                                   **{"pass": "fwd"}, **common))
+    return rows, meta
+
+
+def test_table_has_flashkda_columns_blank_without_a_row(tmp_path):
+    rows, meta = _flashkda_table_rows()
+    h = report.TABLE_HEADER
+    i_ms, i_ratio = h.index("flashkda ms"), h.index("flashkda/ours")
+    assert i_ratio == i_ms + 1 and h.index("fla/ours") < i_ms
+    lines = {(t[0], t[1]): t for t in report.table_rows(rows)}
+    bnd = lines[("bounded_b16", "fwd")]
+    assert (bnd[i_ms], bnd[i_ratio], bnd[h.index("fla/ours")]) == ("3.300", "1.10x", "2.00x")
+    assert bnd[-1] == "flashkda: rel-RMS vs kernel_fun 3.1e-03"
+    for key in (("cconv_d2048", "fwd"), ("prod8192", "fwd+bwd")):
+        assert (lines[key][i_ms], lines[key][i_ratio]) == ("", "")
+    # a flashkda row that did not run: said so, no ratio
+    rows[-1].update(status="not_run", ms=None, note="flash_kda not importable (x)")
+    bnd = {(t[0], t[1]): t for t in report.table_rows(rows)}[("bounded_b16", "fwd")]
+    assert (bnd[i_ms], bnd[i_ratio]) == ("not run", "-") and "flashkda: flash_kda not importable (x)" in bnd[-1]
+    rows, meta = _flashkda_table_rows()
+    report.write_all(rows, meta, str(tmp_path))
+    md = (tmp_path / "h200.md").read_text()
+    assert "| fla/ours | flashkda ms | flashkda/ours |" in md
+    assert "| bounded_b16 | fwd | 3.000 | 6.000 | 2.00x | 3.300 | 1.10x |" in md
+    assert "| cconv_d2048 | fwd | 0.300 | 0.600 | 2.00x |  |  |" in md
+    data = json.loads((tmp_path / "h200.json").read_text())
+    fk = [r for r in data if r["impl"] == "flashkda"]
+    assert len(fk) == 1 and fk[0]["rel_rms_vs_kernel_fun"] == 3.1e-3 and "flashkda" in report.IMPLS
+    table = report.format_table(rows)
+    assert "flashkda ms" in table and "1.10x" in table
+
+
+def test_merge_runs_keeps_flashkda_rows():
+    rows, _ = _flashkda_table_rows()
+    old = [dict(r, ms=None, status="not_run", note="flash_kda not importable (x)", date="2026-11-01")
+           for r in rows if r["impl"] == "flashkda"]
+    merged, _ = report.merge_runs([old, rows])
+    fk = [r for r in merged if r["impl"] == "flashkda"]
+    assert len(fk) == 1 and fk[0]["status"] == "ok" and fk[0]["ms"] == 3.3
+    merged, _ = report.merge_runs([rows, old])  # the newer untimed row does not replace a timing
+    assert [r["ms"] for r in merged if r["impl"] == "flashkda"] == [3.3]
+
+
+def test_build_flashkda_script_links_cutlass_and_builds_in_place(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("FLASH_KDA_CUDA_ARCHS", None)
+    r = subprocess.run(["bash", os.path.join(root, "scripts", "build_flashkda.sh"), str(tmp_path / "none")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "no FlashKDA source tree" in r.stderr
+    # a stand-in tree: setup.py records what the build sees, flash_kda imports
+    src = tmp_path / "fk"
+    (src / "flash_kda").mkdir(parents=True)
+    (src / "cutlass").mkdir()  # what `git archive` leaves for the submodule
+    (src / "flash_kda" / "__init__.py").write_text("def fwd(*a, **k):\n    pass\n")
+    (src / "setup.py").write_text(
+        "import os, subprocess, sys\n"
+        "git = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True).returncode\n"
+        "inc = all(os.path.isdir(os.path.join('cutlass', d)) for d in ('include', 'tools/util/include', 'examples/common'))\n"
+        "open('seen.txt', 'w').write(f\"{sys.argv[1:]} {os.environ['FLASH_KDA_CUDA_ARCHS']} git={git} inc={inc}\")\n")
+    r = subprocess.run(["bash", os.path.join(root, "scripts", "build_flashkda.sh"), str(src)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")  # nvidia-cutlass: our own build needs it too
+    assert r.returncode == 0, r.stderr
+    assert (src / "seen.txt").read_text() == "['build_ext', '--inplace'] 90a git=1 inc=True"
+    assert os.path.islink(src / "cutlass")
+    assert os.path.realpath(src / "cutlass") == os.path.realpath(
+        os.path.join(list(spec.submodule_search_locations)[0], "source"))
+    assert f"export PYTHONPATH={src}" in r.stdout

@@ -1,5 +1,5 @@
 """CLI: ``python -m kernel_fun.bench [--family kda|cconv|all] [--case NAME ...] [--pass P]
-[--iters N] [--warmup N] [--out DIR] [--no-fla] [--no-flush] [--budget-s S] [--seed N]
+[--iters N] [--warmup N] [--out DIR] [--no-fla] [--no-flashkda] [--no-flush] [--budget-s S] [--seed N]
 [--list | --merge JSON ...]``. See docs/benchmark.md."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ NO_GPU_MESSAGE = ("no CUDA GPU found: nothing can be timed here. Without a GPU, 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kernel_fun.bench",
-        description="Time kernel_fun against fla on the named cases (CUDA events, median).")
+        description="Time kernel_fun against fla (and FlashKDA where it applies) on the named cases "
+                    "(CUDA events, median).")
     p.add_argument("--family", choices=("kda", "cconv", "all"), default="all")
     p.add_argument("--case", action="append", type=_case_name, metavar="NAME", default=None,
                    help="a case name (repeatable); default: every case of --family")
@@ -29,7 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_int_in(1), default=3, help="untimed calls first (default 3)")
     p.add_argument("--out", default=os.path.join("bench", "results"),
                    help="folder for <gpu>.json/.md/.png (default bench/results)")
-    p.add_argument("--no-fla", action="store_true", help="time kernel_fun only")
+    p.add_argument("--no-fla", action="store_true", help="no fla rows")
+    p.add_argument("--no-flashkda", action="store_true",
+                   help="no FlashKDA rows (by default: bounded-gate forward rows with K=V=128, H=HV, "
+                        "when flash_kda is importable)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
     p.add_argument("--budget-s", type=_budget, default=None, metavar="S",
                    help="start no new case after S seconds (> 0); the rest are reported as not run")
@@ -132,16 +136,21 @@ def main(argv=None) -> int:
     # fla 0.5.2 swaps a TileLang kernel into its KDA backward when tilelang is installed (and HV == H);
     # unless the caller chose otherwise, time its default Triton backward, and say which ran.
     os.environ.setdefault("FLA_TILELANG", "0")
+    # fla 0.5.2 can hand a chunk_kda forward to FlashKDA when flash_kda is importable; fla's rows are
+    # fla's own Triton kernels (FlashKDA has its own rows), unless the caller chose otherwise.
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
     t0 = time.time()
     meta = gather_meta(torch)
     if isinstance(meta.get("versions"), dict):  # copied into every row, so merged pages keep it
         meta["versions"]["fla_backend"] = (f"FLA_TILELANG={os.environ['FLA_TILELANG']}: Triton backward"
-                                           f"{'' if os.environ['FLA_TILELANG'] == '0' else ' unless tilelang is installed'}")
+                                           f"{'' if os.environ['FLA_TILELANG'] == '0' else ' unless tilelang is installed'}"
+                                           f"; FLA_FLASH_KDA={os.environ['FLA_FLASH_KDA']}")
     meta.update(iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush)
     print(f"kernel-fun bench on {meta['device_name']} ({meta['gpu']}): "
           f"{len(cases)} case(s) x {len(pass_list)} pass(es); versions {meta['versions']}", flush=True)
     cfg = Config(cases=cases, passes=pass_list, iters=args.iters, warmup=args.warmup,
-                 with_fla=not args.no_fla, flush_l2=not args.no_flush, seed=args.seed,
+                 with_fla=not args.no_fla, with_flashkda=not args.no_flashkda,
+                 flush_l2=not args.no_flush, seed=args.seed,
                  budget_s=args.budget_s)
 
     def checkpoint(rows_so_far):  # a run cut short (device time limit) still leaves results

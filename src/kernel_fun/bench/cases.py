@@ -170,6 +170,8 @@ CASES: tuple[KdaCase | CconvCase, ...] = (
             anchor_fla_ms={"fwd": 1.74, "fwd+bwd": 6.70}, what="small batch, unbounded"),
     KdaCase("bounded_b16", B=16, T=8192, H=16, HV=16, K=128, V=128, **_BND,
             anchor_fla_ms={"fwd": 6.69}, what="bounded gate (NeMo Kimi-K3 call)"),
+    KdaCase("bounded_b8_h32", B=8, T=8192, H=32, HV=32, K=128, V=128, **_BND,
+            anchor_fla_ms={"fwd": 6.73}, what="bounded gate, 32 heads (FlashKDA's B8 H32 case)"),
     KdaCase("bounded_b1", B=1, T=8192, H=16, HV=16, K=128, V=128, **_BND,
             anchor_fla_ms={"fwd": 1.75}, what="one sequence, bounded"),
     KdaCase("long_b1_t32k", B=1, T=32768, H=32, HV=32, K=128, V=128, **_BND,

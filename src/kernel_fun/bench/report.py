@@ -14,12 +14,12 @@ import re
 # Every row carries these keys (values may be None); docs/benchmark.md explains each.
 ROW_KEYS = (
     "family", "case", "pass", "impl", "status", "note", "ms", "ms_min", "ms_max", "iters",
-    "warmup", "bytes", "tbps", "roofline_frac", "floor_ms", "speedup_vs_fla", "engaged",
+    "warmup", "bytes", "tbps", "roofline_frac", "floor_ms", "speedup_vs_fla", "rel_rms_vs_kernel_fun", "engaged",
     "peak_mem_gib", "anchor_fla_ms", "shape", "params", "gpu", "device_name", "copy_tbps",
     "versions", "date",
 )
 STATUSES = ("ok", "not_run", "error")
-IMPLS = ("kernel_fun", "fla")
+IMPLS = ("kernel_fun", "fla", "flashkda")
 
 
 def gpu_slug(device_name: str) -> str:
@@ -62,7 +62,8 @@ def _num(x, fmt: str, suffix: str = "") -> str:
 
 
 def speedup(ours: dict | None, fla: dict | None) -> float | None:
-    """fla ms / kernel_fun ms, when both ran."""
+    """fla ms / kernel_fun ms, when both ran (any other implementation's row in fla's place:
+    its ms / kernel_fun ms)."""
     if not ours or not fla or ours.get("ms") is None or fla.get("ms") is None:
         return None
     if ours["status"] != "ok" or fla["status"] != "ok" or ours["ms"] <= 0:
@@ -70,33 +71,34 @@ def speedup(ours: dict | None, fla: dict | None) -> float | None:
     return fla["ms"] / ours["ms"]
 
 
-def _note(ours: dict | None, fla: dict | None) -> str:
-    parts = []
-    for tag, r in (("kernel_fun", ours), ("fla", fla)):
-        if r and r.get("note"):
-            parts.append(f"{tag}: {r['note']}" if (ours and fla) else r["note"])
-    return "; ".join(parts)
+def _note(ours: dict | None, fla: dict | None, fk: dict | None = None) -> str:
+    present = [(tag, r) for tag, r in (("kernel_fun", ours), ("fla", fla), ("flashkda", fk)) if r]
+    return "; ".join(f"{tag}: {r['note']}" if len(present) > 1 else r["note"]
+                     for tag, r in present if r.get("note"))
 
 
-TABLE_HEADER = ("case", "pass", "kernel_fun ms", "fla ms", "fla/ours", "ours TB/s", "ours %roof",
-                "fla TB/s", "fla %roof", "floor ms", "fla anchor ms", "peak GiB ours/fla", "note")
+# flashkda ms, flashkda/ours: blank where FlashKDA has no row (it covers bounded fwd, K=V=128, no GVA)
+TABLE_HEADER = ("case", "pass", "kernel_fun ms", "fla ms", "fla/ours", "flashkda ms", "flashkda/ours",
+                "ours TB/s", "ours %roof", "fla TB/s", "fla %roof", "floor ms", "fla anchor ms",
+                "peak GiB ours/fla", "note")
 
 
 def table_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     """One line per (case, pass): the columns of TABLE_HEADER, as strings."""
     lines = []
     for (_, case, pass_), by in _groups(rows):
-        ours, fla = by.get("kernel_fun"), by.get("fla")
-        any_r = ours or fla
+        ours, fla, fk = by.get("kernel_fun"), by.get("fla"), by.get("flashkda")
+        any_r = ours or fla or fk
         sp = speedup(ours, fla)
         anchor = (any_r.get("anchor_fla_ms") or {}).get(pass_) if any_r else None
         mem = "/".join(_num((r or {}).get("peak_mem_gib"), ".2f") for r in (ours, fla))
         lines.append((
             case, pass_, _ms(ours), _ms(fla), _num(sp, ".2f", "x"),
+            _ms(fk) if fk else "", _num(speedup(ours, fk), ".2f", "x") if fk else "",
             _num((ours or {}).get("tbps"), ".2f"), _num(_pct((ours or {}).get("roofline_frac")), ".1f", "%"),
             _num((fla or {}).get("tbps"), ".2f"), _num(_pct((fla or {}).get("roofline_frac")), ".1f", "%"),
             _num(any_r.get("floor_ms") if any_r else None, ".3f"), _num(anchor, ".2f"),
-            mem, _note(ours, fla),
+            mem, _note(ours, fla, fk),
         ))
     return lines
 
@@ -151,7 +153,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| benchmark wall time | {meta['wall_s']:.0f} s |")
     lines += [
         "",
-        "fla/ours > 1 means kernel-fun is faster. TB/s = minimal HBM bytes / median time; "
+        "fla/ours > 1 means kernel-fun is faster; flashkda/ours likewise, for FlashKDA (forward only, "
+        "bounded gate, K=V=128, no GVA: blank elsewhere; its output checked against ours, rel-RMS "
+        "in the note). TB/s = minimal HBM bytes / median time; "
         "%roof = that over the copy roofline; floor ms = bytes / copy roofline; "
         "fla anchor = fla's time in bench/anchors-h200.md (drift check). "
         "\"not run\" rows were not timed; the note says why. See docs/benchmark.md.",

@@ -1,8 +1,9 @@
 """Running the cases on the GPU: inputs, engagement checks, CUDA-event timing, memory, roofline.
 
-Nothing here runs at import; torch, fla and the kernel_fun families are imported by ``run``.
+Nothing here runs at import; torch, fla, flash_kda and the kernel_fun families are imported by
+``run``.
 
-Per case: inputs are allocated once (outside every timed region) and shared by both
+Per case: inputs are allocated once (outside every timed region) and shared by all
 implementations; per (case, pass, impl): warm-up calls (the first one also compiles/autotunes
 and, for kernel_fun, is the engagement probe), then ``iters`` calls each bracketed by its own
 pair of CUDA events, with L2 flushed before each (outside the events); the row's ``ms`` is the
@@ -13,6 +14,13 @@ the first warm-up call listens to the ``kernel_fun`` logger. A call that kernel_
 (it logs "falling back to fla - <reason>") is NOT timed: the row is "not_run" with the reason,
 so fla is never timed twice under two names. A KDA fwd+bwd routed this way is reported as
 "backward not implemented: routes to fla".
+
+FlashKDA (impl "flashkda", MoonshotAI/FlashKDA's ``flash_kda.fwd``, when importable) gets a row
+only where it computes the same call: ``flashkda_supports`` (forward, bounded gate with
+safe_gate, K = V = 128, H == HV, bf16). ``flashkda_step`` maps the case's chunk_kda inputs to
+its arguments once per case; after timing, its output is compared with kernel_fun's chunk_kda on
+the same inputs (``rel_rms_vs_kernel_fun``), and a disagreement above FLASHKDA_REL_RMS_TOL makes
+the row an error instead of a timing.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class Config:
     iters: int = 20
     warmup: int = 3
     with_fla: bool = True
+    with_flashkda: bool = True  # rows only where flashkda_supports(case, pass)
     flush_l2: bool = True
     seed: int = 0
     device: str = "cuda"
@@ -86,6 +95,61 @@ def load_fla(family: str):
         except Exception as e:  # noqa: BLE001
             errs.append(f"{mod_name}.{fn_name}: {_short(e, 160)}")
     return None, "fla not importable (" + "; ".join(errs) + ")"
+
+
+# ---------------------------------------------------------------- FlashKDA (forward only)
+
+FLASHKDA_REL_RMS_TOL = 2e-2  # its output vs kernel_fun's on the same inputs; above: an error row
+
+
+def flashkda_supports(case, pass_: str) -> bool:
+    """Whether FlashKDA computes this (case, pass) as chunk_kda does: forward only, bounded gate
+    (lower_bound in [-5, 0] with safe_gate), K = V = 128, no GVA (H == HV), bf16. Only these
+    (case, pass) get a flashkda row."""
+    return (isinstance(case, KdaCase) and pass_ == "fwd" and case.dtype == "bf16"
+            and case.lower_bound is not None and -5.0 <= case.lower_bound <= 0.0 and case.safe_gate
+            and case.K == 128 and case.V == 128 and case.H == case.HV)
+
+
+def load_flashkda():
+    """(flash_kda.fwd, None) or (None, why not)."""
+    try:
+        return importlib.import_module("flash_kda").fwd, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"flash_kda not importable ({_short(e)})"
+
+
+def flashkda_step(fwd, inputs: dict, torch):
+    """The one mapping of a case's chunk_kda inputs (``make_inputs``) to ``flash_kda.fwd``. The
+    conversions happen here, once, outside any timed region: dt_bias [HV*K] -> [H, K] (H == HV),
+    cu_seqlens int32 -> int64, scale K**-0.5 (chunk_kda's default), lower_bound as a float.
+    q, k, v, g and beta (logits) are passed as they are: FlashKDA l2-normalises q/k, applies the
+    beta sigmoid and the bounded gate lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) itself.
+    Returns step(): one call into a freshly allocated ``out`` (as chunk_kda allocates its
+    output), returned."""
+    q, k, v, g, beta = inputs["args"]
+    kw = inputs["kwargs"]
+    H, K = q.shape[2], q.shape[3]
+    A_log = kw["A_log"]
+    dt_bias = kw["dt_bias"].reshape(H, K).contiguous()
+    lower_bound = float(kw["lower_bound"])
+    cu = kw.get("cu_seqlens")
+    cu = None if cu is None else cu.to(torch.int64).contiguous()
+    scale = K ** -0.5
+    out_shape = tuple(inputs["out_shape"])
+
+    def step():
+        out = torch.empty(out_shape, dtype=v.dtype, device=v.device)
+        fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, cu_seqlens=cu)
+        return out
+
+    return step
+
+
+def rel_rms(a, b) -> float:
+    """sqrt(mean((a - b)^2)) / sqrt(mean(b^2)), in fp32; b is the reference."""
+    a, b = a.float(), b.float()
+    return float((a - b).square().mean().sqrt() / b.square().mean().sqrt())
 
 
 def ask_supported(is_supported, first, second, kwargs) -> tuple[bool, str | None]:
@@ -311,6 +375,11 @@ def _load_impls(cfg: Config, log) -> dict:
             impls[fam]["fla"] = (ffn, None, fwhy)
             if ffn is None:
                 log(f"{fam}: {fwhy}: timing kernel_fun only")
+    if cfg.with_flashkda and any(flashkda_supports(c, p) for c in cfg.cases for p in cfg.passes):
+        kfn, kwhy = load_flashkda()
+        impls["kda"]["flashkda"] = (kfn, None, kwhy)
+        if kfn is None:
+            log(f"kda: {kwhy}: no flashkda timings")
     return impls
 
 
@@ -353,7 +422,8 @@ def run(cfg: Config, meta: dict, log=print, on_case_done=None, progress=None) ->
             grad = pass_ == "fwd+bwd"
             nbytes = case.bytes(pass_)
             pass_rows, do = {}, None
-            for impl in impl_names:
+            with_fk = cfg.with_flashkda and flashkda_supports(case, pass_)
+            for impl in impl_names + (("flashkda",) if with_fk else ()):
                 row = new_row(family=case.family, case=case.name, impl=impl, bytes=nbytes,
                               floor_ms=nbytes / (copy_tbps * 1e9) if copy_tbps else None,
                               iters=cfg.iters, warmup=cfg.warmup,
@@ -381,7 +451,11 @@ def run(cfg: Config, meta: dict, log=print, on_case_done=None, progress=None) ->
                     except Exception as e:  # noqa: BLE001
                         row["status"], row["note"] = "error", f"allocating do: {_short(e)}"
                         continue
-                _measure(torch, row, case, impl, fn, sup, inputs, grad, do, cfg, flush, log)
+                if impl == "flashkda":
+                    ref_fn, _, ref_why = impls[case.family]["kernel_fun"]
+                    _measure_flashkda(torch, row, case, fn, ref_fn, ref_why, inputs, cfg, flush, log)
+                else:
+                    _measure(torch, row, case, impl, fn, sup, inputs, grad, do, cfg, flush, log)
                 if row["status"] == "error" and any(m in row["note"] for m in _BROKEN_MARKERS):
                     skip = f"skipped: CUDA context broken by an earlier error ({row['note']})"
                 if skip is None:
@@ -430,16 +504,56 @@ def _measure(torch, row, case, impl, fn, sup, inputs, grad, do, cfg, flush, log)
     elif "error" in res:
         row["status"], row["note"] = "error", res["error"]
     else:
-        tbps = row["bytes"] / (res["ms"] * 1e-3) / 1e12
-        row.update(status="ok", ms=res["ms"], ms_min=res["ms_min"], ms_max=res["ms_max"],
-                   peak_mem_gib=round(res["peak_mem_gib"], 4), tbps=tbps,
-                   roofline_frac=tbps / row["copy_tbps"] if row.get("copy_tbps") else None)
+        _fill_timing(row, res)
         if probe is not None:
             row["engaged"] = probe.verdict()
             if row["engaged"] is None:
                 row["note"] = "engagement not confirmed (no 'engaged' log seen)"
     log(f"{tag}: " + (f"{row['ms']:.3f} ms" if row["status"] == "ok"
                       else f"{row['status'].replace('_', ' ')}: {row['note']}"))
+
+
+def _fill_timing(row, res) -> None:
+    tbps = row["bytes"] / (res["ms"] * 1e-3) / 1e12
+    row.update(status="ok", ms=res["ms"], ms_min=res["ms_min"], ms_max=res["ms_max"],
+               peak_mem_gib=round(res["peak_mem_gib"], 4), tbps=tbps,
+               roofline_frac=tbps / row["copy_tbps"] if row.get("copy_tbps") else None)
+
+
+def _measure_flashkda(torch, row, case, fwd, ref_fn, ref_why, inputs, cfg, flush, log) -> None:
+    """Fill one flashkda row: time ``flashkda_step``, then check its output once against
+    kernel_fun's chunk_kda (``ref_fn``) on the same inputs. Without that reference nothing is
+    timed; above FLASHKDA_REL_RMS_TOL the row is an error, its time not reported."""
+    tag = f"[{case.name} {row['pass']}] flashkda"
+    if ref_fn is None:
+        row["note"] = f"not timed: its agreement check needs kernel_fun's chunk_kda ({ref_why})"
+        log(f"{tag}: not run: {row['note']}")
+        return
+    stage = "timing"
+    try:
+        step = flashkda_step(fwd, inputs, torch)
+        with torch.no_grad():  # as the other forward rows (see _time_one)
+            res = time_calls(torch, step, warmup=cfg.warmup, iters=cfg.iters, flush=flush)
+            stage = "agreement check"
+            got = step()
+            want = ref_fn(*inputs["args"], **inputs["kwargs"])[0]
+            rel = rel_rms(got, want)
+            del got, want
+    except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
+        row["status"], row["note"] = "error", (_short(e) if stage == "timing"
+                                               else f"agreement check failed: {_short(e)}")
+        log(f"{tag}: error: {row['note']}")
+        return
+    row["rel_rms_vs_kernel_fun"] = rel
+    if not rel <= FLASHKDA_REL_RMS_TOL:  # also catches nan
+        row["status"] = "error"
+        row["note"] = (f"disagrees with kernel_fun's chunk_kda on the same inputs: rel-RMS {rel:.3g} > "
+                       f"{FLASHKDA_REL_RMS_TOL:g} (argument mapping?); its {res['ms']:.3f} ms not reported")
+    else:
+        _fill_timing(row, res)
+        row["note"] = f"rel-RMS vs kernel_fun {rel:.1e}"
+    log(f"{tag}: " + (f"{row['ms']:.3f} ms ({row['note']})" if row["status"] == "ok"
+                      else f"error: {row['note']}"))
 
 
 def _time_one(torch, fn, inputs, grad, do, cfg, flush, probe) -> dict:
