@@ -354,6 +354,57 @@ def test_emulator_reports_kernel_bugs(emu, which, message):
     assert message in err, err
 
 
+def _bf16_raw(x: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_tma_pipeline_through_mbarriers(emu):
+    """A producer thread loads tiles by TMA into a 2-stage ring (common/pipeline.cuh, tma_desc.h);
+    consumers wait on the stage's full barrier, read it, release it: the column sums are exact."""
+    ntiles = 7
+    x = torch.randint(-8, 8, (16 * ntiles, 64), generator=torch.Generator().manual_seed(3)).float()
+    out = np.zeros(64, np.float32)
+    L = emu.lib()
+    assert L.kf_emu_selftest_tma_pipeline(0, _p(_bf16_raw(x)), ntiles, _p(out)) == 0, \
+        L.kf_emu_selftest_last_error().decode()
+    np.testing.assert_array_equal(out, x.sum(0).numpy())
+
+
+def test_tma_pipeline_misuse_does_not_pass_unnoticed(emu):
+    """What the emulator must show: consumers that skip the full-barrier wait read poison (NaN);
+    a producer that refills a stage before the consumers released it drives the barriers' phases
+    apart (a deadlock on an mbarrier, as the GPU would hang); no producer at all is a deadlock."""
+    ntiles = 6
+    x = _bf16_raw(torch.ones(16 * ntiles, 64))
+    L = emu.lib()
+    out = np.zeros(64, np.float32)
+    L.kf_emu_selftest_tma_pipeline(1, _p(x), ntiles, _p(out))  # may also end in a deadlock
+    assert np.isnan(out).all(), "consumers that did not wait read no poison"
+    for which in (2, 3):
+        out = np.zeros(64, np.float32)
+        assert L.kf_emu_selftest_tma_pipeline(which, _p(x), ntiles, _p(out)) != 0, f"misuse {which} not reported"
+        err = L.kf_emu_selftest_last_error().decode()
+        assert "deadlock" in err and "mbarrier" in err, err
+
+
+@pytest.mark.parametrize("rows, row0", [(16, 4), (13, 8)])
+def test_tma_box_lands_with_the_128_byte_swizzle(emu, rows, row0):
+    """An 8 x 64 bf16 box with CU_TENSOR_MAP_SWIZZLE_128B: element (r, c) at byte r * 128 +
+    16 ((c / 8) ^ (r % 8)) + 2 (c % 8) of the 1024-byte-aligned tile; rows past the tensor's end are
+    zeros; a 1-D bulk copy on the same barrier lands too."""
+    src = np.arange(rows * 64, dtype=np.uint16).reshape(rows, 64) + 1
+    out = np.zeros(512 + 16, np.uint16)
+    L = emu.lib()
+    assert L.kf_emu_selftest_tma_swizzle(_p(src), rows, row0, _p(out)) == 0, L.kf_emu_selftest_last_error().decode()
+    want = np.zeros(512, np.uint16)
+    for r in range(8):
+        for c in range(64):
+            g = row0 + r
+            want[(r * 128 + 16 * ((c // 8) ^ (r % 8)) + 2 * (c % 8)) // 2] = src[g, c] if g < rows else 0
+    np.testing.assert_array_equal(out[:512], want)
+    np.testing.assert_array_equal(out[512:], src.reshape(-1)[:16])
+
+
 def test_out_of_bounds_global_write_is_caught(emu):
     # the guard zones of kda_emu.forward_stages: a workspace buffer one row short must be reported
     inputs, kw = make_case(T=64)

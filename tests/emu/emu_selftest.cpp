@@ -7,10 +7,13 @@
 #include <exception>
 #include <string>
 
+#include "common/pipeline.cuh"
+#include "common/tma_desc.h"
 #include "kda/device/primitives.cuh"
 
 namespace {
 namespace dev = kernel_fun::kda::dev;
+namespace pipe = kernel_fun::dev;  // common/pipeline.cuh
 thread_local std::string g_err;
 
 template <typename F>
@@ -207,6 +210,73 @@ __global__ void static_smem_kernel(int* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = count;
 }
 
+
+// A warp-specialised TMA pipeline through common/pipeline.cuh: thread 0 (the producer) loads the
+// 16 x 64 bf16 tiles of a [16 ntiles, 64] matrix into a 2-stage ring; threads 32..95 (one per
+// column) add every tile's rows and release the stage. out[c] = the column sum. Misuse: 1 the
+// consumers skip the full-barrier wait (they read poison), 2 the producer skips the empty-barrier
+// wait (it refills a stage still being read), 3 there is no producer (the consumers' wait deadlocks).
+constexpr int kTileRows = 16, kTileCols = 64, kStageBytes = kTileRows * kTileCols * 2;
+__global__ void tma_pipeline_kernel(const __grid_constant__ CUtensorMap map, int ntiles, int which, float* out) {
+  KF_DYN_SMEM(float4, smem_f4);
+  char* sm = reinterpret_cast<char*>(smem_f4);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + 2 * kStageBytes);
+  uint64_t* empty = full + 2;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      pipe::mbar_init(&full[s], 1);
+      pipe::mbar_init(&empty[s], 64);
+    }
+    pipe::mbar_init_fence();
+  }
+  __syncthreads();
+  if (tid < 32) {
+    if (tid == 0 && which != 3) {
+      for (int t = 0; t < ntiles; ++t) {
+        const int s = t & 1, ph = (t >> 1) & 1;
+        if (which != 2) pipe::mbar_wait(&empty[s], ph ^ 1);
+        pipe::mbar_arrive_expect_tx(&full[s], kStageBytes);
+        pipe::tma_load_2d(sm + s * kStageBytes, &map, 0, kTileRows * t, &full[s]);
+      }
+    }
+    return;
+  }
+  const int col = tid - 32;
+  float acc = 0.f;
+  for (int t = 0; t < ntiles; ++t) {
+    const int s = t & 1, ph = (t >> 1) & 1;
+    if (which != 1) pipe::mbar_wait(&full[s], ph);
+    const uint16_t* st = reinterpret_cast<const uint16_t*>(sm + s * kStageBytes);
+    for (int r = 0; r < kTileRows; ++r) acc += __uint_as_float(static_cast<uint32_t>(st[r * kTileCols + col]) << 16);
+    pipe::mbar_arrive(&empty[s]);
+  }
+  out[col] = acc;
+}
+
+// One 8 x 64 bf16 box with the 128-byte swizzle, rows from `row0` of a [rows, 64] matrix (rows past
+// the end land as zeros), copied out as the raw 1024 bytes of shared memory; also a 1-D bulk copy of
+// 32 bytes after it. 32 threads; thread 0 issues, all wait.
+__global__ void tma_swizzle_kernel(const __grid_constant__ CUtensorMap map, int row0, const uint16_t* src,
+                                   uint16_t* out) {
+  KF_DYN_SMEM(float4, smem_f4);
+  char* sm = reinterpret_cast<char*>(smem_f4);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + 1024 + 32);
+  if (threadIdx.x == 0) {
+    pipe::mbar_init(bar, 1);
+    pipe::mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    pipe::mbar_arrive_expect_tx(bar, 1024 + 32);
+    pipe::tma_load_2d(sm, &map, 0, row0, bar);
+    pipe::bulk_load(sm + 1024, src, 32, bar);
+  }
+  pipe::mbar_wait(bar, 0);
+  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(sm);
+  for (int i = threadIdx.x; i < 512 + 16; i += 32) out[i] = s16[i];
+}
+
 }  // namespace
 
 extern "C" {
@@ -249,6 +319,27 @@ int kf_emu_selftest_wgmma(int which, const uint16_t* A, const uint16_t* B, const
 
 int kf_emu_selftest_bug(int which, float* out) {
   return guarded([&] { kf_emu::launch(dim3(1), dim3(64), 64 * sizeof(float), bug_kernel, which, out); });
+}
+
+
+// src: [16 ntiles, 64] bf16 (raw); out: 64 floats
+int kf_emu_selftest_tma_pipeline(int which, const uint16_t* src, int ntiles, float* out) {
+  return guarded([&] {
+    const uint64_t dims[2] = {kTileCols, static_cast<uint64_t>(kTileRows) * ntiles}, strides[2] = {0, kTileCols * 2};
+    const uint32_t box[2] = {kTileCols, kTileRows};
+    const CUtensorMap map = kernel_fun::make_tma_desc(src, 2, kernel_fun::DType::kBFloat16, dims, strides, box, 0);
+    kf_emu::launch(dim3(1), dim3(96), 2 * kStageBytes + 64, tma_pipeline_kernel, map, ntiles, which, out);
+  });
+}
+
+// src: [rows, 64] bf16 (raw); out: 528 uint16 (the swizzled box, then the 16 elements of the 1-D copy)
+int kf_emu_selftest_tma_swizzle(const uint16_t* src, int rows, int row0, uint16_t* out) {
+  return guarded([&] {
+    const uint64_t dims[2] = {64, static_cast<uint64_t>(rows)}, strides[2] = {0, 128};
+    const uint32_t box[2] = {64, 8};
+    const CUtensorMap map = kernel_fun::make_tma_desc(src, 2, kernel_fun::DType::kBFloat16, dims, strides, box, 128);
+    kf_emu::launch(dim3(1), dim3(32), 1024 + 64, tma_swizzle_kernel, map, row0, src, out);
+  });
 }
 
 }  // extern "C"

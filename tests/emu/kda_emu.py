@@ -69,6 +69,8 @@ def lib():
         L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
         L.kf_emu_selftest_wgmma.argtypes = [ctypes.c_int, vp, vp, vp, vp]
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
+        L.kf_emu_selftest_tma_pipeline.argtypes = [ctypes.c_int, vp, ctypes.c_int, vp]
+        L.kf_emu_selftest_tma_swizzle.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp]
         if L.kda_emu_args_size() != ctypes.sizeof(KdaEmuArgs):
             raise RuntimeError("KdaEmuArgs layout differs between kda_emu.cpp and kda_emu.py")
         _lib = L

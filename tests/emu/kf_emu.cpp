@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__x86_64__) && !defined(KF_EMU_FORCE_UCONTEXT)
@@ -110,7 +111,7 @@ thread_local Cur t_cur;
 
 namespace {
 
-enum State : int { kReady = 0, kWaitBar, kWaitWarp, kDone };
+enum State : int { kReady = 0, kWaitBar, kWaitWarp, kWaitMbar, kWaitNamed, kDone };
 
 const char* op_name(int op) {
   switch (op) {
@@ -131,6 +132,30 @@ struct Copy {
   const char* src;
   int size;
   int src_size;
+};
+
+// One bulk asynchronous copy (cp.async.bulk, 1-D, or cp.async.bulk.tensor through a tensor map) in
+// flight on an mbarrier: performed when a thread waits on that barrier (kf_emu.h).
+struct AsyncCopy {
+  char* dst;
+  uint32_t bytes;
+  const char* src;             // 1-D copies
+  bool tensor;
+  kf_emu::TensorMapDesc desc;  // tensor copies: the map (a copy) and the box's first coordinates
+  int32_t coords[5];
+};
+
+// An mbarrier's state, kept beside its 8 bytes of shared memory (keyed by the smem offset).
+struct Mbar {
+  int count = 0;         // arrivals per phase (mbarrier.init)
+  int pending = 0;       // arrivals still missing in the current phase
+  int64_t tx = 0;        // transaction bytes still expected in the current phase
+  uint32_t phase = 0;    // completed phases
+  std::vector<AsyncCopy> copies;  // in flight, completing tx on this barrier
+};
+
+struct NamedBar {  // bar.sync / bar.arrive id, count
+  int count = 0, arrived = 0;
 };
 
 // One wgmma.mma_async in flight (kf_emu.h, wgmma_rs_m64k16): performed at the wgmma.wait_group
@@ -163,6 +188,8 @@ struct Fiber {
   std::vector<Wgmma> wg_open;             // issued wgmma not yet committed
   std::deque<std::vector<Wgmma>> wg_groups;  // committed wgmma groups, oldest first
   bool wg_fenced = false;                 // a wgmma.fence since the last wgmma.wait_group
+  const void* wait_obj = nullptr;         // kWaitMbar: the mbarrier; kWaitNamed: unused
+  int wait_arg = 0;                       // kWaitMbar: the phase parity; kWaitNamed: the barrier id
   char* stack_lo = nullptr;
   Worker* worker = nullptr;
 };
@@ -203,6 +230,8 @@ struct Worker {
 #endif
   const KernelRef* kernel = nullptr;
   std::string error;
+  std::unordered_map<uint32_t, Mbar> mbars;  // by smem offset; cleared at every block start
+  NamedBar named[16];
 
   Worker(dim3 block, size_t smem_size, const KernelRef* k) : bdim(block), kernel(k) {
     nthreads = static_cast<int>(block.x * block.y * block.z);
@@ -310,6 +339,8 @@ struct Worker {
     std::memset(smem, config().poison_smem ? 0xFF : 0x00, smem_bytes);
     live = nthreads;
     bar_arrived = 0;
+    mbars.clear();
+    for (NamedBar& nb : named) nb = NamedBar{};
     for (size_t w = 0; w < warps.size(); ++w) {
       const int n = std::min(32, nthreads - static_cast<int>(w) * 32);
       warps[w].live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
@@ -401,9 +432,15 @@ struct Worker {
 
   std::string deadlock_report() const {
     std::string s = "kf_emu: " + where(nullptr) + ": deadlock, no thread can proceed (";
-    int at_bar = 0;
-    for (const Fiber& f : fibers) at_bar += f.state == kWaitBar;
+    int at_bar = 0, at_mbar = 0, at_named = 0;
+    for (const Fiber& f : fibers) {
+      at_bar += f.state == kWaitBar;
+      at_mbar += f.state == kWaitMbar;
+      at_named += f.state == kWaitNamed;
+    }
     s += std::to_string(at_bar) + " of " + std::to_string(live) + " live threads wait in __syncthreads";
+    if (at_mbar) s += ", " + std::to_string(at_mbar) + " on an mbarrier phase that no arrival completes";
+    if (at_named) s += ", " + std::to_string(at_named) + " in a named barrier (bar.sync) that never fills";
     for (size_t w = 0; w < warps.size(); ++w) {
       const Warp& wp = warps[w];
       if (!wp.arrived) continue;
@@ -909,6 +946,204 @@ void wgmma_wait(int n) {
     for (auto& x : grp) rebase(x);
   for (auto& x : f.wg_open) rebase(x);
   f.wg_fenced = false;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// mbarrier, bulk asynchronous copies (TMA) and named barriers (kf_emu.h)
+namespace {
+uint32_t mbar_offset(detail::Worker& w, const void* bar, const char* what) {
+  const char* c = static_cast<const char*>(bar);
+  if (c < w.smem || c + 8 > w.smem + w.smem_bytes)
+    failf("%s: the mbarrier %p is not in the dynamic shared memory [%p, +%zu)", what, bar,
+          static_cast<void*>(w.smem), w.smem_bytes);
+  if ((c - w.smem) % 8) failf("%s: the mbarrier at smem offset %td is not 8-byte aligned", what, c - w.smem);
+  return static_cast<uint32_t>(c - w.smem);
+}
+
+detail::Mbar& mbar_state(detail::Worker& w, const void* bar, const char* what) {
+  const uint32_t off = mbar_offset(w, bar, what);
+  auto it = w.mbars.find(off);
+  if (it == w.mbars.end()) failf("%s: the mbarrier at smem offset %u was never initialised (mbarrier.init)", what, off);
+  return it->second;
+}
+
+// The phase completes when every arrival and every transaction byte of it is in; its waiters wake.
+void mbar_try_complete(detail::Worker& w, const void* bar, detail::Mbar& m) {
+  if (m.pending != 0 || m.tx != 0) return;
+  ++m.phase;
+  m.pending = m.count;
+  for (detail::Fiber& f : w.fibers)
+    if (f.state == detail::kWaitMbar && f.wait_obj == bar) f.state = detail::kReady;
+}
+
+void perform_tensor(detail::Worker& w, const detail::AsyncCopy& c) {
+  const TensorMapDesc& d = c.desc;
+  uint64_t total = 1;
+  for (int i = 0; i < d.rank; ++i) total *= d.box[i];
+  const char* base = static_cast<const char*>(d.base);
+  const uint32_t dst0 = static_cast<uint32_t>(c.dst - w.smem);
+  for (uint64_t lin = 0; lin < total; ++lin) {
+    uint64_t rest = lin, goff = 0;
+    bool inside = true;
+    for (int i = 0; i < d.rank; ++i) {
+      const int64_t g = static_cast<int64_t>(c.coords[i]) + static_cast<int64_t>(rest % d.box[i]);
+      rest /= d.box[i];
+      if (g < 0 || static_cast<uint64_t>(g) >= d.dims[i]) inside = false;
+      else goff += static_cast<uint64_t>(g) * (i == 0 ? static_cast<uint64_t>(d.elem_bytes) : d.strides[i]);
+    }
+    uint32_t sh = dst0 + static_cast<uint32_t>(lin) * static_cast<uint32_t>(d.elem_bytes);
+    if (d.swizzle_bytes == 128) sh ^= ((sh >> 7) & 7) << 4;  // 16-byte chunk ^= 128-byte row % 8
+    if (inside) std::memcpy(w.smem + sh, base + goff, static_cast<size_t>(d.elem_bytes));
+    else std::memset(w.smem + sh, 0, static_cast<size_t>(d.elem_bytes));  // out of bounds: zeros
+  }
+}
+
+void async_issue(detail::Worker& w, void* bar, detail::AsyncCopy&& c, const char* what) {
+  if (c.dst < w.smem || c.dst + c.bytes > w.smem + w.smem_bytes)
+    failf("%s: destination [%p, +%u) is outside the dynamic shared memory [%p, +%zu)", what,
+          static_cast<void*>(c.dst), c.bytes, static_cast<void*>(w.smem), w.smem_bytes);
+  detail::Mbar& m = mbar_state(w, bar, what);
+  std::memset(c.dst, 0xFF, c.bytes);  // poison until it lands: a read before the barrier's wait shows
+  m.copies.push_back(std::move(c));
+  // threads already waiting on the barrier land it (mbar_try_wait): the copy engine needs no waiter
+  for (detail::Fiber& f : w.fibers)
+    if (f.state == detail::kWaitMbar && f.wait_obj == bar) f.state = detail::kReady;
+}
+}  // namespace
+
+void mbar_init(void* bar, int count) {
+  detail::Worker& w = need_fiber("mbarrier.init");
+  if (count < 1 || count >= (1 << 20)) failf("mbarrier.init: count %d outside [1, 2^20)", count);
+  detail::Mbar m;
+  m.count = m.pending = count;
+  w.mbars[mbar_offset(w, bar, "mbarrier.init")] = std::move(m);
+}
+
+namespace {
+// The copies in flight on `bar` land now (their transaction bytes complete; so may the phase).
+void mbar_land(detail::Worker& w, void* bar, detail::Mbar& m) {
+  std::vector<detail::AsyncCopy> cs = std::move(m.copies);
+  m.copies.clear();
+  for (const detail::AsyncCopy& c : cs) {
+    if (c.tensor) perform_tensor(w, c);
+    else std::memcpy(c.dst, c.src, c.bytes);
+    m.tx -= c.bytes;
+  }
+  mbar_try_complete(w, bar, m);
+}
+}  // namespace
+
+void mbar_arrive(void* bar) {
+  detail::Worker& w = need_fiber("mbarrier.arrive");
+  detail::Mbar& m = mbar_state(w, bar, "mbarrier.arrive");
+  // Every arrival of the phase is in and it waits for copies only: on the GPU they land on their
+  // own, so this arrival belongs to the next phase.
+  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);
+  if (--m.pending < 0) failf("mbarrier.arrive: more arrivals than the barrier's count %d in one phase", m.count);
+  mbar_try_complete(w, bar, m);
+}
+
+void mbar_expect_tx(void* bar, uint32_t bytes) {
+  detail::Worker& w = need_fiber("mbarrier.expect_tx");
+  mbar_state(w, bar, "mbarrier.expect_tx").tx += bytes;
+}
+
+void mbar_arrive_expect_tx(void* bar, uint32_t bytes) {
+  detail::Worker& w = need_fiber("mbarrier.arrive.expect_tx");
+  detail::Mbar& m = mbar_state(w, bar, "mbarrier.arrive.expect_tx");
+  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);  // as in mbar_arrive: the next phase's
+  m.tx += bytes;
+  mbar_arrive(bar);
+}
+
+bool mbar_try_wait(void* bar, int parity) {
+  detail::Worker& w = need_fiber("mbarrier.try_wait");
+  detail::Fiber& f = *w.cur;
+  for (;;) {
+    detail::Mbar& m = mbar_state(w, bar, "mbarrier.try_wait");
+    if ((m.phase & 1u) != static_cast<uint32_t>(parity & 1)) return true;  // that phase has completed
+    if (!m.copies.empty()) {  // the copies in flight on it land now
+      mbar_land(w, bar, m);
+      continue;
+    }
+    f.state = detail::kWaitMbar;
+    f.wait_obj = bar;
+    f.wait_arg = parity;
+    w.yield(f);
+  }
+}
+
+void bulk_g2s(void* dst, const void* src, uint32_t bytes, void* bar) {
+  detail::Worker& w = need_fiber("cp.async.bulk");
+  if (bytes == 0 || bytes % 16) failf("cp.async.bulk: size %u is not a positive multiple of 16", bytes);
+  if (reinterpret_cast<uintptr_t>(src) % 16) failf("cp.async.bulk: global source %p is not 16-byte aligned", src);
+  char* d = static_cast<char*>(dst);
+  if ((d - w.smem) % 16) failf("cp.async.bulk: destination smem offset %td is not 16-byte aligned", d - w.smem);
+  detail::AsyncCopy c{};
+  c.dst = d;
+  c.bytes = bytes;
+  c.src = static_cast<const char*>(src);
+  async_issue(w, bar, std::move(c), "cp.async.bulk");
+}
+
+void tma_load(void* dst, const void* tmap, const int32_t* coords, void* bar) {
+  detail::Worker& w = need_fiber("cp.async.bulk.tensor");
+  TensorMapDesc d;
+  std::memcpy(&d, tmap, sizeof d);
+  if (d.magic != TensorMapDesc::kMagic) failf("cp.async.bulk.tensor: %p is not a tensor map built for the emulator", tmap);
+  if (d.rank < 1 || d.rank > 5) failf("cp.async.bulk.tensor: rank %d outside [1, 5]", d.rank);
+  uint64_t bytes = static_cast<uint64_t>(d.elem_bytes);
+  for (int i = 0; i < d.rank; ++i) bytes *= d.box[i];
+  char* dp = static_cast<char*>(dst);
+  const int align = d.swizzle_bytes == 128 ? 1024 : 128;
+  if ((dp - w.smem) % align)
+    failf("cp.async.bulk.tensor: destination smem offset %td is not %d-byte aligned%s", dp - w.smem, align,
+          d.swizzle_bytes == 128 ? " (128-byte swizzle)" : "");
+  if (d.swizzle_bytes == 128 && d.box[0] * static_cast<uint32_t>(d.elem_bytes) != 128)
+    failf("cp.async.bulk.tensor: the 128-byte swizzle needs a 128-byte inner box, got %u bytes",
+          d.box[0] * static_cast<uint32_t>(d.elem_bytes));
+  detail::AsyncCopy c{};
+  c.dst = dp;
+  c.bytes = static_cast<uint32_t>(bytes);
+  c.tensor = true;
+  c.desc = d;
+  for (int i = 0; i < d.rank; ++i) c.coords[i] = coords[i];
+  async_issue(w, bar, std::move(c), "cp.async.bulk.tensor");
+}
+
+namespace {
+detail::NamedBar& named_bar(detail::Worker& w, int id, int nthreads, const char* what) {
+  if (id < 1 || id > 15) failf("%s: barrier id %d outside [1, 15] (0 is __syncthreads')", what, id);
+  if (nthreads < 32 || nthreads % 32 || nthreads > w.nthreads)
+    failf("%s: thread count %d is not a multiple of 32 in [32, %d]", what, nthreads, w.nthreads);
+  detail::NamedBar& b = w.named[id];
+  if (b.arrived == 0) b.count = nthreads;
+  else if (b.count != nthreads)
+    failf("%s %d: thread count %d while %d threads wait with count %d", what, id, nthreads, b.arrived, b.count);
+  return b;
+}
+bool named_arrive(detail::Worker& w, detail::NamedBar& b, int id) {  // true: this arrival filled it
+  if (++b.arrived < b.count) return false;
+  b.arrived = 0;
+  for (detail::Fiber& f : w.fibers)
+    if (f.state == detail::kWaitNamed && f.wait_arg == id) f.state = detail::kReady;
+  return true;
+}
+}  // namespace
+
+void named_barrier_sync(int id, int nthreads) {
+  detail::Worker& w = need_fiber("bar.sync");
+  detail::NamedBar& b = named_bar(w, id, nthreads, "bar.sync");
+  if (named_arrive(w, b, id)) return;
+  detail::Fiber& f = *w.cur;
+  f.state = detail::kWaitNamed;
+  f.wait_arg = id;
+  w.yield(f);
+}
+
+void named_barrier_arrive(int id, int nthreads) {
+  detail::Worker& w = need_fiber("bar.arrive");
+  named_arrive(w, named_bar(w, id, nthreads, "bar.arrive"), id);
 }
 
 uint32_t shfl32(int mode, unsigned mask, uint32_t v, int b, int c) {

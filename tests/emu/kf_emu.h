@@ -22,6 +22,7 @@
 //     reads poison;
 //   * wgmma.mma_async is DEFERRED the same way: its accumulator registers hold poison until the
 //     wgmma.wait_group that completes its group (see wgmma_rs_m64k16);
+//   * mbarriers, bulk copies (TMA) and named barriers: see "The Hopper asynchronous pipeline" below;
 //   * "global" memory is plain host memory.
 //
 // Use: compile with -DKF_EMU, include this header BEFORE any kernel source, then
@@ -227,6 +228,46 @@ inline void cp_async_cg16(void* dst_smem, const void* src_global, int src_size) 
 void cp_async_commit();     // cp.async.commit_group
 void cp_async_wait(int n);  // cp.async.wait_group n
 inline void cp_async_wait_all() { cp_async_commit(), cp_async_wait(0); }  // cp.async.wait_all
+
+// ---- The Hopper asynchronous pipeline: mbarrier, bulk copies (TMA), named barriers.
+// An mbarrier is 8 bytes of dynamic shared memory; the emulator keeps its state (arrivals per phase,
+// arrivals and transaction bytes still missing, completed phases) beside it, from mbarrier.init to
+// the end of the block. Bulk copies are DEFERRED like cp.async: the issue poisons the destination
+// (0xFF bytes) and records the copy on its mbarrier; the copies land (and complete their
+// transaction bytes) when a thread waits on that barrier. So a consumer that reads a stage without
+// waiting on its "full" barrier reads poison, and a producer that refills a stage before the
+// consumers released it poisons what they still read. mbar_try_wait blocks the calling thread
+// until the phase of that parity has completed (the hardware's try_wait may return false; callers
+// loop); a wait that no arrival can complete is reported as a deadlock.
+void mbar_init(void* bar, int count);                      // mbarrier.init.shared::cta.b64
+void mbar_arrive(void* bar);                               // mbarrier.arrive.shared::cta.b64
+void mbar_expect_tx(void* bar, uint32_t bytes);            // mbarrier.expect_tx
+void mbar_arrive_expect_tx(void* bar, uint32_t bytes);     // mbarrier.arrive.expect_tx
+bool mbar_try_wait(void* bar, int parity);                 // mbarrier.try_wait.parity (blocking here)
+// cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes, [bar]
+void bulk_g2s(void* dst, const void* src, uint32_t bytes, void* bar);
+// What a CUtensorMap holds for the emulator (csrc/common/tma_desc.h writes it into the map's 128
+// bytes in KF_EMU builds; the GPU build has the driver encode the real one): a tiled map, box
+// element (i0, i1, ..) at global address base + (c0 + i0) elem_bytes + sum_{d >= 1} (c_d + i_d)
+// strides[d], zeros outside dims; the box lands densely (i0 fastest) in shared memory, then the
+// 128-byte swizzle (swizzle_bytes 128: 16-byte chunk ^= (smem offset / 128) % 8; needs a 1024-byte
+// aligned destination and a 128-byte inner box) as the hardware applies it.
+struct TensorMapDesc {
+  static constexpr uint32_t kMagic = 0x4b46544du;  // "KFTM"
+  uint32_t magic;
+  int rank;
+  int elem_bytes;
+  int swizzle_bytes;  // 0 or 128
+  const void* base;
+  uint64_t dims[5];
+  uint64_t strides[5];  // bytes; strides[0] unused (elem_bytes)
+  uint32_t box[5];
+};
+static_assert(sizeof(TensorMapDesc) <= 128, "a TensorMapDesc must fit a CUtensorMap");
+// cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes [dst], [map, {coords}], [bar]
+void tma_load(void* dst, const void* tmap, const int32_t* coords, void* bar);
+void named_barrier_sync(int id, int nthreads);    // bar.sync id, nthreads (ids 1..15)
+void named_barrier_arrive(int id, int nthreads);  // bar.arrive id, nthreads
 
 // Shuffle / vote on 32-bit words (mode as in PTX shfl: 0 idx, 1 up, 2 down, 3 bfly; c as in PTX).
 uint32_t shfl32(int mode, unsigned mask, uint32_t v, int b, int c);
