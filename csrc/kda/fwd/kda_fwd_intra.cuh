@@ -21,6 +21,10 @@
 //       -> workspace                                                                         | x3
 //   P4b row block 3 (all warps)
 // In the backward (p.M set) the same kernel also stores M = (I + L)^-1 beside Akk.
+// Each phase is a device function over IntraCtx (intra_load_gate, intra_block_factors,
+// intra_p2_*, intra_store_gated, intra_diag_inverse, intra_kexp_aqk_gdecay, intra_merge_step,
+// intra_w_tile, intra_store_akk_rows); the kernel at the end of this file is their sequence, so a
+// fused forward can call the same phases.
 //
 // P2 split (every decay factor is exp2 of a difference <= 0, a decay between j and i, never exp2
 // of a positive number: rule 1 of docs/numerics.md holds at any gate magnitude;
@@ -100,44 +104,75 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
   dev::mma_1688_tf32(c, ah, bh0, bh1);
 }
 
+// Everything the phases of one CTA share: the params, its chunk (sequence, first token, length),
+// the thread's place and the typed views of the shared memory plan above.
 template <typename WT, int K>
-__global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
+struct IntraCtx {
   using S = IntraSmem<K>;
   using E = dev::Elem<WT>;
-  constexpr int KP = S::KP;
-  constexpr int KQ = S::KQ;
-  constexpr int AP = S::AP;
-  constexpr int NTH = kIntraThreads;
-    KF_DYN_SMEM(float4, smem_f4);
-  char* sm = reinterpret_cast<char*>(smem_f4);
-  float* sG = reinterpret_cast<float*>(sm + S::oG);
-  WT* sQ = reinterpret_cast<WT*>(sm + S::oQ);
-  WT* sK = reinterpret_cast<WT*>(sm + S::oK);
-  float* sA = reinterpret_cast<float*>(sm + S::oA);
-  float* sL = reinterpret_cast<float*>(sm + S::oL);
-  const dev::GateScratch<K> gs(sm + S::oGate);
-  float *sBeta = gs.beta, *sRq = gs.rq, *sRk = gs.rk, *sGt = gs.Gt, *sBT = gs.BT, *sBO = gs.BO, *sBS = gs.BS;
-  int* sWork = reinterpret_cast<int*>(sm + S::oWork);
-  float* sX = reinterpret_cast<float*>(sm + S::oQ);  // from P3 (q is dead once qg is written)
-  float* sY = sA;                                    // P3 merge (Aqk is stored by then)
-  float* sKexp = sG;                                 // from P4a's second part
+  static constexpr int KP = S::KP, KQ = S::KQ, AP = S::AP, NTH = kIntraThreads;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hv = blockIdx.y;
-  const int x = blockIdx.x;
+  const KdaFwdParams& p;
+  char* sm;
+  int tid, lane, warp;
+  int hv, h, HV;
+  int64_t tok0;
+  int len, gchunk;
 
-  // ---- which sequence / chunk this CTA owns
-  int n, c;
-  if (!dev::chunk_of(p, x, n, c)) return;
-  const dev::SeqInfo seq = dev::seq_info(p, n);
-  const int64_t tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
-  const int len = min(kChunk, seq.len - c * kChunk);
-  const int gchunk = seq.chunk0 + c;
-  const int HV = p.HV;
-  const int h = hv / (HV / p.H);
+  __device__ __forceinline__ IntraCtx(const KdaFwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
+      : p(p_), sm(sm_) {
+    tid = threadIdx.x;
+    lane = tid & 31;
+    warp = tid >> 5;
+    hv = hv_;
+    HV = p.HV;
+    h = hv / (HV / p.H);
+    tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
+    len = min(kChunk, seq.len - c * kChunk);
+    gchunk = seq.chunk0 + c;
+  }
+  template <typename T>
+  __device__ __forceinline__ T* at(int off) const { return reinterpret_cast<T*>(sm + off); }
+  __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
+  __device__ __forceinline__ WT* sQ() const { return at<WT>(S::oQ); }
+  __device__ __forceinline__ WT* sK() const { return at<WT>(S::oK); }
+  __device__ __forceinline__ float* sA() const { return at<float>(S::oA); }
+  __device__ __forceinline__ float* sL() const { return at<float>(S::oL); }
+  __device__ __forceinline__ dev::GateScratch<K> gs() const { return dev::GateScratch<K>(sm + S::oGate); }
+  __device__ __forceinline__ int* sWork() const { return at<int>(S::oWork); }
+  __device__ __forceinline__ float* sX() const { return at<float>(S::oQ); }  // from P3 (q is dead once qg is written)
+  __device__ __forceinline__ float* sY() const { return sA(); }              // P3 merge (Aqk is stored by then)
+  __device__ __forceinline__ float* sKexp() const { return sG(); }           // from P4a's second part
 
-  // ---------------------------------------------------------------- P0: raw q / k -> smem (async),
-  // issued by P1's gate_cumsum_beta right behind the gate rows' loads
+  __device__ __forceinline__ float Qf(int r, int d) const { return E::to_float(sQ()[r * KQ + d]); }
+  __device__ __forceinline__ float Kf(int r, int d) const { return E::to_float(sK()[r * KQ + d]); }
+  // Columns d, d+1 (d even) of a 16-bit row / of an fp32 row in one 4- / 8-byte load.
+  __device__ __forceinline__ float2 X2(const WT* row, int d) const {
+    return E::to_float2(*reinterpret_cast<const uint32_t*>(row + d));
+  }
+  __device__ __forceinline__ float2 G2(int r, int d) const { return *reinterpret_cast<const float2*>(sG() + r * KP + d); }
+  // One entry of Aqk (q row) or L (k row) from an un-normalised, un-scaled dot product.
+  __device__ __forceinline__ void put(bool is_k, int r, int s, float v) const {
+    const dev::GateScratch<K> g = gs();
+    if (is_k) sL()[r * AP + s] = g.beta[r] * g.rk[r] * g.rk[s] * v;
+    else sA()[r * AP + s] = p.opt.scale * g.rq[r] * g.rk[s] * v;
+  }
+};
+
+// ---------------------------------------------------------------- P0 + P1
+// P0: raw q / k -> smem (async), issued by P1's gate_cumsum_beta right behind the gate rows' loads;
+// P1: gate + cumsum, beta; Aqk / L zeroed, the work queue reset. Ends with a barrier.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
+  using Ctx = IntraCtx<WT, K>;
+  using E = typename Ctx::E;
+  constexpr int KP = Ctx::KP, KQ = Ctx::KQ, AP = Ctx::AP, NTH = Ctx::NTH;
+  const KdaFwdParams& p = c.p;
+  const int tid = c.tid, len = c.len, h = c.h;
+  const int64_t tok0 = c.tok0;
+  WT* sQ = c.sQ();
+  WT* sK = c.sK();
+  const dev::GateScratch<K> gs = c.gs();
   auto issue_bulk = [&]() {
     const WT* q = reinterpret_cast<const WT*>(p.q);
     const WT* k = reinterpret_cast<const WT*>(p.k);
@@ -164,459 +199,534 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
       }
     }
   };
-
-  // ---------------------------------------------------------------- P1: gate + cumsum, beta
-  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, hv, sG, sBT, sBeta, issue_bulk);
+  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, c.hv, c.sG(), gs.BT, gs.beta, issue_bulk);
+  float* sA = c.sA();
   for (int i = tid; i < 2 * kChunk * AP / 4; i += NTH)  // sA and sL are adjacent
     reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (tid == 0) *sWork = 0;
+  if (tid == 0) *c.sWork() = 0;
   dev::cp_async_wait<0>();
   __syncthreads();
+}
 
-  // ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G; the
-  // l2norm row factors (1 when off)
-  dev::block_offsets<K>(sBT, sBO, sBS, sGt);
-  dev::row_rstd<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, sRq, sRk);
+// ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G; the
+// l2norm row factors (1 when off). Ends with a barrier.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_block_factors(const IntraCtx<WT, K>& c) {
+  using Ctx = IntraCtx<WT, K>;
+  const dev::GateScratch<K> gs = c.gs();
+  dev::block_offsets<K>(gs.BT, gs.BO, gs.BS, gs.Gt);
+  dev::row_rstd<WT, K, Ctx::NTH, Ctx::KQ>(c.sQ(), c.sK(), c.p.opt.l2norm, gs.rq, gs.rk);
   __syncthreads();
+}
 
-  auto Qf = [&](int r, int d) { return E::to_float(sQ[r * KQ + d]); };
-  auto Kf = [&](int r, int d) { return E::to_float(sK[r * KQ + d]); };
-  // Columns d, d+1 (d even) of a 16-bit row / of an fp32 row in one 4- / 8-byte load.
-  auto X2 = [&](const WT* row, int d) { return E::to_float2(*reinterpret_cast<const uint32_t*>(row + d)); };
-  auto G2 = [&](int r, int d) { return *reinterpret_cast<const float2*>(sG + r * KP + d); };
-
-  // ---------------------------------------------------------------- P2: Aqk and L
-  // Write one entry of Aqk (q row) or L (k row) from an un-normalised, un-scaled dot product.
-  auto put = [&](bool is_k, int r, int s, float v) {
-    if (is_k) sL[r * AP + s] = sBeta[r] * sRk[r] * sRk[s] * v;
-    else sA[r * AP + s] = p.opt.scale * sRq[r] * sRk[s] * v;
-  };
-  if (warp < 2) {
-    // SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds mod 4); lanes
-    // 4m..4m+3 share a tile. Inside the tile exp2(g_i - g_j) = a_{j+1} ... a_i with
-    // a_t = exp2(g_t - g_{t-1}) <= 1: 3 exp2 per tile and d instead of 10.
-    const int ds = tid & 3, slot = tid >> 2;  // slot 0..15
-    const int r0 = 16 * (slot >> 2) + 4 * (slot & 3);
-    float aq[4][4], ak[4][4];
+// ---------------------------------------------------------------- P2: Aqk and L
+// Warps 0-1, SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds mod 4);
+// lanes 4m..4m+3 share a tile. Inside the tile exp2(g_i - g_j) = a_{j+1} ... a_i with
+// a_t = exp2(g_t - g_{t-1}) <= 1: 3 exp2 per tile and d instead of 10.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
+  constexpr int KP = IntraCtx<WT, K>::KP;
+  const float* sG = c.sG();
+  const int tid = c.tid;
+  const int ds = tid & 3, slot = tid >> 2;  // slot 0..15
+  const int r0 = 16 * (slot >> 2) + 4 * (slot & 3);
+  float aq[4][4], ak[4][4];
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+  for (int a = 0; a < 4; ++a)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
-    // Each tile starts its walk over d at a different offset (4 * slot within the warp): the
-    // eight tiles of a warp sit on only two bank bases (row stride = 4 banks, tiles 4 rows apart),
-    // so without the rotation every load would be a 4-way bank conflict; with it the warp's 32
-    // lanes hit 32 distinct banks. The sum over d is the same, in a fixed per-tile order.
-    const int rot = slot & 7;
+    for (int b = 0; b < 4; ++b) aq[a][b] = ak[a][b] = 0.f;
+  // Each tile starts its walk over d at a different offset (4 * slot within the warp): the
+  // eight tiles of a warp sit on only two bank bases (row stride = 4 banks, tiles 4 rows apart),
+  // so without the rotation every load would be a 4-way bank conflict; with it the warp's 32
+  // lanes hit 32 distinct banks. The sum over d is the same, in a fixed per-tile order.
+  const int rot = slot & 7;
 #pragma unroll 2
-    for (int j = 0; j < K / 4; ++j) {
-      const int d = ds + 4 * ((j + rot) & (K / 4 - 1));
-      float qr[4], kr[4], gr[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        qr[a] = Qf(r0 + a, d);
-        kr[a] = Kf(r0 + a, d);
-        gr[a] = sG[(r0 + a) * KP + d];
-      }
-      const float a1 = dev::fast_exp2(gr[1] - gr[0]);
-      const float a2 = dev::fast_exp2(gr[2] - gr[1]);
-      const float a3 = dev::fast_exp2(gr[3] - gr[2]);
-      const float z20 = a1 * a2, z31 = a2 * a3, z30 = z20 * a3;
-      float e;
-      // column 0
-      aq[0][0] = fmaf(qr[0], kr[0], aq[0][0]);
-      e = a1 * kr[0];
-      aq[1][0] = fmaf(qr[1], e, aq[1][0]);
-      ak[1][0] = fmaf(kr[1], e, ak[1][0]);
-      e = z20 * kr[0];
-      aq[2][0] = fmaf(qr[2], e, aq[2][0]);
-      ak[2][0] = fmaf(kr[2], e, ak[2][0]);
-      e = z30 * kr[0];
-      aq[3][0] = fmaf(qr[3], e, aq[3][0]);
-      ak[3][0] = fmaf(kr[3], e, ak[3][0]);
-      // column 1
-      aq[1][1] = fmaf(qr[1], kr[1], aq[1][1]);
-      e = a2 * kr[1];
-      aq[2][1] = fmaf(qr[2], e, aq[2][1]);
-      ak[2][1] = fmaf(kr[2], e, ak[2][1]);
-      e = z31 * kr[1];
-      aq[3][1] = fmaf(qr[3], e, aq[3][1]);
-      ak[3][1] = fmaf(kr[3], e, ak[3][1]);
-      // column 2
-      aq[2][2] = fmaf(qr[2], kr[2], aq[2][2]);
-      e = a3 * kr[2];
-      aq[3][2] = fmaf(qr[3], e, aq[3][2]);
-      ak[3][2] = fmaf(kr[3], e, ak[3][2]);
-      // column 3
-      aq[3][3] = fmaf(qr[3], kr[3], aq[3][3]);
-    }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b <= a; ++b) {
-#pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-          aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
-          ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
-        }
-      }
+  for (int j = 0; j < K / 4; ++j) {
+    const int d = ds + 4 * ((j + rot) & (K / 4 - 1));
+    float qr[4], kr[4], gr[4];
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
-      if (a != ds) continue;
+      qr[a] = c.Qf(r0 + a, d);
+      kr[a] = c.Kf(r0 + a, d);
+      gr[a] = sG[(r0 + a) * KP + d];
+    }
+    const float a1 = dev::fast_exp2(gr[1] - gr[0]);
+    const float a2 = dev::fast_exp2(gr[2] - gr[1]);
+    const float a3 = dev::fast_exp2(gr[3] - gr[2]);
+    const float z20 = a1 * a2, z31 = a2 * a3, z30 = z20 * a3;
+    float e;
+    // column 0
+    aq[0][0] = fmaf(qr[0], kr[0], aq[0][0]);
+    e = a1 * kr[0];
+    aq[1][0] = fmaf(qr[1], e, aq[1][0]);
+    ak[1][0] = fmaf(kr[1], e, ak[1][0]);
+    e = z20 * kr[0];
+    aq[2][0] = fmaf(qr[2], e, aq[2][0]);
+    ak[2][0] = fmaf(kr[2], e, ak[2][0]);
+    e = z30 * kr[0];
+    aq[3][0] = fmaf(qr[3], e, aq[3][0]);
+    ak[3][0] = fmaf(kr[3], e, ak[3][0]);
+    // column 1
+    aq[1][1] = fmaf(qr[1], kr[1], aq[1][1]);
+    e = a2 * kr[1];
+    aq[2][1] = fmaf(qr[2], e, aq[2][1]);
+    ak[2][1] = fmaf(kr[2], e, ak[2][1]);
+    e = z31 * kr[1];
+    aq[3][1] = fmaf(qr[3], e, aq[3][1]);
+    ak[3][1] = fmaf(kr[3], e, ak[3][1]);
+    // column 2
+    aq[2][2] = fmaf(qr[2], kr[2], aq[2][2]);
+    e = a3 * kr[2];
+    aq[3][2] = fmaf(qr[3], e, aq[3][2]);
+    ak[3][2] = fmaf(kr[3], e, ak[3][2]);
+    // column 3
+    aq[3][3] = fmaf(qr[3], kr[3], aq[3][3]);
+  }
 #pragma unroll
-      for (int b = 0; b <= a; ++b) {
-        put(false, r0 + a, r0 + b, aq[a][b]);
-        if (b < a) put(true, r0 + a, r0 + b, ak[a][b]);
+  for (int a = 0; a < 4; ++a)
+#pragma unroll
+    for (int b = 0; b <= a; ++b) {
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        aq[a][b] += __shfl_xor_sync(0xffffffffu, aq[a][b], o);
+        ak[a][b] += __shfl_xor_sync(0xffffffffu, ak[a][b], o);
       }
     }
-  } else {
-    const int g = lane >> 2, t = lane & 3;
-    if (warp < 5) {
-      // Blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp per
-      // block row bi (warp 2: bi = 3, 3: 2, 4: 1), so the A operands are gated once for all bj < bi.
-      // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j)
-      // (f > j).
-      const int bi = 5 - warp;
-      const int f = 16 * bi;
-      float cq[3][2][4] = {}, ck[3][2][4] = {};
-      const int ra = f + g, rb = f + g + 8;
-      // MMA k-slots t and t+4 carry the ADJACENT columns c0 = 8 kk + 2t and c0 + 1 (A and B alike,
-      // so the dot product is the same sum): one 8-byte g load and one 4-byte q / k load per pair.
-#pragma unroll 2
-      for (int kk = 0; kk < K / 8; ++kk) {
-        const int c0 = 8 * kk + 2 * t;
-        const float2 gf = G2(f, c0), ga = G2(ra, c0), gb = G2(rb, c0);
-        const float e00 = dev::fast_exp2(ga.x - gf.x), e01 = dev::fast_exp2(ga.y - gf.y);
-        const float e10 = dev::fast_exp2(gb.x - gf.x), e11 = dev::fast_exp2(gb.y - gf.y);
-        const float2 qa = X2(sQ + ra * KQ, c0), qb = X2(sQ + rb * KQ, c0);
-        const float2 ka = X2(sK + ra * KQ, c0), kb = X2(sK + rb * KQ, c0);
-        const uint32_t aq_[4] = {dev::to_tf32(qa.x * e00), dev::to_tf32(qb.x * e10), dev::to_tf32(qa.y * e01),
-                                 dev::to_tf32(qb.y * e11)};
-        const uint32_t ak_[4] = {dev::to_tf32(ka.x * e00), dev::to_tf32(kb.x * e10), dev::to_tf32(ka.y * e01),
-                                 dev::to_tf32(kb.y * e11)};
-        // B side: g_f - g_j = (T_bj - loc_j) + sum_{bj < m < bi} T_m + loc_f, every term <= 0
-        // (block-local cumsums loc, block totals T); ma/mb carry loc_f + the totals in between.
-        float ma = gf.x, mb = gf.y;
 #pragma unroll
-        for (int bj = 2; bj >= 0; --bj) {
-          if (bj < bi) {
-            const float2 tt = *reinterpret_cast<const float2*>(sBT + bj * K + c0);
+  for (int a = 0; a < 4; ++a) {
+    if (a != ds) continue;
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              const int s = 16 * bj + 8 * nt + g;
-              const float2 gs = G2(s, c0), ks = X2(sK + s * KQ, c0);
-              const uint32_t b0 = dev::to_tf32(ks.x * dev::fast_exp2((tt.x - gs.x) + ma));
-              const uint32_t b1 = dev::to_tf32(ks.y * dev::fast_exp2((tt.y - gs.y) + mb));
-              dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
-              dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
-            }
-            ma += tt.x;
-            mb += tt.y;
-          }
-        }
-      }
-#pragma unroll
-      for (int bj = 0; bj < 3; ++bj) {
-        if (bj < bi) {
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const int s = 16 * bj + 8 * nt + 2 * t;
-            put(false, ra, s, cq[bj][nt][0]);
-            put(false, ra, s + 1, cq[bj][nt][1]);
-            put(false, rb, s, cq[bj][nt][2]);
-            put(false, rb, s + 1, cq[bj][nt][3]);
-            put(true, ra, s, ck[bj][nt][0]);
-            put(true, ra, s + 1, ck[bj][nt][1]);
-            put(true, rb, s, ck[bj][nt][2]);
-            put(true, rb, s + 1, ck[bj][nt][3]);
-          }
-        }
-      }
-    }
-    // The rest of each diagonal 16-block, on tf32 tensor cores with q and k rows STACKED in the
-    // 16 rows of one m16n8k8 (8 columns): tile (blk, 0) is the 8x8 quadrant rows o+8.., columns
-    // o..o+7 through the boundary e = o+7; tile (blk, 1) the two 4x4 tiles rows o+4.., columns
-    // o.. (e = o+3) and rows o+12.., columns o+8.. (e = o+11), whose cross products are formed
-    // and discarded (finite: every factor is <= 1). Factors exp2(g_i - g_e) (i > e) and
-    // exp2(g_e - g_j) (e >= j): one-sided (docs/numerics.md). 8 tiles: warp 4 takes [0,1), 5 [1,3), 6 [3,6), 7 [6,8).
-    const int w4 = warp - 4;
-    const int t_begin = w4 <= 0 ? 0 : (w4 == 1 ? 1 : (w4 == 2 ? 3 : 6));
-    const int t_end = w4 <= 0 ? (warp == 4 ? 1 : 0) : (w4 == 1 ? 3 : (w4 == 2 ? 6 : 8));
-    for (int ti = t_begin; ti < t_end; ++ti) {
-      const int o = 16 * (ti >> 1);
-      const bool sub4 = ti & 1;
-      // per-thread rows / boundaries of the A fragment (rows g, g+8) and the B column g
-      int r0, r1, e0, e1, sb, eb;
-      bool k0, k1;
-      if (!sub4) {
-        r0 = r1 = o + 8 + g;
-        k0 = false;
-        k1 = true;
-        e0 = e1 = eb = o + 7;
-        sb = o + g;
-      } else {
-        k0 = k1 = (g >> 2) != 0;
-        r0 = o + 4 + (g & 3);
-        e0 = o + 3;
-        r1 = o + 12 + (g & 3);
-        e1 = o + 11;
-        sb = o + (g & 3) + 8 * (g >> 2);
-        eb = o + 3 + 8 * (g >> 2);
-      }
-      const WT* x0 = (k0 ? sK : sQ) + r0 * KQ;
-      const WT* x1 = (k1 ? sK : sQ) + r1 * KQ;
-      // Same adjacent-column k-slot mapping as the cross blocks; two accumulators (even / odd kk)
-      // so consecutive MMAs do not wait on each other.
-      auto step = [&](int kk, float (&acc)[4]) {
-        const int c0 = 8 * kk + 2 * t;
-        const float2 g0 = G2(r0, c0), ge0 = G2(e0, c0);
-        const float fa0 = dev::fast_exp2(g0.x - ge0.x);
-        const float fb0 = dev::fast_exp2(g0.y - ge0.y);
-        float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
-        if (sub4) {
-          const float2 g1 = G2(r1, c0), ge1 = G2(e1, c0);
-          fa1 = dev::fast_exp2(g1.x - ge1.x);
-          fb1 = dev::fast_exp2(g1.y - ge1.y);
-        }
-        const float2 v0 = X2(x0, c0), v1 = X2(x1, c0);
-        uint32_t af[4];
-        af[0] = dev::to_tf32(v0.x * fa0);
-        af[1] = dev::to_tf32(v1.x * fa1);
-        af[2] = dev::to_tf32(v0.y * fb0);
-        af[3] = dev::to_tf32(v1.y * fb1);
-        const float2 gsb = G2(sb, c0), geb = G2(eb, c0), kb = X2(sK + sb * KQ, c0);
-        const uint32_t b0 = dev::to_tf32(kb.x * dev::fast_exp2(geb.x - gsb.x));
-        const uint32_t b1 = dev::to_tf32(kb.y * dev::fast_exp2(geb.y - gsb.y));
-        dev::mma_1688_tf32(acc, af, b0, b1);
-      };
-      float c[4] = {}, c1[4] = {};
-      for (int kk = 0; kk < K / 8; kk += 2) {
-        step(kk, c);
-        step(kk + 1, c1);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[e] += c1[e];
-      if (!sub4) {
-        put(false, r0, o + 2 * t, c[0]);
-        put(false, r0, o + 2 * t + 1, c[1]);
-        put(true, r1, o + 2 * t, c[2]);
-        put(true, r1, o + 2 * t + 1, c[3]);
-      } else if (t < 2) {  // row g x columns n = 2t, 2t+1 < 4: the upper 4x4 tile
-        put(k0, r0, o + 2 * t, c[0]);
-        put(k0, r0, o + 2 * t + 1, c[1]);
-      } else {  // row g+8 x columns n = 2t, 2t+1 >= 4: the lower 4x4 tile
-        put(k1, r1, o + 4 + 2 * t, c[2]);
-        put(k1, r1, o + 4 + 2 * t + 1, c[3]);
-      }
+    for (int b = 0; b <= a; ++b) {
+      c.put(false, r0 + a, r0 + b, aq[a][b]);
+      if (b < a) c.put(true, r0 + a, r0 + b, ak[a][b]);
     }
   }
-  // ---- P4a, first part: qg and kg -> workspace. It reads only what P1 wrote (sG, sQ, sK, the block
-  // sums, the row factors), so the warps that finish their P2 share early take it over from a
-  // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 64
-  // vectors (two per lane); every vector is computed the same way whichever warp takes it, so the
-  // result is deterministic.
-  {
-    WT* qg = reinterpret_cast<WT*>(p.qg);
-    WT* kg = reinterpret_cast<WT*>(p.kg);
-    constexpr int VPR = K / 8;  // 8-element vectors per row
-    constexpr int kUnits = kChunk * VPR / 64;  // units of 64 vectors, two per lane
-    for (;;) {
-      int unit = 0;
-      if (lane == 0) unit = atomicAdd(sWork, 1);
-      unit = __shfl_sync(0xffffffffu, unit, 0);
-      if (unit >= kUnits) break;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = unit * 64 + half * 32 + lane;
-        const int r = i / VPR, d0 = (i % VPR) * 8;
-        if (r >= len) continue;  // rows past the end are never written
-        uint32_t pq[4], pk[4];
-        dev::gated_vec8<WT, K, KP, KQ>(sG, sBO, sBT, sBS, sQ, sK, p.opt.scale * sRq[r], sRk[r], r, d0, pq, pk, nullptr);
-        const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
-        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-      }
-    }
-  }
-  __syncthreads();
+}
 
-  // ---------------------------------------------------------------- P3 (diagonal) || P4a, second part
-  // Warps 0-1: the diagonal blocks of X = (I + L)^-1 (a serial, latency-bound substitution), into
-  // the dead q region. Warps 2-7 meanwhile: kexp = k rk exp2(g2) in place of g2 (B operand of w),
-  // Aqk -> workspace, exp2(G) -> gdecay. Disjoint buffers: sL / sX vs sG / sK / sA.
-  if (tid < 64) {
-    // column j of the inverse of the unit lower-triangular 16x16 block by forward substitution in
-    // fp32 (never a low-precision Neumann series: near-collinear keys make it diverge)
-    const int blk = tid >> 4, j = tid & 15, o = 16 * blk;
-    float xv[16];
+// Warps 2-4: the blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp
+// per block row bi (warp 2: bi = 3, 3: 2, 4: 1), so the A operands are gated once for all bj < bi.
+// Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
+template <typename WT, int K>
+__device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
+  constexpr int KQ = IntraCtx<WT, K>::KQ;
+  const WT* sQ = c.sQ();
+  const WT* sK = c.sK();
+  const float* sBT = c.gs().BT;
+  const int g = c.lane >> 2, t = c.lane & 3;
+  const int bi = 5 - c.warp;
+  const int f = 16 * bi;
+  float cq[3][2][4] = {}, ck[3][2][4] = {};
+  const int ra = f + g, rb = f + g + 8;
+  // MMA k-slots t and t+4 carry the ADJACENT columns c0 = 8 kk + 2t and c0 + 1 (A and B alike,
+  // so the dot product is the same sum): one 8-byte g load and one 4-byte q / k load per pair.
+#pragma unroll 2
+  for (int kk = 0; kk < K / 8; ++kk) {
+    const int c0 = 8 * kk + 2 * t;
+    const float2 gf = c.G2(f, c0), ga = c.G2(ra, c0), gb = c.G2(rb, c0);
+    const float e00 = dev::fast_exp2(ga.x - gf.x), e01 = dev::fast_exp2(ga.y - gf.y);
+    const float e10 = dev::fast_exp2(gb.x - gf.x), e11 = dev::fast_exp2(gb.y - gf.y);
+    const float2 qa = c.X2(sQ + ra * KQ, c0), qb = c.X2(sQ + rb * KQ, c0);
+    const float2 ka = c.X2(sK + ra * KQ, c0), kb = c.X2(sK + rb * KQ, c0);
+    const uint32_t aq_[4] = {dev::to_tf32(qa.x * e00), dev::to_tf32(qb.x * e10), dev::to_tf32(qa.y * e01),
+                             dev::to_tf32(qb.y * e11)};
+    const uint32_t ak_[4] = {dev::to_tf32(ka.x * e00), dev::to_tf32(kb.x * e10), dev::to_tf32(ka.y * e01),
+                             dev::to_tf32(kb.y * e11)};
+    // B side: g_f - g_j = (T_bj - loc_j) + sum_{bj < m < bi} T_m + loc_f, every term <= 0
+    // (block-local cumsums loc, block totals T); ma/mb carry loc_f + the totals in between.
+    float ma = gf.x, mb = gf.y;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float acc = 0.f;
+    for (int bj = 2; bj >= 0; --bj) {
+      if (bj < bi) {
+        const float2 tt = *reinterpret_cast<const float2*>(sBT + bj * K + c0);
 #pragma unroll
-      for (int m = 0; m < i; ++m) acc = fmaf(sL[(o + i) * AP + o + m], xv[m], acc);
-      xv[i] = i < j ? 0.f : (i == j ? 1.f : -acc);
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
-  } else {
-    constexpr int NT2 = NTH - 64;
-    const int t2 = tid - 64;
-    WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
-    constexpr int VPR = K / 8;
-    for (int i = t2; i < kChunk * VPR; i += NT2) {
-      const int r = i / VPR, d0 = (i % VPR) * 8;
-      const float fk = sRk[r];
-      float lv[8], ov[8], kx[8];
-      dev::ld8(lv, sG + r * KP + d0);
-      dev::ld8(ov, sBO + (r >> 4) * K + d0);
-      const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-      const uint32_t wk[4] = {uk.x, uk.y, uk.z, uk.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 kv = E::to_float2(wk[e]);
-        kx[2 * e] = fk * kv.x * dev::fast_exp2(ov[2 * e] + lv[2 * e]);
-        kx[2 * e + 1] = fk * kv.y * dev::fast_exp2(ov[2 * e + 1] + lv[2 * e + 1]);
-      }
-      // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
-      dev::st8(sKexp + r * KP + d0, kx);
-    }
-    for (int i = t2; i < kChunk * 8; i += NT2) {
-      const int r = i / 8, s0 = (i % 8) * 8;
-      if (r < len) {
-        uint32_t pa[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sA[r * AP + s0 + 2 * e], sA[r * AP + s0 + 2 * e + 1]);
-        *reinterpret_cast<uint4*>(Aqk + ((tok0 + r) * HV + hv) * kChunk + s0) =
-            make_uint4(pa[0], pa[1], pa[2], pa[3]);
+        for (int nt = 0; nt < 2; ++nt) {
+          const int s = 16 * bj + 8 * nt + g;
+          const float2 gs = c.G2(s, c0), ks = c.X2(sK + s * KQ, c0);
+          const uint32_t b0 = dev::to_tf32(ks.x * dev::fast_exp2((tt.x - gs.x) + ma));
+          const uint32_t b1 = dev::to_tf32(ks.y * dev::fast_exp2((tt.y - gs.y) + mb));
+          dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
+          dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
+        }
+        ma += tt.x;
+        mb += tt.y;
       }
     }
-    if (t2 < K) p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + t2] = dev::fast_exp2(sGt[t2]);
   }
-  __syncthreads();
-  // Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
-  // blocks), threads [t0, t0 + nthr) of the CTA
-  // (and, for the backward, M = X itself: the backward needs (I + L)^-1 without beta folded in)
-  auto store_akk_rows = [&](int blk, int t0, int nthr) {
-    WT* Akk = reinterpret_cast<WT*>(p.Akk);
-    WT* Mo = reinterpret_cast<WT*>(p.M);
-    for (int i = tid - t0; i < 16 * 8; i += nthr) {
-      const int r = 16 * blk + i / 8, s0 = (i % 8) * 8;
-      if (r < len) {
-        const int64_t off = ((tok0 + r) * HV + hv) * kChunk + s0;
-        uint32_t pa[4], pm[4];
-        if ((s0 >> 4) > blk) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pa[e] = pm[e] = E::pack2(0.f, 0.f);
-        } else {
+  for (int bj = 0; bj < 3; ++bj) {
+    if (bj < bi) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float x0 = sX[r * AP + s0 + 2 * e], x1 = sX[r * AP + s0 + 2 * e + 1];
-            pa[e] = E::pack2(x0 * sBeta[s0 + 2 * e], x1 * sBeta[s0 + 2 * e + 1]);
-            pm[e] = E::pack2(x0, x1);
-          }
-        }
-        *reinterpret_cast<uint4*>(Akk + off) = make_uint4(pa[0], pa[1], pa[2], pa[3]);
-        if (Mo) *reinterpret_cast<uint4*>(Mo + off) = make_uint4(pm[0], pm[1], pm[2], pm[3]);
+      for (int nt = 0; nt < 2; ++nt) {
+        const int s = 16 * bj + 8 * nt + 2 * t;
+        c.put(false, ra, s, cq[bj][nt][0]);
+        c.put(false, ra, s + 1, cq[bj][nt][1]);
+        c.put(false, rb, s, cq[bj][nt][2]);
+        c.put(false, rb, s + 1, cq[bj][nt][3]);
+        c.put(true, ra, s, ck[bj][nt][0]);
+        c.put(true, ra, s + 1, ck[bj][nt][1]);
+        c.put(true, rb, s, ck[bj][nt][2]);
+        c.put(true, rb, s + 1, ck[bj][nt][3]);
       }
     }
-  };
-  // P4b for one m-tile: w[16 mt .. 16 mt + 15][col0 .. col0 + 8 ntc) = Akk @ kexp (tf32 tensor cores).
-  // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1). Needs only the rows of
-  // X in block mt, which are final once merge step mt is done.
+  }
+}
+
+// Warps 4-7: the rest of each diagonal 16-block, on tf32 tensor cores with q and k rows STACKED in
+// the 16 rows of one m16n8k8 (8 columns): tile (blk, 0) is the 8x8 quadrant rows o+8.., columns
+// o..o+7 through the boundary e = o+7; tile (blk, 1) the two 4x4 tiles rows o+4.., columns
+// o.. (e = o+3) and rows o+12.., columns o+8.. (e = o+11), whose cross products are formed
+// and discarded (finite: every factor is <= 1). Factors exp2(g_i - g_e) (i > e) and
+// exp2(g_e - g_j) (e >= j): one-sided (docs/numerics.md). 8 tiles: warp 4 takes [0,1), 5 [1,3),
+// 6 [3,6), 7 [6,8); warps 2-3 none.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
+  constexpr int KQ = IntraCtx<WT, K>::KQ;
+  const WT* sQ = c.sQ();
+  const WT* sK = c.sK();
+  const int warp = c.warp, g = c.lane >> 2, t = c.lane & 3;
+  const int w4 = warp - 4;
+  const int t_begin = w4 <= 0 ? 0 : (w4 == 1 ? 1 : (w4 == 2 ? 3 : 6));
+  const int t_end = w4 <= 0 ? (warp == 4 ? 1 : 0) : (w4 == 1 ? 3 : (w4 == 2 ? 6 : 8));
+  for (int ti = t_begin; ti < t_end; ++ti) {
+    const int o = 16 * (ti >> 1);
+    const bool sub4 = ti & 1;
+    // per-thread rows / boundaries of the A fragment (rows g, g+8) and the B column g
+    int r0, r1, e0, e1, sb, eb;
+    bool k0, k1;
+    if (!sub4) {
+      r0 = r1 = o + 8 + g;
+      k0 = false;
+      k1 = true;
+      e0 = e1 = eb = o + 7;
+      sb = o + g;
+    } else {
+      k0 = k1 = (g >> 2) != 0;
+      r0 = o + 4 + (g & 3);
+      e0 = o + 3;
+      r1 = o + 12 + (g & 3);
+      e1 = o + 11;
+      sb = o + (g & 3) + 8 * (g >> 2);
+      eb = o + 3 + 8 * (g >> 2);
+    }
+    const WT* x0 = (k0 ? sK : sQ) + r0 * KQ;
+    const WT* x1 = (k1 ? sK : sQ) + r1 * KQ;
+    // Same adjacent-column k-slot mapping as the cross blocks; two accumulators (even / odd kk)
+    // so consecutive MMAs do not wait on each other.
+    auto step = [&](int kk, float (&acc)[4]) {
+      const int c0 = 8 * kk + 2 * t;
+      const float2 g0 = c.G2(r0, c0), ge0 = c.G2(e0, c0);
+      const float fa0 = dev::fast_exp2(g0.x - ge0.x);
+      const float fb0 = dev::fast_exp2(g0.y - ge0.y);
+      float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
+      if (sub4) {
+        const float2 g1 = c.G2(r1, c0), ge1 = c.G2(e1, c0);
+        fa1 = dev::fast_exp2(g1.x - ge1.x);
+        fb1 = dev::fast_exp2(g1.y - ge1.y);
+      }
+      const float2 v0 = c.X2(x0, c0), v1 = c.X2(x1, c0);
+      uint32_t af[4];
+      af[0] = dev::to_tf32(v0.x * fa0);
+      af[1] = dev::to_tf32(v1.x * fa1);
+      af[2] = dev::to_tf32(v0.y * fb0);
+      af[3] = dev::to_tf32(v1.y * fb1);
+      const float2 gsb = c.G2(sb, c0), geb = c.G2(eb, c0), kb = c.X2(sK + sb * KQ, c0);
+      const uint32_t b0 = dev::to_tf32(kb.x * dev::fast_exp2(geb.x - gsb.x));
+      const uint32_t b1 = dev::to_tf32(kb.y * dev::fast_exp2(geb.y - gsb.y));
+      dev::mma_1688_tf32(acc, af, b0, b1);
+    };
+    float cc[4] = {}, c1[4] = {};
+    for (int kk = 0; kk < K / 8; kk += 2) {
+      step(kk, cc);
+      step(kk + 1, c1);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cc[e] += c1[e];
+    if (!sub4) {
+      c.put(false, r0, o + 2 * t, cc[0]);
+      c.put(false, r0, o + 2 * t + 1, cc[1]);
+      c.put(true, r1, o + 2 * t, cc[2]);
+      c.put(true, r1, o + 2 * t + 1, cc[3]);
+    } else if (t < 2) {  // row g x columns n = 2t, 2t+1 < 4: the upper 4x4 tile
+      c.put(k0, r0, o + 2 * t, cc[0]);
+      c.put(k0, r0, o + 2 * t + 1, cc[1]);
+    } else {  // row g+8 x columns n = 2t, 2t+1 >= 4: the lower 4x4 tile
+      c.put(k1, r1, o + 4 + 2 * t, cc[2]);
+      c.put(k1, r1, o + 4 + 2 * t + 1, cc[3]);
+    }
+  }
+}
+
+// ---- P4a, first part: qg and kg -> workspace. It reads only what P1 wrote (sG, sQ, sK, the block
+// sums, the row factors), so the warps that finish their P2 share early take it over from a
+// queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 64
+// vectors (two per lane); every vector is computed the same way whichever warp takes it, so the
+// result is deterministic.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c) {
+  using Ctx = IntraCtx<WT, K>;
+  const KdaFwdParams& p = c.p;
+  const dev::GateScratch<K> gs = c.gs();
+  const int lane = c.lane;
+  WT* qg = reinterpret_cast<WT*>(p.qg);
+  WT* kg = reinterpret_cast<WT*>(p.kg);
+  constexpr int VPR = K / 8;                 // 8-element vectors per row
+  constexpr int kUnits = kChunk * VPR / 64;  // units of 64 vectors, two per lane
+  for (;;) {
+    int unit = 0;
+    if (lane == 0) unit = atomicAdd(c.sWork(), 1);
+    unit = __shfl_sync(0xffffffffu, unit, 0);
+    if (unit >= kUnits) break;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = unit * 64 + half * 32 + lane;
+      const int r = i / VPR, d0 = (i % VPR) * 8;
+      if (r >= c.len) continue;  // rows past the end are never written
+      uint32_t pq[4], pk[4];
+      dev::gated_vec8<WT, K, Ctx::KP, Ctx::KQ>(c.sG(), gs.BO, gs.BT, gs.BS, c.sQ(), c.sK(), p.opt.scale * gs.rq[r],
+                                               gs.rk[r], r, d0, pq, pk, nullptr);
+      const int64_t off = ((c.tok0 + r) * c.HV + c.hv) * K + d0;
+      *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
+      *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- P3 (diagonal) || P4a, second part
+// Warps 0-1 (tid < 64): the diagonal blocks of X = (I + L)^-1 (a serial, latency-bound
+// substitution), into the dead q region: column j of the inverse of the unit lower-triangular 16x16
+// block by forward substitution in fp32 (never a low-precision Neumann series: near-collinear keys
+// make it diverge).
+template <typename WT, int K>
+__device__ __forceinline__ void intra_diag_inverse(const IntraCtx<WT, K>& c) {
+  constexpr int AP = IntraCtx<WT, K>::AP;
+  const float* sL = c.sL();
+  float* sX = c.sX();
+  const int blk = c.tid >> 4, j = c.tid & 15, o = 16 * blk;
+  float xv[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < i; ++m) acc = fmaf(sL[(o + i) * AP + o + m], xv[m], acc);
+    xv[i] = i < j ? 0.f : (i == j ? 1.f : -acc);
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) sX[(o + i) * AP + o + j] = xv[i];
+}
+
+// Warps 2-7 meanwhile: kexp = k rk exp2(g2) in place of g2 (B operand of w), Aqk -> workspace,
+// exp2(G) -> gdecay. Disjoint buffers from intra_diag_inverse's: sL / sX vs sG / sK / sA.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c) {
+  using Ctx = IntraCtx<WT, K>;
+  using E = typename Ctx::E;
+  constexpr int KP = Ctx::KP, KQ = Ctx::KQ, AP = Ctx::AP;
+  constexpr int NT2 = Ctx::NTH - 64;
+  const KdaFwdParams& p = c.p;
+  const dev::GateScratch<K> gs = c.gs();
+  const float* sG = c.sG();
+  const WT* sK = c.sK();
+  const float* sA = c.sA();
+  float* sKexp = c.sKexp();
+  const int t2 = c.tid - 64, len = c.len;
+  WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
+  constexpr int VPR = K / 8;
+  for (int i = t2; i < kChunk * VPR; i += NT2) {
+    const int r = i / VPR, d0 = (i % VPR) * 8;
+    const float fk = gs.rk[r];
+    float lv[8], ov[8], kx[8];
+    dev::ld8(lv, sG + r * KP + d0);
+    dev::ld8(ov, gs.BO + (r >> 4) * K + d0);
+    const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
+    const uint32_t wk[4] = {uk.x, uk.y, uk.z, uk.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 kv = E::to_float2(wk[e]);
+      kx[2 * e] = fk * kv.x * dev::fast_exp2(ov[2 * e] + lv[2 * e]);
+      kx[2 * e + 1] = fk * kv.y * dev::fast_exp2(ov[2 * e + 1] + lv[2 * e + 1]);
+    }
+    // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
+    dev::st8(sKexp + r * KP + d0, kx);
+  }
+  for (int i = t2; i < kChunk * 8; i += NT2) {
+    const int r = i / 8, s0 = (i % 8) * 8;
+    if (r < len) {
+      uint32_t pa[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sA[r * AP + s0 + 2 * e], sA[r * AP + s0 + 2 * e + 1]);
+      *reinterpret_cast<uint4*>(Aqk + ((c.tok0 + r) * c.HV + c.hv) * kChunk + s0) = make_uint4(pa[0], pa[1], pa[2], pa[3]);
+    }
+  }
+  if (t2 < K) p.gdecay[(static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * K + t2] = dev::fast_exp2(gs.Gt[t2]);
+}
+
+// Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
+// blocks), threads [t0, t0 + nthr) of the CTA (and, for the backward, M = X itself: the backward
+// needs (I + L)^-1 without beta folded in).
+template <typename WT, int K>
+__device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, int blk, int t0, int nthr) {
+  using Ctx = IntraCtx<WT, K>;
+  using E = typename Ctx::E;
+  constexpr int AP = Ctx::AP;
+  const KdaFwdParams& p = c.p;
+  const float* sX = c.sX();
+  const float* sBeta = c.gs().beta;
+  WT* Akk = reinterpret_cast<WT*>(p.Akk);
+  WT* Mo = reinterpret_cast<WT*>(p.M);
+  for (int i = c.tid - t0; i < 16 * 8; i += nthr) {
+    const int r = 16 * blk + i / 8, s0 = (i % 8) * 8;
+    if (r < c.len) {
+      const int64_t off = ((c.tok0 + r) * c.HV + c.hv) * kChunk + s0;
+      uint32_t pa[4], pm[4];
+      if ((s0 >> 4) > blk) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[e] = pm[e] = E::pack2(0.f, 0.f);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x0 = sX[r * AP + s0 + 2 * e], x1 = sX[r * AP + s0 + 2 * e + 1];
+          pa[e] = E::pack2(x0 * sBeta[s0 + 2 * e], x1 * sBeta[s0 + 2 * e + 1]);
+          pm[e] = E::pack2(x0, x1);
+        }
+      }
+      *reinterpret_cast<uint4*>(Akk + off) = make_uint4(pa[0], pa[1], pa[2], pa[3]);
+      if (Mo) *reinterpret_cast<uint4*>(Mo + off) = make_uint4(pm[0], pm[1], pm[2], pm[3]);
+    }
+  }
+}
+
+// P4b for one m-tile: w[16 mt .. 16 mt + 15][col0 .. col0 + 8 ntc) = Akk @ kexp (tf32 tensor cores).
+// Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1). Needs only the rows of
+// X in block mt, which are final once merge step mt is done.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, int mt, int col0, int ntc) {
+  using Ctx = IntraCtx<WT, K>;
+  using E = typename Ctx::E;
+  constexpr int KP = Ctx::KP, AP = Ctx::AP;
   constexpr int kNtMax = K / 32;
-  auto w_tile = [&](int mt, int col0, int ntc) {
-    WT* w = reinterpret_cast<WT*>(p.w);
-    const int g = lane >> 2, t = lane & 3;
-    float acc[kNtMax][4] = {};
-    const int ra = 16 * mt + g, rb = ra + 8;
-    for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
-      const int ca = 8 * kk + t, cb = ca + 4;
-      const float bca = sBeta[ca], bcb = sBeta[cb];  // Akk = X diag(beta)
-      const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca] * bca), dev::to_tf32(sX[rb * AP + ca] * bca),
-                             dev::to_tf32(sX[ra * AP + cb] * bcb), dev::to_tf32(sX[rb * AP + cb] * bcb)};
-#pragma unroll
-      for (int nt = 0; nt < kNtMax; ++nt) {
-        if (nt < ntc) {
-          const int col = col0 + 8 * nt + g;
-          dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sKexp[ca * KP + col]), dev::to_tf32(sKexp[cb * KP + col]));
-        }
-      }
-    }
+  const float* sX = c.sX();
+  const float* sKexp = c.sKexp();
+  const float* sBeta = c.gs().beta;
+  WT* w = reinterpret_cast<WT*>(c.p.w);
+  const int g = c.lane >> 2, t = c.lane & 3;
+  float acc[kNtMax][4] = {};
+  const int ra = 16 * mt + g, rb = ra + 8;
+  for (int kk = 0; kk < 2 * (mt + 1); ++kk) {
+    const int ca = 8 * kk + t, cb = ca + 4;
+    const float bca = sBeta[ca], bcb = sBeta[cb];  // Akk = X diag(beta)
+    const uint32_t a[4] = {dev::to_tf32(sX[ra * AP + ca] * bca), dev::to_tf32(sX[rb * AP + ca] * bca),
+                           dev::to_tf32(sX[ra * AP + cb] * bcb), dev::to_tf32(sX[rb * AP + cb] * bcb)};
 #pragma unroll
     for (int nt = 0; nt < kNtMax; ++nt) {
       if (nt < ntc) {
-        const int col = col0 + 8 * nt + 2 * t;
-        if (ra < len)
-          *reinterpret_cast<uint32_t*>(w + ((tok0 + ra) * HV + hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
-        if (rb < len)
-          *reinterpret_cast<uint32_t*>(w + ((tok0 + rb) * HV + hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
+        const int col = col0 + 8 * nt + g;
+        dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sKexp[ca * KP + col]), dev::to_tf32(sKexp[cb * KP + col]));
       }
-    }
-  };
-
-  // Block merge X_{bi,j} = -X_{bi,bi} sum_{m=j}^{bi-1} L_{bi,m} X_{m,j}, one warp per (bi, j), on
-  // tensor cores in 3xTF32 (hi*hi + hi*lo + lo*hi: ~fp32 accuracy). Y goes through the warp's own
-  // rows of the scratch sY. The blocks above the diagonal are never formed (the Akk store writes
-  // zeros there, w never reads them). While warps < bi merge row block bi, warps 4-7 already
-  // produce w and Akk for row block bi - 1 (final since the previous step), a quarter of K each,
-  // instead of waiting at the step's barrier.
-  {
-    const int g = lane >> 2, t = lane & 3;
-    for (int bi = 1; bi < 4; ++bi) {
-      if (warp < bi) {
-        const int j = warp;
-        float cy[2][4] = {};
-        for (int m = j; m < bi; ++m) {
-#pragma unroll
-          for (int ks = 0; ks < 2; ++ks) {
-            const int ra = 16 * bi + g, ca = 16 * m + 8 * ks + t;
-            const float a[4] = {sL[ra * AP + ca], sL[(ra + 8) * AP + ca], sL[ra * AP + ca + 4],
-                                sL[(ra + 8) * AP + ca + 4]};
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              const int kb = 16 * m + 8 * ks + t, col = 16 * j + 8 * nt + g;
-              intra_mma_3xtf32(cy[nt], a, sX[kb * AP + col], sX[(kb + 4) * AP + col]);
-            }
-          }
-        }
-        float* y = sY + 16 * j * AP;  // rows 16j .. 16j+15 of the scratch: this warp's own
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          y[g * AP + 8 * nt + 2 * t] = cy[nt][0];
-          y[g * AP + 8 * nt + 2 * t + 1] = cy[nt][1];
-          y[(g + 8) * AP + 8 * nt + 2 * t] = cy[nt][2];
-          y[(g + 8) * AP + 8 * nt + 2 * t + 1] = cy[nt][3];
-        }
-        __syncwarp();
-        float cx[2][4] = {};
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          const int ra = 16 * bi + g, ca = 16 * bi + 8 * ks + t;
-          const float a[4] = {sX[ra * AP + ca], sX[(ra + 8) * AP + ca], sX[ra * AP + ca + 4],
-                              sX[(ra + 8) * AP + ca + 4]};
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const int kb = 8 * ks + t, col = 8 * nt + g;
-            intra_mma_3xtf32(cx[nt], a, y[kb * AP + col], y[(kb + 4) * AP + col]);
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int ra = 16 * bi + g, col = 16 * j + 8 * nt + 2 * t;
-          sX[ra * AP + col] = -cx[nt][0];
-          sX[ra * AP + col + 1] = -cx[nt][1];
-          sX[(ra + 8) * AP + col] = -cx[nt][2];
-          sX[(ra + 8) * AP + col + 1] = -cx[nt][3];
-        }
-      } else if (warp >= 4) {
-        w_tile(bi - 1, (warp - 4) * (K / 4), K / 32);
-        store_akk_rows(bi - 1, 128, 128);
-      }
-      __syncthreads();
     }
   }
-  // ---------------------------------------------------------------- P4b, last row block (all warps)
-  w_tile(3, warp * (K / 8), K / 64);
-  store_akk_rows(3, 0, NTH);
+#pragma unroll
+  for (int nt = 0; nt < kNtMax; ++nt) {
+    if (nt < ntc) {
+      const int col = col0 + 8 * nt + 2 * t;
+      if (ra < c.len)
+        *reinterpret_cast<uint32_t*>(w + ((c.tok0 + ra) * c.HV + c.hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
+      if (rb < c.len)
+        *reinterpret_cast<uint32_t*>(w + ((c.tok0 + rb) * c.HV + c.hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
+    }
+  }
+}
+
+// P3 merge step bi: X_{bi,j} = -X_{bi,bi} sum_{m=j}^{bi-1} L_{bi,m} X_{m,j} for j = this warp (< bi),
+// on tensor cores in 3xTF32 (hi*hi + hi*lo + lo*hi: ~fp32 accuracy). Y goes through the warp's own
+// rows of the scratch sY. The blocks above the diagonal are never formed (the Akk store writes
+// zeros there, w never reads them).
+template <typename WT, int K>
+__device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int bi) {
+  constexpr int AP = IntraCtx<WT, K>::AP;
+  const float* sL = c.sL();
+  float* sX = c.sX();
+  const int g = c.lane >> 2, t = c.lane & 3;
+  const int j = c.warp;
+  float cy[2][4] = {};
+  for (int m = j; m < bi; ++m) {
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      const int ra = 16 * bi + g, ca = 16 * m + 8 * ks + t;
+      const float a[4] = {sL[ra * AP + ca], sL[(ra + 8) * AP + ca], sL[ra * AP + ca + 4], sL[(ra + 8) * AP + ca + 4]};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int kb = 16 * m + 8 * ks + t, col = 16 * j + 8 * nt + g;
+        intra_mma_3xtf32(cy[nt], a, sX[kb * AP + col], sX[(kb + 4) * AP + col]);
+      }
+    }
+  }
+  float* y = c.sY() + 16 * j * AP;  // rows 16j .. 16j+15 of the scratch: this warp's own
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    y[g * AP + 8 * nt + 2 * t] = cy[nt][0];
+    y[g * AP + 8 * nt + 2 * t + 1] = cy[nt][1];
+    y[(g + 8) * AP + 8 * nt + 2 * t] = cy[nt][2];
+    y[(g + 8) * AP + 8 * nt + 2 * t + 1] = cy[nt][3];
+  }
+  __syncwarp();
+  float cx[2][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const int ra = 16 * bi + g, ca = 16 * bi + 8 * ks + t;
+    const float a[4] = {sX[ra * AP + ca], sX[(ra + 8) * AP + ca], sX[ra * AP + ca + 4], sX[(ra + 8) * AP + ca + 4]};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int kb = 8 * ks + t, col = 8 * nt + g;
+      intra_mma_3xtf32(cx[nt], a, y[kb * AP + col], y[(kb + 4) * AP + col]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int ra = 16 * bi + g, col = 16 * j + 8 * nt + 2 * t;
+    sX[ra * AP + col] = -cx[nt][0];
+    sX[ra * AP + col + 1] = -cx[nt][1];
+    sX[(ra + 8) * AP + col] = -cx[nt][2];
+    sX[(ra + 8) * AP + col + 1] = -cx[nt][3];
+  }
+}
+
+// ---------------------------------------------------------------- the kernel: the stage sequence
+// (the file's header has the phases and the smem plan; "|" there = __syncthreads here)
+template <typename WT, int K>
+__global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  const int hv = blockIdx.y;
+  int n, ch;
+  if (!dev::chunk_of(p, blockIdx.x, n, ch)) return;
+  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv);
+  intra_load_gate(c);      // P0 + P1                                      |
+  intra_block_factors(c);  // block offsets, l2norm row factors             |
+  if (c.warp < 2) {        // P2, three kinds of tiles
+    intra_p2_diag_simt(c);
+  } else {
+    if (c.warp < 5) intra_p2_below_diag(c);
+    intra_p2_diag_tc(c);
+  }
+  intra_store_gated(c);  // P4a, first part: qg, kg from a shared queue
+  __syncthreads();
+  if (c.tid < 64) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
+  else intra_kexp_aqk_gdecay(c);
+  __syncthreads();
+  // P3 merge steps; while warps < bi merge row block bi, warps 4-7 already produce w and Akk for
+  // row block bi - 1 (final since the previous step), a quarter of K each, instead of waiting at
+  // the step's barrier.
+  for (int bi = 1; bi < 4; ++bi) {
+    if (c.warp < bi) {
+      intra_merge_step(c, bi);
+    } else if (c.warp >= 4) {
+      intra_w_tile(c, bi - 1, (c.warp - 4) * (K / 4), K / 32);
+      intra_store_akk_rows(c, bi - 1, 128, 128);
+    }
+    __syncthreads();
+  }
+  // P4b, last row block (all warps)
+  intra_w_tile(c, 3, c.warp * (K / 8), K / 64);
+  intra_store_akk_rows(c, 3, 0, kIntraThreads);
 }
 
 // The launch (kda_launch_shape.h): launch_intra's and the emulator's.
