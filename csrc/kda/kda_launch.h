@@ -35,13 +35,33 @@ void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream);
 // KERNEL_FUN_KDA_BWD_PAIR_SCANS=0|1 (tests, benchmarking).
 bool kda_bwd_pair_scans(const KdaBwdParams& p);
 void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream);
+// GVA: dq / dk summed over each query head's value heads (a no-op when HV == H).
+void kda_bwd_group_sums(const KdaBwdParams& p, cudaStream_t stream);
+// dA_log / ddt_bias from the per-chunk partials (a no-op without them).
+void kda_bwd_gate_params(const KdaBwdParams& p, cudaStream_t stream);
 
 // Batches per backward slice (bwd/kda_bwd_slice.h): kda_policy.h's bwd_slice_batches, or
 // KERNEL_FUN_KDA_BWD_SLICE=n (tests, benchmarking; fixed-length batches only). Decides the size of
 // the backward's workspace (kda::workspace(..., slice_B)).
 int kda_bwd_slice_batches(const KdaProblem& p);
 
-// The whole forward / backward, in stage order. The backward runs its stages once per batch slice
+// The stages on a stream, for kda_sequence.h's forward_sequence / backward_sequence (the host
+// emulator passes its own).
+struct StreamStages {
+  cudaStream_t stream;
+  void chunk_map(const KdaProblem& p) { kda_chunk_map(p, stream); }
+  void intra(const KdaFwdParams& p) { kda_fwd_intra(p, stream); }
+  void scan(const KdaFwdParams& p) { kda_fwd_scan(p, stream); }
+  void prep(const KdaBwdParams& p) { kda_bwd_prep(p, stream); }
+  bool pair_scans(const KdaBwdParams& p) { return kda_bwd_pair_scans(p); }
+  void scans(const KdaBwdParams& p) { kda_bwd_scans(p, stream); }
+  void dh_scan(const KdaBwdParams& p) { kda_bwd_dh_scan(p, stream); }
+  void grads(const KdaBwdParams& p) { kda_bwd_grads(p, stream); }
+  void group_sums(const KdaBwdParams& p) { kda_bwd_group_sums(p, stream); }
+  void gate_params(const KdaBwdParams& p) { kda_bwd_gate_params(p, stream); }
+};
+
+// The whole forward / backward, in stage order (kda_sequence.h). The backward runs its stages once per batch slice
 // of p.slice_B batches (the size its workspace was allocated for), then kda_bwd_gate_params once.
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream);
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream);

@@ -20,6 +20,7 @@
 #include "kda/bwd/kda_bwd_slice.h"
 #include "kda/kda_dispatch.h"
 #include "kda/kda_policy.h"
+#include "kda/kda_sequence.h"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
 
@@ -181,16 +182,6 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.chunk_offsets = a.chunk_offsets;
   p.saved_factors = a.saved_factors != 0;
   p.slice_B = static_cast<int>(a.slice_b);
-  if (p.cu_seqlens) {  // kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64)
-    p.chunk_offsets[0] = 0;
-    for (int n = 0; n < p.N; ++n) {
-      const int64_t len = a.cu_int64 ? static_cast<const int64_t*>(a.cu_seqlens)[n + 1] -
-                                           static_cast<const int64_t*>(a.cu_seqlens)[n]
-                                     : static_cast<const int32_t*>(a.cu_seqlens)[n + 1] -
-                                           static_cast<const int32_t*>(a.cu_seqlens)[n];
-      p.chunk_offsets[n + 1] = p.chunk_offsets[n] + static_cast<int>((len + kda::kChunk - 1) / kda::kChunk);
-    }
-  }
   return p;
 }
 
@@ -242,35 +233,34 @@ void group_sums(const kda::KdaBwdParams& p) {
   launch(kda::group_sum_launch(p), kda::kda_bwd_group_sum_kernel<WT>, p);
 }
 
-template <typename WT, int K, int BV>
-void forward(const kda::KdaBwdParams& p) {
-  intra<WT, K>(p);
-  scan<WT, K, BV>(p);
-}
-
-template <typename WT, int K, int BV>
-void backward_pass(const kda::KdaBwdParams& r, int64_t pair) {
-  if (r.saved_factors) prep<WT, K>(r);
-  else intra<WT, K>(r);
-  if (pair == 1 || (pair == 0 && kda::bwd_pair_scans(r, BV))) {
-    scans<WT, K, BV>(r);
-  } else {
-    scan<WT, K, BV>(r);
-    dh_scan<WT, K, BV>(r);
+// kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64) (the GPU's is a cub scan)
+void chunk_map(const kda::KdaProblem& p, bool cu_int64) {
+  if (!p.cu_seqlens) return;
+  p.chunk_offsets[0] = 0;
+  for (int n = 0; n < p.N; ++n) {
+    const int64_t len = cu_int64 ? static_cast<const int64_t*>(p.cu_seqlens)[n + 1] - static_cast<const int64_t*>(p.cu_seqlens)[n]
+                                 : static_cast<const int32_t*>(p.cu_seqlens)[n + 1] - static_cast<const int32_t*>(p.cu_seqlens)[n];
+    p.chunk_offsets[n + 1] = p.chunk_offsets[n] + static_cast<int>((len + kda::kChunk - 1) / kda::kChunk);
   }
-  grads<WT, K>(r);
-  group_sums<WT>(r);
 }
 
+// The stages for kda_sequence.h's forward_sequence / backward_sequence: the GPU's sequence, each
+// stage the same kernel under kf_emu. pair: 0 the policy's choice, 1 paired scans, 2 apart.
 template <typename WT, int K, int BV>
-void backward(const kda::KdaBwdParams& p, int64_t pair) {
-  kda::KdaBwdParams r = p;  // the re-scan: states only
-  r.o = nullptr;
-  r.ht = nullptr;
-  r.h_states = nullptr;
-  kda::for_each_batch_slice(r, [pair](const kda::KdaBwdParams& s) { backward_pass<WT, K, BV>(s, pair); });
-  gate_params<WT>(r);
-}
+struct EmuStages {
+  bool cu_int64;
+  int64_t pair;
+  void chunk_map(const kda::KdaProblem& p) { ::chunk_map(p, cu_int64); }
+  void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
+  void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }
+  void prep(const kda::KdaBwdParams& p) { ::prep<WT, K>(p); }
+  bool pair_scans(const kda::KdaBwdParams& p) { return pair == 1 || (pair == 0 && kda::bwd_pair_scans(p, BV)); }
+  void scans(const kda::KdaBwdParams& p) { ::scans<WT, K, BV>(p); }
+  void dh_scan(const kda::KdaBwdParams& p) { ::dh_scan<WT, K, BV>(p); }
+  void grads(const kda::KdaBwdParams& p) { ::grads<WT, K>(p); }
+  void group_sums(const kda::KdaBwdParams& p) { ::group_sums<WT>(p); }
+  void gate_params(const kda::KdaBwdParams& p) { ::gate_params<WT>(p); }
+};
 
 void run_any(const KdaEmuArgs& a, bool bwd) {
   if (a.pair_scans < 0 || a.pair_scans > 2) throw std::invalid_argument("kda_emu: pair_scans must be 0, 1 or 2");
@@ -282,8 +272,13 @@ void run_any(const KdaEmuArgs& a, bool bwd) {
   kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu", [&](auto wt, auto k, auto b) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
-    if (bwd) backward<WT, K, BV>(p, pr);
-    else forward<WT, K, BV>(p);
+    EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr};
+    if (!bwd) return kda::forward_sequence(p, stages);
+    kda::KdaBwdParams r = p;  // the re-scan writes states only
+    r.o = nullptr;
+    r.ht = nullptr;
+    r.h_states = nullptr;
+    kda::backward_sequence(r, stages);
   });
 }
 

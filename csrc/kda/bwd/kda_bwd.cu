@@ -12,6 +12,7 @@
 #include "kda/kda_dispatch.h"
 #include "kda/kda_launch.h"
 #include "kda/kda_policy.h"
+#include "kda/kda_sequence.h"
 
 namespace kernel_fun::kda {
 
@@ -50,34 +51,15 @@ void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream) {
   });
 }
 
-namespace {
-
-void gate_params(const KdaBwdParams& p, cudaStream_t stream) {
+void kda_bwd_gate_params(const KdaBwdParams& p, cudaStream_t stream) {
   dev::launch(kda_bwd_gate_params_kernel, gate_params_launch(p), p, stream);
 }
 
-void group_sums(const KdaBwdParams& p, cudaStream_t stream) {
+void kda_bwd_group_sums(const KdaBwdParams& p, cudaStream_t stream) {
   dispatch_wt(p.dtype, "kda_bwd_group_sum", [&](auto wt) {
     dev::launch(kda_bwd_group_sum_kernel<typename decltype(wt)::type>, group_sum_launch(p), p, stream);
   });
 }
-
-// Rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with M) and the state
-// before every chunk, then the reverse scan, the per-chunk gradients and (GVA) the group sums.
-void backward_pass(const KdaBwdParams& p, cudaStream_t stream) {
-  if (p.saved_factors) kda_bwd_prep(p, stream);
-  else kda_fwd_intra(p, stream);
-  if (kda_bwd_pair_scans(p)) {
-    kda_bwd_scans(p, stream);
-  } else {
-    kda_fwd_scan(p, stream);
-    kda_bwd_dh_scan(p, stream);
-  }
-  kda_bwd_grads(p, stream);
-  group_sums(p, stream);
-}
-
-}  // namespace
 
 int kda_bwd_slice_batches(const KdaProblem& p) {
   const char* env = std::getenv("KERNEL_FUN_KDA_BWD_SLICE");  // tests / benchmarking
@@ -88,9 +70,8 @@ int kda_bwd_slice_batches(const KdaProblem& p) {
 
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
-  kda_chunk_map(p, stream);
-  for_each_batch_slice(p, [stream](const KdaBwdParams& s) { backward_pass(s, stream); });
-  gate_params(p, stream);
+  StreamStages stages{stream};
+  backward_sequence(p, stages);
 }
 
 }  // namespace kernel_fun::kda

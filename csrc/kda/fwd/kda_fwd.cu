@@ -12,6 +12,7 @@
 #include "kda/kda_dispatch.h"
 #include "kda/kda_launch.h"
 #include "kda/kda_policy.h"
+#include "kda/kda_sequence.h"
 
 namespace kernel_fun::kda {
 
@@ -74,9 +75,8 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
-  kda_chunk_map(p, stream);
-  kda_fwd_intra(p, stream);
-  kda_fwd_scan(p, stream);
+  StreamStages stages{stream};
+  forward_sequence(p, stages);
 }
 
 }  // namespace kernel_fun::kda

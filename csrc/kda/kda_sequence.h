@@ -1,0 +1,49 @@
+// The KDA forward's and backward's stage sequences, written once (kda_launch.h has the stage
+// table). `Stages` launches each stage: the GPU launchers (kda_fwd.cu, kda_bwd.cu) pass one that
+// enqueues on a stream through the dispatch of kda_dispatch.h; the host emulator (tests/emu) one
+// that runs the same kernels under kf_emu. A stage added, dropped or reordered here changes both,
+// so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
+//
+// Stages provides: chunk_map, intra, scan (Fwd / Bwd params), prep, pair_scans (bool), scans,
+// dh_scan, grads, group_sums, gate_params.
+#pragma once
+
+#include "kda/bwd/kda_bwd_slice.h"
+#include "kda/kda_problem.h"
+
+namespace kernel_fun::kda {
+
+template <typename Stages>
+void forward_sequence(const KdaFwdParams& p, Stages& s) {
+  s.chunk_map(p);
+  s.intra(p);
+  s.scan(p);
+}
+
+// One batch slice: rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with
+// M) and the state before every chunk, then the reverse scan, the per-chunk gradients and (GVA)
+// the group sums.
+template <typename Stages>
+void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
+  if (p.saved_factors) s.prep(p);
+  else s.intra(p);
+  if (s.pair_scans(p)) {
+    s.scans(p);
+  } else {
+    s.scan(p);
+    s.dh_scan(p);
+  }
+  s.grads(p);
+  s.group_sums(p);
+}
+
+// The whole backward: every batch slice (bwd/kda_bwd_slice.h), then dA_log / ddt_bias from the
+// per-chunk partials. The re-scan writes states only: o, ht and h_states are null in p.
+template <typename Stages>
+void backward_sequence(const KdaBwdParams& p, Stages& s) {
+  s.chunk_map(p);
+  for_each_batch_slice(p, [&s](const KdaBwdParams& slice) { backward_pass_sequence(slice, s); });
+  s.gate_params(p);
+}
+
+}  // namespace kernel_fun::kda
