@@ -134,7 +134,7 @@ struct GradsSmem {
 
 // Everything a phase needs: the params, this CTA's chunk, the thread's place, the smem buffers.
 template <typename WT, int K>
-struct GradsCtx {
+struct GradsCtx : dev::ChunkPlace {
   using S = GradsSmem<K>;
   using E = dev::Elem<WT>;
   static constexpr int NTH = kGradsThreads;
@@ -144,28 +144,17 @@ struct GradsCtx {
 
   const KdaBwdParams& p;
   char* sm;
-  int tid, lane, warp, g, t, rb, cq, cb;
-  int hv, h, HV, V;
-  int64_t tok0;
-  int len, gchunk;
+  int g, t, rb, cq, cb;
+  int V;
 
   __device__ __forceinline__ GradsCtx(const KdaBwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
-      : p(p_), sm(sm_) {
-    tid = threadIdx.x;
-    lane = tid & 31;
-    warp = tid >> 5;
+      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), sm(sm_) {
     g = lane >> 2;
     t = lane & 3;
     rb = warp & 3;
     cq = warp >> 2;
     cb = cq * KW;
-    hv = hv_;
-    HV = p.HV;
     V = p.V;
-    h = hv / (HV / p.H);
-    tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
-    len = min(kChunk, seq.len - c * kChunk);
-    gchunk = seq.chunk0 + c;
   }
   template <typename T>
   __device__ __forceinline__ T* at(int off) const { return reinterpret_cast<T*>(sm + off); }

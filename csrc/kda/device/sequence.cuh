@@ -56,6 +56,26 @@ __device__ __forceinline__ bool chunk_of(const KdaProblem& p, int x, int& n, int
   return true;
 }
 
+// Where one CTA of the per-chunk kernels (kda_fwd_intra, kda_bwd_grads) works: its thread's place in
+// the CTA, its value head (and query head, GVA), and its chunk: first token, length, global index.
+struct ChunkPlace {
+  int tid, lane, warp;
+  int hv, h, HV;
+  int64_t tok0;
+  int len, gchunk;
+  __device__ __forceinline__ ChunkPlace(const KdaProblem& p, const SeqInfo& seq, int c, int hv_) {
+    tid = threadIdx.x;
+    lane = tid & 31;
+    warp = tid >> 5;
+    hv = hv_;
+    HV = p.HV;
+    h = hv / (HV / p.H);
+    tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
+    len = min(kChunk, seq.len - c * kChunk);
+    gchunk = seq.chunk0 + c;
+  }
+};
+
 // The number of chunks that exist (the varlen grid's upper bound minus its idle tail).
 __device__ __forceinline__ int total_chunks(const KdaProblem& p) {
   return p.cu_seqlens ? p.chunk_offsets[p.N] : p.N * ((p.T + kChunk - 1) / kChunk);

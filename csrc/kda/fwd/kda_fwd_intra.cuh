@@ -107,30 +107,16 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
 // Everything the phases of one CTA share: the params, its chunk (sequence, first token, length),
 // the thread's place and the typed views of the shared memory plan above.
 template <typename WT, int K>
-struct IntraCtx {
+struct IntraCtx : dev::ChunkPlace {
   using S = IntraSmem<K>;
   using E = dev::Elem<WT>;
   static constexpr int KP = S::KP, KQ = S::KQ, AP = S::AP, NTH = kIntraThreads;
 
   const KdaFwdParams& p;
   char* sm;
-  int tid, lane, warp;
-  int hv, h, HV;
-  int64_t tok0;
-  int len, gchunk;
 
   __device__ __forceinline__ IntraCtx(const KdaFwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
-      : p(p_), sm(sm_) {
-    tid = threadIdx.x;
-    lane = tid & 31;
-    warp = tid >> 5;
-    hv = hv_;
-    HV = p.HV;
-    h = hv / (HV / p.H);
-    tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
-    len = min(kChunk, seq.len - c * kChunk);
-    gchunk = seq.chunk0 + c;
-  }
+      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), sm(sm_) {}
   template <typename T>
   __device__ __forceinline__ T* at(int off) const { return reinterpret_cast<T*>(sm + off); }
   __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
