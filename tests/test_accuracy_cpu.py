@@ -132,3 +132,26 @@ def test_resume_reruns_rows_without_the_implementations_asked_for():
     assert not acc._complete(ours_only, ("ours", "fla"), "needed")
     assert acc._complete(skipped, ("ours", "fla"), "needed") and not acc._complete(skipped, ("ours", "fla"), "all")
     assert acc._complete(failed, ("ours", "fla"), "all") and acc._complete(both, ("ours", "fla"), "all")
+
+
+def test_draws_run_more_seeds_and_report_medians(monkeypatch):
+    """--draws N: the same option mix on seeds case.seed + 1 .. N for every implementation that ran,
+    the median over all inputs per gradient; the bound stays on the case's own seed; --resume re-runs
+    a row with fewer draws than asked."""
+    case = acc.BY_NAME["fla_varlen_mask09"]
+    seen = []
+    monkeypatch.setattr(acc, "make_inputs", lambda c, device="cuda": (seen.append(c.seed) or c.seed, {}, {}))
+    monkeypatch.setattr(acc, "reference", lambda inputs, kw, seeds: {"dq": torch.ones(4)})
+    # ours' error on seed s: 0.001 * (s + 1); fla's: 0.002 (s even) / 0.004 (s odd)
+    monkeypatch.setattr(acc, "ours", lambda inputs, kw, seeds: {"dq": torch.ones(4) * (1 + 0.001 * (inputs + 1))})
+    monkeypatch.setattr(acc, "fla", lambda inputs, kw, seeds: {"dq": torch.ones(4) * (1 + (0.004 if inputs % 2 else 0.002))})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    row = acc.run_case(case, ("ours", "fla"), "all", draws=3)
+    s0 = case.seed
+    assert seen == [s0, s0 + 1, s0 + 2, s0 + 3]
+    assert [d["seed"] for d in row["draws"]] == [s0 + 1, s0 + 2, s0 + 3]
+    assert row["ours"]["dq"] == pytest.approx(0.001 * (s0 + 1), rel=1e-3)  # the bound's input: the case's own
+    assert row["median"]["ours"]["dq"] == pytest.approx(0.001 * (s0 + 2.5), rel=1e-3)
+    assert row["median"]["fla"]["dq"] == pytest.approx(0.003, rel=1e-3)
+    assert not acc._complete(dict(row, draws=row["draws"][:2]), ("ours", "fla"), "all", draws=3)
+    assert acc._complete(row, ("ours", "fla"), "all", draws=3)

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -322,10 +323,14 @@ def within_tolerance(case: GradCase, errs: dict) -> bool:
     return all(e <= tolerances(case)[k] for k, e in errs.items())
 
 
-def run_case(case: GradCase, impls=("ours", "fla"), fla_where: str = "all") -> dict:
+def run_case(case: GradCase, impls=("ours", "fla"), fla_where: str = "all", draws: int = 0) -> dict:
     """One row: the case's options, and per implementation its errors (or why it did not run).
     fla_where "needed": fla runs only where ours exceeds fla's tolerance somewhere (elsewhere the
-    bound is fla's tolerance whatever fla's error is); its row then says so."""
+    bound is fla's tolerance whatever fla's error is); its row then says so.
+    draws > 0: the same option mix on `draws` more seeds (case.seed + 1 ..), each implementation that
+    ran on the case's own inputs, as row["draws"], and per implementation the median over all the
+    inputs as row["median"]: one input's error is a wide draw (docs/notes/2026-12-02-dalog-floor.md),
+    so a comparison of two implementations wants several. The bound stays on the case's own seed."""
     import torch
 
     inputs, kw, seeds = make_inputs(case)
@@ -345,8 +350,35 @@ def run_case(case: GradCase, impls=("ours", "fla"), fla_where: str = "all") -> d
         except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
             row[impl] = None
             row[impl + "_why"] = _short(e)
+    if draws > 0:
+        ran = [i for i in impls if row.get(i)]
+        row["draws"] = [_draw(dataclasses.replace(case, seed=case.seed + d), ran) for d in range(1, draws + 1)]
+        row["median"] = {i: _median_errors([row[i]] + [dr[i] for dr in row["draws"] if dr.get(i)]) for i in ran}
     row["seconds"] = round(time.time() - t0, 2)
     return row
+
+
+def _draw(case: GradCase, impls) -> dict:
+    """Every implementation's errors on another seed of the same option mix (None where it failed)."""
+    import torch
+
+    inputs, kw, seeds = make_inputs(case)
+    ref = reference(inputs, kw, seeds)
+    out = {"seed": case.seed}
+    for impl in impls:
+        try:
+            got = {"ours": ours, "fla": fla}[impl](inputs, kw, seeds)
+            torch.cuda.synchronize()
+            out[impl] = errors(ref, got)
+        except Exception as e:  # noqa: BLE001
+            out[impl], out[impl + "_why"] = None, _short(e)
+    return out
+
+
+def _median_errors(runs: list[dict]) -> dict:
+    """Per output / gradient, the median of its rel-RMS over the runs that have it."""
+    keys = {k for r in runs for k in r}
+    return {k: statistics.median(r[k] for r in runs if k in r) for k in sorted(keys)}
 
 
 def check_row(row: dict) -> list[str]:
@@ -366,8 +398,8 @@ def check_row(row: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ CLI
 def _worker(args):
-    name, impls, fla_where = args
-    return run_case(BY_NAME[name], impls, fla_where)
+    name, impls, fla_where, draws = args
+    return run_case(BY_NAME[name], impls, fla_where, draws)
 
 
 def _table(rows: list[dict], impls) -> str:
@@ -413,10 +445,12 @@ def _load_rows(path: str) -> list[dict]:
     return [r for r in rows if by_name.get(r["case"]) == r.get("options")]
 
 
-def _complete(row: dict, impls, fla_where: str) -> bool:
+def _complete(row: dict, impls, fla_where: str, draws: int = 0) -> bool:
     """Whether an earlier row already answers this run: every implementation asked for either ran or
     could not (its reason), not merely went unmeasured (an ours-only run, or fla skipped as not
-    needed when this run wants fla everywhere)."""
+    needed when this run wants fla everywhere), and it has the draws asked for."""
+    if len(row.get("draws") or []) < draws:
+        return False
     for impl in impls:
         if row.get(impl) is not None:
             continue
@@ -437,6 +471,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", metavar="JSON", help="keep this earlier run's rows (same options) and run "
                     "only the cases it lacks: a run cut off at a time limit goes on where it stopped")
     ap.add_argument("--label", default="", help="written into the JSON (e.g. the commit measured)")
+    ap.add_argument("--draws", type=int, default=0, help="each case also on N more seeds; the rows get "
+                    "'draws' and 'median' (the bound stays on the case's own seed)")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     ap.add_argument("--before", metavar="JSON", help="no GPU: add this earlier run's errors of ours to each row "
                     "of --merge as 'before' (an A/B of two builds on the same inputs) and write --out")
@@ -483,12 +519,12 @@ def main(argv=None) -> int:
     impls = ("ours",) if a.no_fla else ("ours", "fla")
     t0 = time.time()
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "versions": versions(),
-            "label": a.label, "impls": list(impls), "fla_where": a.fla_where,
+            "label": a.label, "impls": list(impls), "fla_where": a.fla_where, "draws": a.draws,
             "bound": f"max(fla's tolerance, {FLA_FACTOR} x fla's own error on the same inputs)",
             "reference": "autograd through kernel_fun.ref.kda.naive_recurrent_kda in fp64"}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"{gpu_slug(meta['device'])}-grad-accuracy.json")
-    rows = [r for r in _load_rows(a.resume) if r["case"] in names and _complete(r, impls, a.fla_where)] \
+    rows = [r for r in _load_rows(a.resume) if r["case"] in names and _complete(r, impls, a.fla_where, a.draws)] \
         if a.resume else []
     todo = [n for n in names if n not in {r["case"] for r in rows}]
     # longest first, so the long cases do not all end up last; the file is rewritten after every case,
@@ -506,11 +542,11 @@ def main(argv=None) -> int:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(a.workers) as pool:
-            for row in pool.imap_unordered(_worker, [(n, impls, a.fla_where) for n in todo]):
+            for row in pool.imap_unordered(_worker, [(n, impls, a.fla_where, a.draws) for n in todo]):
                 done(row)
     else:
         for n in todo:
-            done(_worker((n, impls, a.fla_where)))
+            done(_worker((n, impls, a.fla_where, a.draws)))
     doc = _document(rows, meta, impls)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
