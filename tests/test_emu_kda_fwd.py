@@ -354,6 +354,36 @@ def test_emulator_reports_kernel_bugs(emu, which, message):
     assert message in err, err
 
 
+@pytest.mark.parametrize("name", ["T130-K128-V128-h0", "bounded-fp16-K128", "GVA-1-2", "varlen-empty-one"])
+def test_intra_phases_into_a_scan_stage_match_the_workspace_path(emu, name):
+    """The fused forward's handoff (kda_fwd_intra.cuh, IntraToStage): the intra phases writing into a
+    scan stage give, bit for bit, the stage the scan loads from the two-kernel path's workspace, on
+    every part the scan reads (the swizzled w / qg / kg tiles, Aqk and Akk on and below the diagonal
+    blocks, exp2(G)), rows past a sequence's end zero in both."""
+    case = dict(CASES, **{"varlen-empty-one": dict(T=200, cu=[0, 0, 1, 64, 65, 200], h0=True)})[name]
+    inputs, kw = make_case(**case)
+    a, b, lay = emu.intra_stage_check(*inputs, **kw)
+    elems, oW, oQg, oKg, oAqk, oAkk, oDec, AP = lay
+    K = inputs[0].shape[-1]
+    cu = kw.get("cu_seqlens")
+    T = inputs[0].shape[1]
+    lens = [T] * inputs[0].shape[0] if cu is None else (cu[1:] - cu[:-1]).tolist()
+    nchunks = sum(-(-n // 64) for n in lens)
+    a, b = a[:nchunks], b[:nchunks]  # the varlen grid's idle tail has no stage
+    tiles = slice(oW, oW + 3 * 64 * K)
+    assert torch.equal(a[..., tiles], b[..., tiles]), "w / qg / kg tiles differ"
+    rows = torch.arange(64).view(64, 1)
+    cols = torch.arange(64).view(1, 64)
+    low = (cols // 16 <= rows // 16).reshape(-1)  # what the scan reads of Aqk / Akk
+    for off, what in ((oAqk, "Aqk"), (oAkk, "Akk")):
+        x = a[..., off: off + 64 * AP].reshape(*a.shape[:2], 64, AP)[..., :64].reshape(*a.shape[:2], -1)
+        y = b[..., off: off + 64 * AP].reshape(*b.shape[:2], 64, AP)[..., :64].reshape(*b.shape[:2], -1)
+        assert torch.equal(x[..., low], y[..., low]), f"{what} differs"
+    dec = slice(oDec, oDec + 2 * K)  # fp32 [K] as 16-bit pairs
+    assert torch.equal(a[..., dec], b[..., dec]), "exp2(G) differs"
+    assert (a[..., tiles] != 0).any(), "an all-zero stage compares equal to anything"
+
+
 def _bf16_raw(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
 

@@ -282,6 +282,63 @@ void run_any(const KdaEmuArgs& a, bool bwd) {
   });
 }
 
+// ---- the intra phases into a scan stage (kda_fwd_intra.cuh's IntraToStage, for the fused forward)
+// against the stage dev::scan_load_chunk fills from the workspace the two-kernel path wrote: each
+// CTA (chunk, value head) copies its stage to out[(global chunk * HV + hv) * kStageElems ..].
+template <typename WT, int K, int BV>
+__global__ void intra_to_stage_kernel(const kda::KdaFwdParams p, WT* out) {
+  using St = kda::dev::ScanStage<WT, K, BV>;
+  KF_DYN_SMEM(float4, smem_f4);
+  char* sm = reinterpret_cast<char*>(smem_f4);
+  const int hv = blockIdx.y;
+  int n, ch;
+  if (!kda::dev::chunk_of(p, blockIdx.x, n, ch)) return;
+  const kda::IntraCtx<WT, K> c(p, sm, kda::dev::seq_info(p, n), ch, hv);
+  WT* stage = reinterpret_cast<WT*>(sm + (kda::IntraSmem<K>::kBytes + 1023) / 1024 * 1024);
+  kda::intra_chunk(c, kda::IntraToStage<WT, K, BV>{stage});
+  __syncthreads();
+  WT* dst = out + (static_cast<int64_t>(c.gchunk) * p.HV + hv) * St::kStageElems;
+  for (int i = threadIdx.x; i < St::kStageElems; i += blockDim.x) dst[i] = stage[i];
+}
+
+template <typename WT, int K, int BV>
+__global__ void stage_from_workspace_kernel(const kda::KdaFwdParams p, WT* out) {
+  using St = kda::dev::ScanStage<WT, K, BV>;
+  KF_DYN_SMEM(float4, smem_f4);
+  WT* stage = reinterpret_cast<WT*>(smem_f4);
+  const int hv = blockIdx.y;
+  int n, ch;
+  if (!kda::dev::chunk_of(p, blockIdx.x, n, ch)) return;
+  const kda::dev::SeqInfo seq = kda::dev::seq_info(p, n);
+  kda::dev::scan_load_chunk<WT, K, BV, kda::kIntraThreads>(stage, kda::dev::scan_sources<WT>(p, p.v), p, seq, ch, hv,
+                                                           0, true);
+  kda::dev::cp_async_commit();
+  kda::dev::cp_async_wait<0>();
+  __syncthreads();
+  WT* dst = out + (static_cast<int64_t>(seq.chunk0 + ch) * p.HV + hv) * St::kStageElems;
+  for (int i = threadIdx.x; i < St::kStageElems; i += blockDim.x) dst[i] = stage[i];
+}
+
+// layout[0..6] = kStageElems, kW, kQg, kKg, kAqk, kAkk, kDec (elements), AP
+void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, int64_t* layout) {
+  const kda::KdaBwdParams p = make_params(a);
+  chunk_map(p, a.cu_int64 != 0);
+  kda::dispatch_wt_k(p.dtype, p.K, "kda_emu_intra_stage", [&](auto wt, auto k) {
+    using WT = typename decltype(wt)::type;
+    constexpr int K = decltype(k)::value, BV = 64;
+    using St = kda::dev::ScanStage<WT, K, BV>;
+    const int64_t l[8] = {St::kStageElems, St::kW, St::kQg, St::kKg, St::kAqk, St::kAkk, St::kDec, St::AP};
+    for (int i = 0; i < 8; ++i) layout[i] = l[i];
+    const kda::LaunchShape in = kda::intra_launch<K>(p);
+    if (in.empty()) return;
+    const size_t smem1 = (kda::IntraSmem<K>::kBytes + 1023) / 1024 * 1024 + sizeof(WT) * St::kStageElems;
+    kf_emu::launch(in.grid, dim3(in.threads), smem1, intra_to_stage_kernel<WT, K, BV>,
+                   static_cast<const kda::KdaFwdParams&>(p), static_cast<WT*>(from_intra));
+    kf_emu::launch(in.grid, dim3(in.threads), sizeof(WT) * St::kStageElems, stage_from_workspace_kernel<WT, K, BV>,
+                   static_cast<const kda::KdaFwdParams&>(p), static_cast<WT*>(from_load));
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -292,6 +349,12 @@ int kda_emu_forward(const KdaEmuArgs* a) {
 
 int kda_emu_backward(const KdaEmuArgs* a) {
   return guarded([&] { run_any(*a, true); });
+}
+
+// After kda_emu_forward on the same args (its workspace): the intra phases into a scan stage, and
+// the stage scan_load_chunk fills from that workspace (intra_stage_check).
+int kda_emu_intra_stage_check(const KdaEmuArgs* a, void* from_intra, void* from_load, int64_t* layout) {
+  return guarded([&] { intra_stage_check(*a, from_intra, from_load, layout); });
 }
 
 }  // extern "C"

@@ -69,6 +69,8 @@ def lib():
         L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
         L.kf_emu_selftest_wgmma.argtypes = [ctypes.c_int, vp, vp, vp, vp]
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
+        L.kda_emu_intra_stage_check.argtypes = [ctypes.POINTER(KdaEmuArgs), vp, vp, vp]
+        L.kda_emu_intra_stage_check.restype = ctypes.c_int
         L.kf_emu_selftest_tma_pipeline.argtypes = [ctypes.c_int, vp, ctypes.c_int, vp]
         L.kf_emu_selftest_tma_swizzle.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp]
         if L.kda_emu_args_size() != ctypes.sizeof(KdaEmuArgs):
@@ -224,6 +226,34 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()
     return o, ht, h_states, ws
+
+
+def intra_stage_check(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
+                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                      lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None, **_ignored):
+    """The intra phases written into a scan stage (IntraToStage, the fused forward's handoff) and the
+    stage dev::scan_load_chunk fills from the workspace of the two-kernel forward, for every (chunk,
+    value head): (from_intra, from_load, layout), stages [max_chunks, HV, elems] in q's dtype (raw
+    16-bit), layout = {elems, w, qg, kg, Aqk, Akk, dec, AP} (offsets in elements)."""
+    opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, A_log, state_v_first)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, False, False)
+    o = gz.alloc("o", (B, T, HV, V), q.dtype)
+    a = KdaEmuArgs(**f, o=_ptr(o), ht=None, h_states=None, bv=0)
+    L = lib()
+    if L.kda_emu_forward(ctypes.byref(a)):
+        raise RuntimeError(L.kda_emu_last_error().decode())
+    bound = 4 * CHUNK * K + 3 * CHUNK * 72 + 2 * K + 512  # >= ScanStage<WT, K, 64>::kStageElems
+    n = f["max_chunks"] * HV
+    outs = [torch.full((n * bound,), -1, dtype=torch.int16) for _ in range(2)]
+    layout = torch.zeros(8, dtype=torch.int64)
+    if L.kda_emu_intra_stage_check(ctypes.byref(a), _ptr(outs[0]), _ptr(outs[1]), _ptr(layout)):
+        raise RuntimeError(L.kda_emu_last_error().decode())
+    elems = int(layout[0])
+    return outs[0][: n * elems].view(f["max_chunks"], HV, elems), outs[1][: n * elems].view(f["max_chunks"], HV, elems), \
+        layout.tolist()
 
 
 def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,

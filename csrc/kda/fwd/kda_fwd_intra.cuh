@@ -56,6 +56,7 @@
 
 #include "kda/device/gate.cuh"
 #include "kda/device/primitives.cuh"
+#include "kda/device/scan.cuh"
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
 
@@ -142,6 +143,69 @@ struct IntraCtx : dev::ChunkPlace {
     const dev::GateScratch<K> g = gs();
     if (is_k) sL()[r * AP + s] = g.beta[r] * g.rk[r] * g.rk[s] * v;
     else sA()[r * AP + s] = p.opt.scale * g.rq[r] * g.rk[s] * v;
+  }
+};
+
+// Where the phases put their outputs (qg, kg, Aqk, exp2(G), w, Akk and, for the backward, M): the
+// workspace of the two-kernel path (IntraToWorkspace, rows past the sequence end never written: they
+// belong to the next sequence), or one stage of the scan's shared memory in the layout
+// dev::scan_load_chunk gives it (IntraToStage: every row, those past the end +0, as the scan's
+// zero-filled loads; M is not wanted there). Stores of 8 elements (uint4) at row r,
+// columns c0 .. c0 + 7, or of 2 (w, one uint32).
+template <typename WT, int K>
+struct IntraToWorkspace {
+  __device__ __forceinline__ bool wants_row(const IntraCtx<WT, K>& c, int r) const { return r < c.len; }
+  __device__ __forceinline__ int64_t row(const IntraCtx<WT, K>& c, int r) const { return (c.tok0 + r) * c.HV + c.hv; }
+  __device__ __forceinline__ void qg_kg(const IntraCtx<WT, K>& c, int r, int c0, const uint4& q, const uint4& k) const {
+    const int64_t off = row(c, r) * K + c0;
+    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.qg) + off) = q;
+    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.kg) + off) = k;
+  }
+  __device__ __forceinline__ void aqk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a) const {
+    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.Aqk) + row(c, r) * kChunk + c0) = a;
+  }
+  __device__ __forceinline__ void gdecay(const IntraCtx<WT, K>& c, int k, float v) const {
+    c.p.gdecay[(static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * K + k] = v;
+  }
+  __device__ __forceinline__ void w2(const IntraCtx<WT, K>& c, int r, int col, uint32_t v) const {
+    *reinterpret_cast<uint32_t*>(reinterpret_cast<WT*>(c.p.w) + row(c, r) * K + col) = v;
+  }
+  __device__ __forceinline__ void akk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a, const uint4& m) const {
+    const int64_t off = row(c, r) * kChunk + c0;
+    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.Akk) + off) = a;
+    if (c.p.M) *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.M) + off) = m;
+  }
+};
+
+template <typename WT, int K, int BV>
+struct IntraToStage {
+  using St = dev::ScanStage<WT, K, BV>;
+  WT* base;  // the stage's first element (1024-byte aligned)
+  // element (r, c) of a swizzled [64][K] tile: K / 64 blocks of [64 rows][64 columns], 128-byte rows
+  static __device__ __forceinline__ int tile(int r, int c) {
+    return (c >> 6) * (kChunk * 64) + static_cast<int>(dev::sw128_offset(r, c & 63)) / 2;
+  }
+  // Rows past the sequence end are stored as +0 (what the phases compute there is zero up to its
+  // sign: x * beta with beta = 0 gives -0 for x < 0), as the scan's zero-filled loads leave them.
+  static __device__ __forceinline__ uint4 live(const IntraCtx<WT, K>& c, int r, const uint4& v) {
+    return r < c.len ? v : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ bool wants_row(const IntraCtx<WT, K>&, int) const { return true; }
+  __device__ __forceinline__ void qg_kg(const IntraCtx<WT, K>& c, int r, int c0, const uint4& q, const uint4& k) const {
+    *reinterpret_cast<uint4*>(base + St::kQg + tile(r, c0)) = live(c, r, q);
+    *reinterpret_cast<uint4*>(base + St::kKg + tile(r, c0)) = live(c, r, k);
+  }
+  __device__ __forceinline__ void aqk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a) const {
+    *reinterpret_cast<uint4*>(base + St::kAqk + r * St::AP + c0) = live(c, r, a);
+  }
+  __device__ __forceinline__ void gdecay(const IntraCtx<WT, K>&, int k, float v) const {
+    reinterpret_cast<float*>(base + St::kDec)[k] = v;
+  }
+  __device__ __forceinline__ void w2(const IntraCtx<WT, K>& c, int r, int col, uint32_t v) const {
+    *reinterpret_cast<uint32_t*>(base + St::kW + tile(r, col)) = r < c.len ? v : 0u;
+  }
+  __device__ __forceinline__ void akk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a, const uint4&) const {
+    *reinterpret_cast<uint4*>(base + St::kAkk + r * St::AP + c0) = live(c, r, a);
   }
 };
 
@@ -447,14 +511,12 @@ __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
 // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 64
 // vectors (two per lane); every vector is computed the same way whichever warp takes it, so the
 // result is deterministic.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c) {
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c, const Out& out) {
   using Ctx = IntraCtx<WT, K>;
   const KdaFwdParams& p = c.p;
   const dev::GateScratch<K> gs = c.gs();
   const int lane = c.lane;
-  WT* qg = reinterpret_cast<WT*>(p.qg);
-  WT* kg = reinterpret_cast<WT*>(p.kg);
   constexpr int VPR = K / 8;                 // 8-element vectors per row
   constexpr int kUnits = kChunk * VPR / 64;  // units of 64 vectors, two per lane
   for (;;) {
@@ -466,13 +528,11 @@ __device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c) {
     for (int half = 0; half < 2; ++half) {
       const int i = unit * 64 + half * 32 + lane;
       const int r = i / VPR, d0 = (i % VPR) * 8;
-      if (r >= c.len) continue;  // rows past the end are never written
+      if (!out.wants_row(c, r)) continue;  // the workspace: rows past the end are never written
       uint32_t pq[4], pk[4];
       dev::gated_vec8<WT, K, Ctx::KP, Ctx::KQ>(c.sG(), gs.BO, gs.BT, gs.BS, c.sQ(), c.sK(), p.opt.scale * gs.rq[r],
                                                gs.rk[r], r, d0, pq, pk, nullptr);
-      const int64_t off = ((c.tok0 + r) * c.HV + c.hv) * K + d0;
-      *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-      *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      out.qg_kg(c, r, d0, make_uint4(pq[0], pq[1], pq[2], pq[3]), make_uint4(pk[0], pk[1], pk[2], pk[3]));
     }
   }
 }
@@ -502,8 +562,8 @@ __device__ __forceinline__ void intra_diag_inverse(const IntraCtx<WT, K>& c) {
 
 // Warps 2-7 meanwhile: kexp = k rk exp2(g2) in place of g2 (B operand of w), Aqk -> workspace,
 // exp2(G) -> gdecay. Disjoint buffers from intra_diag_inverse's: sL / sX vs sG / sK / sA.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c) {
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, const Out& out) {
   using Ctx = IntraCtx<WT, K>;
   using E = typename Ctx::E;
   constexpr int KP = Ctx::KP, KQ = Ctx::KQ, AP = Ctx::AP;
@@ -514,8 +574,7 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c) 
   const WT* sK = c.sK();
   const float* sA = c.sA();
   float* sKexp = c.sKexp();
-  const int t2 = c.tid - 64, len = c.len;
-  WT* Aqk = reinterpret_cast<WT*>(p.Aqk);
+  const int t2 = c.tid - 64;
   constexpr int VPR = K / 8;
   for (int i = t2; i < kChunk * VPR; i += NT2) {
     const int r = i / VPR, d0 = (i % VPR) * 8;
@@ -536,33 +595,30 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c) 
   }
   for (int i = t2; i < kChunk * 8; i += NT2) {
     const int r = i / 8, s0 = (i % 8) * 8;
-    if (r < len) {
+    if (out.wants_row(c, r)) {
       uint32_t pa[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) pa[e] = E::pack2(sA[r * AP + s0 + 2 * e], sA[r * AP + s0 + 2 * e + 1]);
-      *reinterpret_cast<uint4*>(Aqk + ((c.tok0 + r) * c.HV + c.hv) * kChunk + s0) = make_uint4(pa[0], pa[1], pa[2], pa[3]);
+      out.aqk(c, r, s0, make_uint4(pa[0], pa[1], pa[2], pa[3]));
     }
   }
-  if (t2 < K) p.gdecay[(static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * K + t2] = dev::fast_exp2(gs.Gt[t2]);
+  if (t2 < K) out.gdecay(c, t2, dev::fast_exp2(gs.Gt[t2]));
 }
 
 // Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
 // blocks), threads [t0, t0 + nthr) of the CTA (and, for the backward, M = X itself: the backward
 // needs (I + L)^-1 without beta folded in).
-template <typename WT, int K>
-__device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, int blk, int t0, int nthr) {
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, const Out& out, int blk, int t0,
+                                                     int nthr) {
   using Ctx = IntraCtx<WT, K>;
   using E = typename Ctx::E;
   constexpr int AP = Ctx::AP;
-  const KdaFwdParams& p = c.p;
   const float* sX = c.sX();
   const float* sBeta = c.gs().beta;
-  WT* Akk = reinterpret_cast<WT*>(p.Akk);
-  WT* Mo = reinterpret_cast<WT*>(p.M);
   for (int i = c.tid - t0; i < 16 * 8; i += nthr) {
     const int r = 16 * blk + i / 8, s0 = (i % 8) * 8;
-    if (r < c.len) {
-      const int64_t off = ((c.tok0 + r) * c.HV + c.hv) * kChunk + s0;
+    if (out.wants_row(c, r)) {
       uint32_t pa[4], pm[4];
       if ((s0 >> 4) > blk) {
 #pragma unroll
@@ -575,8 +631,7 @@ __device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, i
           pm[e] = E::pack2(x0, x1);
         }
       }
-      *reinterpret_cast<uint4*>(Akk + off) = make_uint4(pa[0], pa[1], pa[2], pa[3]);
-      if (Mo) *reinterpret_cast<uint4*>(Mo + off) = make_uint4(pm[0], pm[1], pm[2], pm[3]);
+      out.akk(c, r, s0, make_uint4(pa[0], pa[1], pa[2], pa[3]), make_uint4(pm[0], pm[1], pm[2], pm[3]));
     }
   }
 }
@@ -584,8 +639,8 @@ __device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, i
 // P4b for one m-tile: w[16 mt .. 16 mt + 15][col0 .. col0 + 8 ntc) = Akk @ kexp (tf32 tensor cores).
 // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1). Needs only the rows of
 // X in block mt, which are final once merge step mt is done.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, int mt, int col0, int ntc) {
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, const Out& out, int mt, int col0, int ntc) {
   using Ctx = IntraCtx<WT, K>;
   using E = typename Ctx::E;
   constexpr int KP = Ctx::KP, AP = Ctx::AP;
@@ -593,7 +648,6 @@ __device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, int mt, i
   const float* sX = c.sX();
   const float* sKexp = c.sKexp();
   const float* sBeta = c.gs().beta;
-  WT* w = reinterpret_cast<WT*>(c.p.w);
   const int g = c.lane >> 2, t = c.lane & 3;
   float acc[kNtMax][4] = {};
   const int ra = 16 * mt + g, rb = ra + 8;
@@ -614,10 +668,8 @@ __device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, int mt, i
   for (int nt = 0; nt < kNtMax; ++nt) {
     if (nt < ntc) {
       const int col = col0 + 8 * nt + 2 * t;
-      if (ra < c.len)
-        *reinterpret_cast<uint32_t*>(w + ((c.tok0 + ra) * c.HV + c.hv) * K + col) = E::pack2(acc[nt][0], acc[nt][1]);
-      if (rb < c.len)
-        *reinterpret_cast<uint32_t*>(w + ((c.tok0 + rb) * c.HV + c.hv) * K + col) = E::pack2(acc[nt][2], acc[nt][3]);
+      if (out.wants_row(c, ra)) out.w2(c, ra, col, E::pack2(acc[nt][0], acc[nt][1]));
+      if (out.wants_row(c, rb)) out.w2(c, rb, col, E::pack2(acc[nt][2], acc[nt][3]));
     }
   }
 }
@@ -676,15 +728,11 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
   }
 }
 
-// ---------------------------------------------------------------- the kernel: the stage sequence
-// (the file's header has the phases and the smem plan; "|" there = __syncthreads here)
-template <typename WT, int K>
-__global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
-  KF_DYN_SMEM(float4, smem_f4);
-  const int hv = blockIdx.y;
-  int n, ch;
-  if (!dev::chunk_of(p, blockIdx.x, n, ch)) return;
-  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv);
+// ---------------------------------------------------------------- the phase sequence of one chunk
+// (the file's header has the phases and the smem plan; "|" there = __syncthreads here). All 256
+// threads of the CTA; the outputs go to `out` (the workspace, or a scan stage).
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out& out) {
   intra_load_gate(c);      // P0 + P1                                      |
   intra_block_factors(c);  // block offsets, l2norm row factors             |
   if (c.warp < 2) {        // P2, three kinds of tiles
@@ -693,10 +741,10 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
     if (c.warp < 5) intra_p2_below_diag(c);
     intra_p2_diag_tc(c);
   }
-  intra_store_gated(c);  // P4a, first part: qg, kg from a shared queue
+  intra_store_gated(c, out);  // P4a, first part: qg, kg from a shared queue
   __syncthreads();
   if (c.tid < 64) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
-  else intra_kexp_aqk_gdecay(c);
+  else intra_kexp_aqk_gdecay(c, out);
   __syncthreads();
   // P3 merge steps; while warps < bi merge row block bi, warps 4-7 already produce w and Akk for
   // row block bi - 1 (final since the previous step), a quarter of K each, instead of waiting at
@@ -705,14 +753,24 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
     if (c.warp < bi) {
       intra_merge_step(c, bi);
     } else if (c.warp >= 4) {
-      intra_w_tile(c, bi - 1, (c.warp - 4) * (K / 4), K / 32);
-      intra_store_akk_rows(c, bi - 1, 128, 128);
+      intra_w_tile(c, out, bi - 1, (c.warp - 4) * (K / 4), K / 32);
+      intra_store_akk_rows(c, out, bi - 1, 128, 128);
     }
     __syncthreads();
   }
   // P4b, last row block (all warps)
-  intra_w_tile(c, 3, c.warp * (K / 8), K / 64);
-  intra_store_akk_rows(c, 3, 0, kIntraThreads);
+  intra_w_tile(c, out, 3, c.warp * (K / 8), K / 64);
+  intra_store_akk_rows(c, out, 3, 0, kIntraThreads);
+}
+
+template <typename WT, int K>
+__global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  const int hv = blockIdx.y;
+  int n, ch;
+  if (!dev::chunk_of(p, blockIdx.x, n, ch)) return;
+  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv);
+  intra_chunk(c, IntraToWorkspace<WT, K>{});
 }
 
 // The launch (kda_launch_shape.h): launch_intra's and the emulator's.
