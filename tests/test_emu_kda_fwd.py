@@ -384,6 +384,23 @@ def test_intra_phases_into_a_scan_stage_match_the_workspace_path(emu, name):
     assert (a[..., tiles] != 0).any(), "an all-zero stage compares equal to anything"
 
 
+@pytest.mark.parametrize("name, bv", [("T130-K128-V128-h0", 128), ("T130-K128-V128-h0", 64),
+                                      ("bounded-fp16-K128", None), ("GVA-1-2", None), ("state-v-first", None),
+                                      ("varlen-empty-one", None), ("T1-B2", None)])
+def test_fused_forward_is_bitwise_the_two_kernel_path(emu, name, bv):
+    """kda_fwd_fused (version 0): the intra phases into a scan stage, then the state warps, in one
+    CTA per (V-slice, value head, sequence), give o and the final state bit for bit as the two-kernel
+    forward (whose scan runs at the same V-slice), without reading the workspace."""
+    case = dict(CASES, **{"varlen-empty-one": dict(T=200, cu=[0, 0, 1, 64, 65, 200], h0=True)})[name]
+    inputs, kw = make_case(**case)
+    kw = {k: v for k, v in kw.items() if k != "bv"}
+    o2, ht2, _, _ = emu.forward_stages(*inputs, **kw, bv=bv)
+    o1, ht1 = emu.forward_fused(*inputs, **kw, bv=bv)
+    assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), "o differs"
+    assert torch.equal(ht1, ht2), "final state differs"
+    assert o1.abs().sum() > 0
+
+
 def _bf16_raw(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
 

@@ -21,6 +21,7 @@
 #include "kda/kda_dispatch.h"
 #include "kda/kda_policy.h"
 #include "kda/kda_sequence.h"
+#include "kda/fwd/kda_fwd_fused.cuh"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
 
@@ -319,6 +320,19 @@ __global__ void stage_from_workspace_kernel(const kda::KdaFwdParams p, WT* out) 
   for (int i = threadIdx.x; i < St::kStageElems; i += blockDim.x) dst[i] = stage[i];
 }
 
+// The fused forward (kda_fwd_fused.cuh, version 0): o and the final state, no workspace.
+void fused_forward(const KdaEmuArgs& a) {
+  const kda::KdaBwdParams p = make_params(a);
+  chunk_map(p, a.cu_int64 != 0);
+  const int bv = a.bv ? static_cast<int>(a.bv) : (p.V % 128 == 0 ? 128 : 64);
+  kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu_fused", [&](auto wt, auto k, auto b) {
+    using WT = typename decltype(wt)::type;
+    constexpr int K = decltype(k)::value, BV = decltype(b)::value;
+    launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>,
+           static_cast<const kda::KdaFwdParams&>(p));
+  });
+}
+
 // layout[0..6] = kStageElems, kW, kQg, kKg, kAqk, kAkk, kDec (elements), AP
 void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, int64_t* layout) {
   const kda::KdaBwdParams p = make_params(a);
@@ -349,6 +363,10 @@ int kda_emu_forward(const KdaEmuArgs* a) {
 
 int kda_emu_backward(const KdaEmuArgs* a) {
   return guarded([&] { run_any(*a, true); });
+}
+
+int kda_emu_fused_forward(const KdaEmuArgs* a) {
+  return guarded([&] { fused_forward(*a); });
 }
 
 // After kda_emu_forward on the same args (its workspace): the intra phases into a scan stage, and

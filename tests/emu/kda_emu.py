@@ -69,6 +69,8 @@ def lib():
         L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
         L.kf_emu_selftest_wgmma.argtypes = [ctypes.c_int, vp, vp, vp, vp]
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
+        L.kda_emu_fused_forward.argtypes = [ctypes.POINTER(KdaEmuArgs)]
+        L.kda_emu_fused_forward.restype = ctypes.c_int
         L.kda_emu_intra_stage_check.argtypes = [ctypes.POINTER(KdaEmuArgs), vp, vp, vp]
         L.kda_emu_intra_stage_check.restype = ctypes.c_int
         L.kf_emu_selftest_tma_pipeline.argtypes = [ctypes.c_int, vp, ctypes.c_int, vp]
@@ -226,6 +228,28 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()
     return o, ht, h_states, ws
+
+
+def forward_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                  allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
+                  dt_bias=None, bv=None, **_ignored):
+    """(o, final_state) of the fused forward (csrc/kda/fwd/kda_fwd_fused.cuh), on the emulator; its
+    workspace buffers stay untouched (NaN-poisoned: any read of them shows)."""
+    opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, A_log, state_v_first)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, False, False)
+    N = f["N"]
+    o = gz.alloc("o", (B, T, HV, V), q.dtype)
+    ht = gz.alloc("ht", (N, HV, V, K) if state_v_first else (N, HV, K, V), torch.float32) if output_final_state else None
+    a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=None, bv=int(bv or 0))
+    L = lib()
+    if L.kda_emu_fused_forward(ctypes.byref(a)):
+        raise RuntimeError(L.kda_emu_last_error().decode())
+    gz.check()
+    return o, ht
 
 
 def intra_stage_check(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,

@@ -31,19 +31,122 @@
 
 namespace kernel_fun::kda {
 
+// One chunk of the recurrence for this warp's 16 value columns (the CTA's warps < BV / 16): the
+// checkpoints of the state it reads (backward re-scan, h_states), then A-D of the header on the
+// landed stage `op`, o for the chunk's tokens, hT advanced past chunk c. The body of fwd_scan_cta's
+// chunk loop and of a fused forward's state warps.
+template <typename WT, int K, int BV>
+__device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
+                                              const dev::ScanOperands<WT, K, BV>& op, int c, bool with_o,
+                                              float (&hT)[K / 8][4]) {
+  using S = dev::ScanStage<WT, K, BV>;
+  constexpr int AP = S::AP, VP = S::VP;
+  const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
+  const int HV = p.HV, V = p.V;
+  const dev::SeqInfo& seq = pl.seq;
+  WT* o = reinterpret_cast<WT*>(p.o);  // with_o = (o != null), uniform: the re-scan wants only states
+  WT* hst = reinterpret_cast<WT*>(p.h_states);
+  const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
+  const float* sDec = op.dec;
+
+  if (p.h_ckpt)  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k]
+    dev::store_state_ckpt<WT, K>(
+        reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t);
+  if (hst)  // the state read by chunk c (fla's h), in the output dtype
+    dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
+
+  // ---------------- A: WHT = hT @ w^T, OT = hT @ qg^T   ([16 v] x [64 tokens] per warp; wgmma, the
+  // warpgroup's 64 value rows at once, B = the swizzled w / qg tiles, K-major)
+  float whT[8][4], oT[8][4];
+  {
+    uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
+    dev::fence_regs(ha);
+    // uniform; each branch has its own fence-to-wait window (a branch between the fence and a
+    // wgmma makes ptxas inject a warpgroup.arrive)
+    if (with_o) {
+      dev::wgmma_fence();
+      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+      dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+    } else {
+      dev::wgmma_fence();
+      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+    }
+    dev::fence_regs(ha);
+    dev::fence_regs(whT);
+    dev::fence_regs(oT);
+  }
+
+  // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) whT[j][e] = -whT[j][e];
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    // A[m = v][k = token j]: transposed loads of the [token][v] tile; matrix m = tokens
+    // 16 jj + (m >> 1) 8, values vw + (m & 1) 8
+    uint32_t a[4];
+    dev::ldsm_a_t(a, sV, VP, 16 * jj, vw);
+#pragma unroll
+    for (int pp = jj; pp < 4; ++pp) {
+      uint32_t b[4];
+      dev::ldsm_b(b, sAkk, AP, 16 * pp, 16 * jj);
+      dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, b);
+    }
+  }
+  // v'T as A fragments over the token dimension (rounded to WT)
+  uint32_t va[4][4];
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
+
+  // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major),
+  // in flight while C runs: hT and va belong to it until the wait
+  dev::decay_state<K>(hT, sDec, t);
+  dev::fence_regs(hT);
+  dev::fence_regs(va);
+  dev::wgmma_fence();
+  dev::wgmma_tokens_tile<WT, K>(hT, va, sKg);
+  dev::wgmma_commit();
+
+  // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
+  if (with_o) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      uint32_t a[4];
+      dev::pack_a<WT>(a, whT[2 * jj], whT[2 * jj + 1]);
+#pragma unroll
+      for (int pp = jj; pp < 4; ++pp) {
+        uint32_t b[4];
+        dev::ldsm_b(b, sAqk, AP, 16 * pp, 16 * jj);
+        dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, b);
+      }
+    }
+    dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
+                              HV, hv, V, v0 + vw, g, t);
+  }
+
+  dev::wgmma_wait<0>();
+  dev::fence_regs(hT);
+  dev::fence_regs(va);
+}
+
 // One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
 // body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel.
 template <typename WT, int K, int BV>
 __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int NT = dev::scan_threads<BV>();
-  constexpr int AP = S::AP, VP = S::VP;
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
 
   const dev::ScanPlace<K, BV> pl(p, b);
-  const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
-  const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
+  const int t = pl.t, hv = pl.hv, v0 = pl.v0, col0 = pl.col0, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
 
   float hT[NK][4];  // the state, in ScanPlace's fragment layout
@@ -58,9 +161,6 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   if (nchunks > 0) load_chunk(0, 0);
   dev::cp_async_commit();
 
-  WT* o = reinterpret_cast<WT*>(p.o);
-  WT* hst = reinterpret_cast<WT*>(p.h_states);
-
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
     dev::cp_async_wait<0>();
@@ -68,96 +168,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
     __syncthreads();
     if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
     dev::cp_async_commit();
-
-    const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
-    const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
-    const float* sDec = op.dec;
-
-    if (p.h_ckpt)  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k]
-      dev::store_state_ckpt<WT, K>(
-          reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t);
-    if (hst)  // the state read by chunk c (fla's h), in the output dtype
-      dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
-
-    // ---------------- A: WHT = hT @ w^T, OT = hT @ qg^T   ([16 v] x [64 tokens] per warp; wgmma, the
-    // warpgroup's 64 value rows at once, B = the swizzled w / qg tiles, K-major)
-    float whT[8][4], oT[8][4];
-    {
-      uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
-#pragma unroll
-      for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
-      dev::fence_regs(ha);
-      // uniform; each branch has its own fence-to-wait window (a branch between the fence and a
-      // wgmma makes ptxas inject a warpgroup.arrive)
-      if (with_o) {
-        dev::wgmma_fence();
-        dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-        dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
-        dev::wgmma_commit();
-        dev::wgmma_wait<0>();
-      } else {
-        dev::wgmma_fence();
-        dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-        dev::wgmma_commit();
-        dev::wgmma_wait<0>();
-      }
-      dev::fence_regs(ha);
-      dev::fence_regs(whT);
-      dev::fence_regs(oT);
-    }
-
-    // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) whT[j][e] = -whT[j][e];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      // A[m = v][k = token j]: transposed loads of the [token][v] tile; matrix m = tokens
-      // 16 jj + (m >> 1) 8, values vw + (m & 1) 8
-      uint32_t a[4];
-      dev::ldsm_a_t(a, sV, VP, 16 * jj, vw);
-#pragma unroll
-      for (int pp = jj; pp < 4; ++pp) {
-        uint32_t b[4];
-        dev::ldsm_b(b, sAkk, AP, 16 * pp, 16 * jj);
-        dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, b);
-      }
-    }
-    // v'T as A fragments over the token dimension (rounded to WT)
-    uint32_t va[4][4];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
-
-    // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major),
-    // in flight while C runs: hT and va belong to it until the wait
-    dev::decay_state<K>(hT, sDec, t);
-    dev::fence_regs(hT);
-    dev::fence_regs(va);
-    dev::wgmma_fence();
-    dev::wgmma_tokens_tile<WT, K>(hT, va, sKg);
-    dev::wgmma_commit();
-
-    // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
-    if (with_o) {
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        uint32_t a[4];
-        dev::pack_a<WT>(a, whT[2 * jj], whT[2 * jj + 1]);
-#pragma unroll
-        for (int pp = jj; pp < 4; ++pp) {
-          uint32_t b[4];
-          dev::ldsm_b(b, sAqk, AP, 16 * pp, 16 * jj);
-          dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, b);
-        }
-      }
-      dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
-                                HV, hv, V, v0 + vw, g, t);
-    }
-
-    dev::wgmma_wait<0>();
-    dev::fence_regs(hT);
-    dev::fence_regs(va);
+    fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, with_o, hT);
   }
   dev::cp_async_wait<0>();
 

@@ -1,0 +1,78 @@
+// kda_fwd_fused, version 0: the whole KDA forward of one (V-slice, value head, sequence) in one CTA
+// of 256 threads, chunk after chunk, without the workspace: the intra phases (kda_fwd_intra.cuh,
+// all 8 warps) write chunk c's factors straight into a scan stage (IntraToStage), the value slice
+// lands beside them, then the state warps (the first BV / 16) advance the state through
+// fwd_scan_step (kda_fwd_scan.cuh). The same device functions as the two-kernel path, so o and the
+// final state are bit for bit that path's (the host emulator's test).
+//
+// What version 0 is NOT yet (issue 20; docs/notes/2026-12-02-fused-forward-groundwork.md): the intra
+// of chunk c + 1 does not overlap the state update of chunk c (warp specialisation, a TMA ring of
+// the inputs and mbarriers, common/pipeline.cuh), and with V / BV > 1 slices every slice repeats
+// the intra. It is not launched by kda_forward: the launch policy keeps the two-kernel path until a
+// fused version measures faster on the H200.
+//
+// Shared memory: the intra scratch (IntraSmem<K>, rounded up to 1024 bytes), then one ScanStage
+// (1024-byte aligned, as the swizzled tiles need), from the first 1024-byte aligned byte.
+#pragma once
+
+#include "kda/fwd/kda_fwd_intra.cuh"
+#include "kda/fwd/kda_fwd_scan.cuh"
+
+namespace kernel_fun::kda {
+
+template <typename WT, int K, int BV>
+struct FusedSmem {
+  static constexpr size_t kIntra = (IntraSmem<K>::kBytes + 1023) / 1024 * 1024;
+  static constexpr size_t kStage = kIntra;  // bytes from the aligned base
+  static constexpr size_t kBytes = kIntra + sizeof(WT) * dev::ScanStage<WT, K, BV>::kStageElems + 1024;
+  static_assert(kBytes <= 227 * 1024, "fused forward shared memory exceeds the sm_90 per-CTA limit");
+  static_assert(dev::scan_threads<BV>() <= kIntraThreads, "the state warps are a subset of the CTA");
+};
+
+// The value slice of chunk c into the stage (rows past the sequence end zero), all threads.
+template <typename WT, int K, int BV>
+__device__ __forceinline__ void fused_load_values(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl, int c,
+                                                  WT* stage) {
+  using S = dev::ScanStage<WT, K, BV>;
+  const WT* v = reinterpret_cast<const WT*>(p.v);
+  const int64_t tok0 = pl.seq.bos + static_cast<int64_t>(c) * kChunk;
+  const int rows = min(kChunk, pl.seq.len - c * kChunk);
+  constexpr int BV8 = BV / 8;
+  for (int i = threadIdx.x; i < kChunk * BV8; i += kIntraThreads) {
+    const int r = i / BV8, c8 = (i % BV8) * 8;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (r < rows) x = *reinterpret_cast<const uint4*>(v + ((tok0 + r) * p.HV + pl.hv) * p.V + pl.v0 + c8);
+    *reinterpret_cast<uint4*>(stage + S::kVal + r * S::VP + c8) = x;
+  }
+}
+
+template <typename WT, int K, int BV>
+__global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const KdaFwdParams p) {
+  using F = FusedSmem<WT, K, BV>;
+  KF_DYN_SMEM(float4, smem_f4);
+  char* sm = reinterpret_cast<char*>(dev::scan_smem_base<WT>(smem_f4));
+  WT* stage = reinterpret_cast<WT*>(sm + F::kStage);
+  const dev::ScanPlace<K, BV> pl(p, dev::scan_block());
+  const bool state_warp = threadIdx.x < dev::scan_threads<BV>();
+  const bool with_o = p.o != nullptr;
+  float hT[K / 8][4];
+  if (state_warp) dev::load_state<K>(hT, p.h0, pl.sbase, p, pl.col0, pl.t);
+  for (int c = 0; c < pl.nchunks; ++c) {
+    // the intra phases' first barrier also orders this chunk's stage writes after the state warps'
+    // reads of the previous chunk's stage
+    const IntraCtx<WT, K> ic(p, sm, pl.seq, c, pl.hv);
+    intra_chunk(ic, IntraToStage<WT, K, BV>{stage});
+    fused_load_values<WT, K, BV>(p, pl, c, stage);
+    __syncthreads();
+    if (state_warp) fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(stage), c, with_o, hT);
+  }
+  if (state_warp && p.ht) dev::store_state<WT, K>(p.ht, pl.sbase, hT, p, pl.col0, pl.t);
+}
+
+// The launch (kda_launch_shape.h): the scans' grid (V / BV slices, value heads, sequences).
+template <typename WT, int K, int BV>
+inline LaunchShape fwd_fused_launch(const KdaProblem& p) {
+  return scan_grid(p, p.V / BV, kIntraThreads, FusedSmem<WT, K, BV>::kBytes);
+}
+
+}  // namespace kernel_fun::kda
