@@ -287,8 +287,15 @@ void run_any(const KdaEmuArgs& a, bool bwd) {
 // against the stage dev::scan_load_chunk fills from the workspace the two-kernel path wrote: each
 // CTA (chunk, value head) copies its stage to out[(global chunk * HV + hv) * kStageElems ..].
 template <typename WT, int K, int BV>
-__global__ void intra_to_stage_kernel(const kda::KdaFwdParams p, WT* out) {
+__device__ void copy_stage_out(const WT* stage, WT* out, int64_t gchunk, int HV, int hv) {
   using St = kda::dev::ScanStage<WT, K, BV>;
+  __syncthreads();
+  WT* dst = out + (gchunk * HV + hv) * St::kStageElems;
+  for (int i = threadIdx.x; i < St::kStageElems; i += blockDim.x) dst[i] = stage[i];
+}
+
+template <typename WT, int K, int BV>
+__global__ void intra_to_stage_kernel(const kda::KdaFwdParams p, WT* out) {
   KF_DYN_SMEM(float4, smem_f4);
   char* sm = reinterpret_cast<char*>(smem_f4);
   const int hv = blockIdx.y;
@@ -297,14 +304,11 @@ __global__ void intra_to_stage_kernel(const kda::KdaFwdParams p, WT* out) {
   const kda::IntraCtx<WT, K> c(p, sm, kda::dev::seq_info(p, n), ch, hv);
   WT* stage = reinterpret_cast<WT*>(sm + (kda::IntraSmem<K>::kBytes + 1023) / 1024 * 1024);
   kda::intra_chunk(c, kda::IntraToStage<WT, K, BV>{stage});
-  __syncthreads();
-  WT* dst = out + (static_cast<int64_t>(c.gchunk) * p.HV + hv) * St::kStageElems;
-  for (int i = threadIdx.x; i < St::kStageElems; i += blockDim.x) dst[i] = stage[i];
+  copy_stage_out<WT, K, BV>(stage, out, c.gchunk, p.HV, hv);
 }
 
 template <typename WT, int K, int BV>
 __global__ void stage_from_workspace_kernel(const kda::KdaFwdParams p, WT* out) {
-  using St = kda::dev::ScanStage<WT, K, BV>;
   KF_DYN_SMEM(float4, smem_f4);
   WT* stage = reinterpret_cast<WT*>(smem_f4);
   const int hv = blockIdx.y;
@@ -315,9 +319,7 @@ __global__ void stage_from_workspace_kernel(const kda::KdaFwdParams p, WT* out) 
                                                            0, true);
   kda::dev::cp_async_commit();
   kda::dev::cp_async_wait<0>();
-  __syncthreads();
-  WT* dst = out + (static_cast<int64_t>(seq.chunk0 + ch) * p.HV + hv) * St::kStageElems;
-  for (int i = threadIdx.x; i < St::kStageElems; i += blockDim.x) dst[i] = stage[i];
+  copy_stage_out<WT, K, BV>(stage, out, seq.chunk0 + ch, p.HV, hv);
 }
 
 // The fused forward (kda_fwd_fused.cuh, version 0): o and the final state, no workspace.
