@@ -384,16 +384,17 @@ def test_intra_phases_into_a_scan_stage_match_the_workspace_path(emu, name):
     assert (a[..., tiles] != 0).any(), "an all-zero stage compares equal to anything"
 
 
-@pytest.mark.parametrize("name, bv", [("T130-K128-V128-h0", 128), ("T130-K128-V128-h0", 64),
-                                      ("bounded-fp16-K128", None), ("GVA-1-2", None), ("state-v-first", None),
-                                      ("varlen-empty-one", None), ("T1-B2", None)])
+@pytest.mark.parametrize("name, bv", [(n, None) for n in CASES] + [("T130-K128-V128-h0", 64),
+                                                                     ("T130-K128-V128-h0", 128)])
 def test_fused_forward_is_bitwise_the_two_kernel_path(emu, name, bv):
     """kda_fwd_fused (version 0): the intra phases into a scan stage, then the state warps, in one
     CTA per (V-slice, value head, sequence), give o and the final state bit for bit as the two-kernel
-    forward (whose scan runs at the same V-slice), without reading the workspace."""
-    case = dict(CASES, **{"varlen-empty-one": dict(T=200, cu=[0, 0, 1, 64, 65, 200], h0=True)})[name]
+    forward (whose scan runs at the same V-slice), without reading the workspace; over every forward
+    case here (gate forms, -1000 gates, GVA, varlen with empty and one-token documents, fp16 / bf16,
+    state_v_first, negative eigenvalues, the l2norm epsilon) and both slice widths."""
+    case = {k: v for k, v in CASES[name].items() if k not in ("bv", "misalign")}
+    bv = bv or CASES[name].get("bv")
     inputs, kw = make_case(**case)
-    kw = {k: v for k, v in kw.items() if k != "bv"}
     o2, ht2, _, _ = emu.forward_stages(*inputs, **kw, bv=bv)
     o1, ht1 = emu.forward_fused(*inputs, **kw, bv=bv)
     assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), "o differs"
