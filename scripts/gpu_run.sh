@@ -20,7 +20,7 @@
 #                timings, ncu); its output goes to probe.log
 #   KF_FLASHKDA  1 = also build FlashKDA (MoonshotAI/FlashKDA at 1ce47ea, forward only) from the
 #                FlashKDA source tree carried in .flashkda/ (carry [".whl", ".flashkda"]; how to prepare
-#                it: scripts/build_flashkda.sh's header) after our extension, log in flashkda_build.log,
+#                it: scripts/build_flashkda.sh's header) after our extension, log appended to build.log (the 8 files that come back),
 #                and put it on PYTHONPATH, so the benchmark times it too (its "flashkda" rows:
 #                docs/benchmark.md). A failed build is reported and the run goes on without it.
 set -u
@@ -63,13 +63,14 @@ stamp "extension ready"
 
 if [ "${KF_FLASHKDA:-0}" = "1" ]; then
   if [ -f .flashkda/setup.py ]; then
-    stamp "building FlashKDA (.flashkda/, log in flashkda_build.log)"
-    if bash scripts/build_flashkda.sh .flashkda > "$out/flashkda_build.log" 2>&1; then
+    stamp "building FlashKDA (.flashkda/, log appended to build.log)"
+    echo "==== FlashKDA (scripts/build_flashkda.sh)" >> "$out/build.log"
+    if bash scripts/build_flashkda.sh .flashkda >> "$out/build.log" 2>&1; then
       export PYTHONPATH=$PWD/.flashkda:$PYTHONPATH
       stamp "FlashKDA built, on PYTHONPATH"
     else
-      tail -20 "$out/flashkda_build.log"
-      stamp "FlashKDA build FAILED (flashkda_build.log): going on without it"
+      tail -20 "$out/build.log"
+      stamp "FlashKDA build FAILED (build.log): going on without it"
     fi
   else
     stamp "KF_FLASHKDA=1 but no .flashkda/setup.py (carry .flashkda): going on without FlashKDA"
