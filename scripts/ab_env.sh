@@ -5,6 +5,8 @@
 # KERNEL_FUN_KDA_SCAN_BV): no second build is needed.
 #   KF_PROBE='bash scripts/ab_env.sh KERNEL_FUN_KDA_BWD_PAIR_SCANS "0 1" long_b1_t32k bounded_b1' \
 #     KF_FLA_TESTS=0 bash scripts/gpu_run.sh
+# AB_PASS=fwd times the forward alone (KERNEL_FUN_KDA_FWD_FUSED: the fused forward serves inference
+# calls only, where no factors are saved for a backward).
 set -u
 var=$1
 values=$2
@@ -13,6 +15,6 @@ quiet() { grep -v "UserWarning\|_warn_once"; }
 for i in $(seq "${AB_RUNS:-2}"); do
   for v in $values; do
     echo "== $var=$v, run $i"
-    env "$var=$v" python3 scripts/kda_stage_times.py --pass fwd+bwd "$@" 2>&1 | quiet
+    env "$var=$v" python3 scripts/kda_stage_times.py --pass "${AB_PASS:-fwd+bwd}" "$@" 2>&1 | quiet
   done
 done

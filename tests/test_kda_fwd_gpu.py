@@ -463,3 +463,31 @@ def test_raw_op_rejects_short_varlen_states():
     args[12] = torch.empty(1, 4, 2, 128, 128, dtype=q.dtype, device="cuda")  # 4 < 200 // 64 + 2
     with pytest.raises((ValueError, RuntimeError), match="h_states must hold 5 or more"):
         torch.ops.kernel_fun.kda_fwd(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# version 0 of the fused forward (csrc/kda/fwd/kda_fwd_fused.cuh): KERNEL_FUN_KDA_FWD_FUSED=1 opts in
+# where no factors are saved (inference) and V is a multiple of 128; bit for bit the two kernels
+FUSED_CASES = {
+    "K128-V128-h0": dict(B=2, T=300, V=128, h0=True),
+    "K64-V256-fp16": dict(T=200, K=64, V=256, dtype=torch.float16),
+    "gva-varlen": dict(T=700, H=1, HV=2, V=128, cu=[0, 0, 1, 65, 300, 700], h0=True),
+    "state-v-first": dict(T=190, V=128, h0=True, state_v_first=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_fused_forward_opt_in_is_bitwise_the_two_kernels(monkeypatch, name):
+    from kernel_fun.kda import chunk_kda
+
+    inputs, kw = make_case(**FUSED_CASES[name])
+    call = {n: x for n, x in kw.items() if x is not None}
+    with torch.no_grad(), our_launches(kda_fwd=1):
+        o2, ht2 = chunk_kda(*inputs, **call)
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_FUSED", "1")
+    with torch.no_grad(), our_launches(kda_fwd=1):
+        o1, ht1 = chunk_kda(*inputs, **call)
+    assert torch.equal(o1, o2), "o: fused != two kernels"
+    assert torch.equal(ht1, ht2), "final state: fused != two kernels"
+    o_ref, ht_ref = reference(inputs, kw)
+    assert rel_rms(o_ref, o1) <= KDA_TOL["o"]

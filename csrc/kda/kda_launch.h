@@ -25,6 +25,11 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
 // The V-slice width the scan uses for this problem (64 or 128): kda_policy.h's scan_choice, or
 // KERNEL_FUN_KDA_SCAN_BV.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
+// Version 0 of the fused forward (fwd/kda_fwd_fused.cuh): intra and scan in one kernel, no
+// workspace. Not the default: kda_forward takes it only with KERNEL_FUN_KDA_FWD_FUSED=1 (timing),
+// where the factors are not saved and V is a multiple of 128.
+bool kda_fwd_fused_wanted(const KdaFwdParams& p);
+void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 
 // Backward stages (bwd/).
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);

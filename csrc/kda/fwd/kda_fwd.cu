@@ -74,7 +74,25 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
+bool kda_fwd_fused_wanted(const KdaFwdParams& p) {
+  const char* env = std::getenv("KERNEL_FUN_KDA_FWD_FUSED");  // timing only: 1 opts in
+  // Version 0 writes o and the final state only: not where the forward saves its factors for the
+  // backward (M set), nor the per-chunk states; value slices of 128.
+  return env && env[0] == '1' && env[1] == '\0' && !p.M && !p.h_states && p.V % 128 == 0;
+}
+
+void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
+  dispatch_wt_k(p.dtype, p.K, "kda_fwd_fused", [&](auto wt, auto k) {
+    launch_fused<typename decltype(wt)::type, decltype(k)::value, 128>(p, stream);
+  });
+}
+
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
+  if (kda_fwd_fused_wanted(p)) {
+    kda_chunk_map(p, stream);
+    kda_fwd_fused(p, stream);
+    return;
+  }
   StreamStages stages{stream};
   forward_sequence(p, stages);
 }

@@ -9,7 +9,8 @@
 // of chunk c + 1 does not overlap the state update of chunk c (warp specialisation, a TMA ring of
 // the inputs and mbarriers, common/pipeline.cuh), and with V / BV > 1 slices every slice repeats
 // the intra. It is not launched by kda_forward: the launch policy keeps the two-kernel path until a
-// fused version measures faster on the H200.
+// fused version measures faster on the H200 (KERNEL_FUN_KDA_FWD_FUSED=1 opts in, for timing:
+// kda_fwd.cu's kda_fwd_fused_wanted).
 //
 // Shared memory: the intra scratch (IntraSmem<K>, rounded up to 1024 bytes), then one ScanStage
 // (1024-byte aligned, as the swizzled tiles need), from the first 1024-byte aligned byte.
@@ -74,5 +75,12 @@ template <typename WT, int K, int BV>
 inline LaunchShape fwd_fused_launch(const KdaProblem& p) {
   return scan_grid(p, p.V / BV, kIntraThreads, FusedSmem<WT, K, BV>::kBytes);
 }
+
+#ifndef KF_EMU
+template <typename WT, int K, int BV>
+void launch_fused(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch(kda_fwd_fused_kernel<WT, K, BV>, fwd_fused_launch<WT, K, BV>(p), p, stream);
+}
+#endif
 
 }  // namespace kernel_fun::kda

@@ -15,4 +15,7 @@ void launch_intra(const KdaFwdParams& p, cudaStream_t stream);
 template <typename WT, int K, int BV>  // BV in {64, 128}
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream);
 
+template <typename WT, int K, int BV>  // kda_fwd_fused.cuh, version 0; BV = 128 only is instantiated
+void launch_fused(const KdaFwdParams& p, cudaStream_t stream);
+
 }  // namespace kernel_fun::kda
