@@ -160,6 +160,23 @@ struct ScanOperands {
         dec(reinterpret_cast<const float*>(base + ScanStage<WT, K, BV>::kDec)) {}
 };
 
+// Async load of chunk cc's value slice [64 tokens][v0, v0 + BV) of val ([B*T, HV, V]: v, or do
+// for the dh scan) into the stage at base (rows past the sequence end zero-filled).
+template <typename WT, int K, int BV, int NT>
+__device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const KdaProblem& p, const SeqInfo& seq,
+                                                 int cc, int hv, int v0) {
+  using S = ScanStage<WT, K, BV>;
+  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
+  const int rows = min(kChunk, seq.len - cc * kChunk);
+  constexpr int BV8 = BV / 8;
+  for (int i = threadIdx.x; i < kChunk * BV8; i += NT) {
+    const int r = i / BV8, c8 = (i % BV8) * 8;
+    const bool ok = r < rows;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * p.HV + hv) * p.V + v0 + c8;
+    cp_async16(base + S::kVal + r * S::VP + c8, val + off, ok ? 16 : 0);
+  }
+}
+
 // Async load of chunk cc of sequence seq into the stage at base (rows past the sequence end are
 // zero-filled). with_q = false skips qg and Aqk (the backward's re-scan computes no output).
 template <typename WT, int K, int BV, int NT>
@@ -190,13 +207,7 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
     if (with_q) cp_async16(base + S::kAqk + so, src.Aqk + off, nb);
     cp_async16(base + S::kAkk + so, src.Akk + off, nb);
   }
-  constexpr int BV8 = BV / 8;
-  for (int i = tid; i < kChunk * BV8; i += NT) {
-    const int r = i / BV8, c8 = (i % BV8) * 8;
-    const bool ok = r < rows;
-    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * p.V + v0 + c8;
-    cp_async16(base + S::kVal + r * S::VP + c8, src.val + off, ok ? 16 : 0);
-  }
+  scan_load_values<WT, K, BV, NT>(base, src.val, p, seq, cc, hv, v0);
   float* dec = reinterpret_cast<float*>(base + S::kDec);
   const float* gdec = src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K;
   for (int i = tid; i < K / 4; i += NT) cp_async16(dec + 4 * i, gdec + 4 * i, 16);

@@ -30,23 +30,6 @@ struct FusedSmem {
   static_assert(dev::scan_threads<BV>() <= kIntraThreads, "the state warps are a subset of the CTA");
 };
 
-// The value slice of chunk c into the stage (rows past the sequence end zero), all threads.
-template <typename WT, int K, int BV>
-__device__ __forceinline__ void fused_load_values(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl, int c,
-                                                  WT* stage) {
-  using S = dev::ScanStage<WT, K, BV>;
-  const WT* v = reinterpret_cast<const WT*>(p.v);
-  const int64_t tok0 = pl.seq.bos + static_cast<int64_t>(c) * kChunk;
-  const int rows = min(kChunk, pl.seq.len - c * kChunk);
-  constexpr int BV8 = BV / 8;
-  for (int i = threadIdx.x; i < kChunk * BV8; i += kIntraThreads) {
-    const int r = i / BV8, c8 = (i % BV8) * 8;
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (r < rows) x = *reinterpret_cast<const uint4*>(v + ((tok0 + r) * p.HV + pl.hv) * p.V + pl.v0 + c8);
-    *reinterpret_cast<uint4*>(stage + S::kVal + r * S::VP + c8) = x;
-  }
-}
-
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const KdaFwdParams p) {
   using F = FusedSmem<WT, K, BV>;
@@ -63,7 +46,10 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const K
     // reads of the previous chunk's stage
     const IntraCtx<WT, K> ic(p, sm, pl.seq, c, pl.hv);
     intra_chunk(ic, IntraToStage<WT, K, BV>{stage});
-    fused_load_values<WT, K, BV>(p, pl, c, stage);
+    dev::scan_load_values<WT, K, BV, kIntraThreads>(stage, reinterpret_cast<const WT*>(p.v), p, pl.seq, c, pl.hv,
+                                                    pl.v0);
+    dev::cp_async_commit();
+    dev::cp_async_wait<0>();
     __syncthreads();
     if (state_warp) fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(stage), c, with_o, hT);
   }
