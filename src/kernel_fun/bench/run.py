@@ -146,12 +146,6 @@ def flashkda_step(fwd, inputs: dict, torch):
     return step
 
 
-def rel_rms(a, b) -> float:
-    """sqrt(mean((a - b)^2)) / sqrt(mean(b^2)), in fp32; b is the reference."""
-    a, b = a.float(), b.float()
-    return float((a - b).square().mean().sqrt() / b.square().mean().sqrt())
-
-
 def ask_supported(is_supported, first, second, kwargs) -> tuple[bool, str | None]:
     """Call the family's is_supported; any exception or odd answer means 'not run'."""
     try:
@@ -524,6 +518,8 @@ def _measure_flashkda(torch, row, case, fwd, ref_fn, ref_why, inputs, cfg, flush
     """Fill one flashkda row: time ``flashkda_step``, then check its output once against
     kernel_fun's chunk_kda (``ref_fn``) on the same inputs. Without that reference nothing is
     timed; above FLASHKDA_REL_RMS_TOL the row is an error, its time not reported."""
+    from kernel_fun.check import rel_rms  # the project's metric (inf for a non-finite output)
+
     tag = f"[{case.name} {row['pass']}] flashkda"
     if ref_fn is None:
         row["note"] = f"not timed: its agreement check needs kernel_fun's chunk_kda ({ref_why})"
@@ -537,7 +533,7 @@ def _measure_flashkda(torch, row, case, fwd, ref_fn, ref_why, inputs, cfg, flush
             stage = "agreement check"
             got = step()
             want = ref_fn(*inputs["args"], **inputs["kwargs"])[0]
-            rel = rel_rms(got, want)
+            rel = rel_rms(want, got)
             del got, want
     except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
         row["status"], row["note"] = "error", (_short(e) if stage == "timing"
