@@ -331,25 +331,16 @@ def run_case(case: GradCase, impls=("ours", "fla"), fla_where: str = "all", draw
     ran on the case's own inputs, as row["draws"], and per implementation the median over all the
     inputs as row["median"]: one input's error is a wide draw (docs/notes/2026-12-02-dalog-floor.md),
     so a comparison of two implementations wants several. The bound stays on the case's own seed."""
-    import torch
-
     inputs, kw, seeds = make_inputs(case)
     t0 = time.time()
     ref = reference(inputs, kw, seeds)
     row = {"case": case.name, "label": case.label(), "options": dataclasses.asdict(case), "varlen": case.varlen,
            "tol": {k: tolerances(case)[k] for k in OUTPUTS + GRADS if ref.get(k) is not None}}
     for impl in impls:
-        fn = {"ours": ours, "fla": fla}[impl]
         if impl == "fla" and fla_where == "needed" and row.get("ours") and within_tolerance(case, row["ours"]):
             row["fla"], row["fla_why"] = None, _FLA_NOT_NEEDED
             continue
-        try:
-            got = fn(inputs, kw, seeds)
-            torch.cuda.synchronize()
-            row[impl] = errors(ref, got)
-        except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
-            row[impl] = None
-            row[impl + "_why"] = _short(e)
+        _run_impl(row, impl, inputs, kw, seeds, ref)
     if draws > 0:
         ran = [i for i in impls if row.get(i)]
         row["draws"] = [_draw(dataclasses.replace(case, seed=case.seed + d), ran) for d in range(1, draws + 1)]
@@ -360,19 +351,25 @@ def run_case(case: GradCase, impls=("ours", "fla"), fla_where: str = "all", draw
 
 def _draw(case: GradCase, impls) -> dict:
     """Every implementation's errors on another seed of the same option mix (None where it failed)."""
-    import torch
-
     inputs, kw, seeds = make_inputs(case)
     ref = reference(inputs, kw, seeds)
     out = {"seed": case.seed}
     for impl in impls:
-        try:
-            got = {"ours": ours, "fla": fla}[impl](inputs, kw, seeds)
-            torch.cuda.synchronize()
-            out[impl] = errors(ref, got)
-        except Exception as e:  # noqa: BLE001
-            out[impl], out[impl + "_why"] = None, _short(e)
+        _run_impl(out, impl, inputs, kw, seeds, ref)
     return out
+
+
+def _run_impl(row: dict, impl: str, inputs, kw, seeds, ref) -> None:
+    """row[impl] = the implementation's errors against ref, or None and row[impl + "_why"]."""
+    import torch
+
+    try:
+        got = {"ours": ours, "fla": fla}[impl](inputs, kw, seeds)
+        torch.cuda.synchronize()
+        row[impl] = errors(ref, got)
+    except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
+        row[impl] = None
+        row[impl + "_why"] = _short(e)
 
 
 def _median_errors(runs: list[dict]) -> dict:
