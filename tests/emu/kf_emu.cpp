@@ -967,13 +967,18 @@ detail::Mbar& mbar_state(detail::Worker& w, const void* bar, const char* what) {
   return it->second;
 }
 
+// The threads blocked in mbar_try_wait on `bar` run again (they re-check the phase, or land copies).
+void wake_mbar_waiters(detail::Worker& w, const void* bar) {
+  for (detail::Fiber& f : w.fibers)
+    if (f.state == detail::kWaitMbar && f.wait_obj == bar) f.state = detail::kReady;
+}
+
 // The phase completes when every arrival and every transaction byte of it is in; its waiters wake.
 void mbar_try_complete(detail::Worker& w, const void* bar, detail::Mbar& m) {
   if (m.pending != 0 || m.tx != 0) return;
   ++m.phase;
   m.pending = m.count;
-  for (detail::Fiber& f : w.fibers)
-    if (f.state == detail::kWaitMbar && f.wait_obj == bar) f.state = detail::kReady;
+  wake_mbar_waiters(w, bar);
 }
 
 void perform_tensor(detail::Worker& w, const detail::AsyncCopy& c) {
@@ -1005,9 +1010,7 @@ void async_issue(detail::Worker& w, void* bar, detail::AsyncCopy&& c, const char
   detail::Mbar& m = mbar_state(w, bar, what);
   std::memset(c.dst, 0xFF, c.bytes);  // poison until it lands: a read before the barrier's wait shows
   m.copies.push_back(std::move(c));
-  // threads already waiting on the barrier land it (mbar_try_wait): the copy engine needs no waiter
-  for (detail::Fiber& f : w.fibers)
-    if (f.state == detail::kWaitMbar && f.wait_obj == bar) f.state = detail::kReady;
+  wake_mbar_waiters(w, bar);  // a thread already waiting lands it: the copy engine needs no waiter
 }
 }  // namespace
 
@@ -1031,14 +1034,19 @@ void mbar_land(detail::Worker& w, void* bar, detail::Mbar& m) {
   }
   mbar_try_complete(w, bar, m);
 }
+
+// Before an arrival: if every arrival of the phase is in and it waits for copies only, they land
+// now (on the GPU they land on their own), so the arrival belongs to the next phase.
+detail::Mbar& mbar_for_arrival(detail::Worker& w, void* bar, const char* what) {
+  detail::Mbar& m = mbar_state(w, bar, what);
+  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);
+  return m;
+}
 }  // namespace
 
 void mbar_arrive(void* bar) {
   detail::Worker& w = need_fiber("mbarrier.arrive");
-  detail::Mbar& m = mbar_state(w, bar, "mbarrier.arrive");
-  // Every arrival of the phase is in and it waits for copies only: on the GPU they land on their
-  // own, so this arrival belongs to the next phase.
-  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);
+  detail::Mbar& m = mbar_for_arrival(w, bar, "mbarrier.arrive");
   if (--m.pending < 0) failf("mbarrier.arrive: more arrivals than the barrier's count %d in one phase", m.count);
   mbar_try_complete(w, bar, m);
 }
@@ -1050,9 +1058,7 @@ void mbar_expect_tx(void* bar, uint32_t bytes) {
 
 void mbar_arrive_expect_tx(void* bar, uint32_t bytes) {
   detail::Worker& w = need_fiber("mbarrier.arrive.expect_tx");
-  detail::Mbar& m = mbar_state(w, bar, "mbarrier.arrive.expect_tx");
-  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);  // as in mbar_arrive: the next phase's
-  m.tx += bytes;
+  mbar_for_arrival(w, bar, "mbarrier.arrive.expect_tx").tx += bytes;  // the next phase's, as the arrival
   mbar_arrive(bar);
 }
 
