@@ -489,5 +489,13 @@ def test_fused_forward_opt_in_is_bitwise_the_two_kernels(monkeypatch, name):
         o1, ht1 = chunk_kda(*inputs, **call)
     assert torch.equal(o1, o2), "o: fused != two kernels"
     assert torch.equal(ht1, ht2), "final state: fused != two kernels"
+    # the fused kernel ran, not the two kernels (the CUDA kernels the profiler saw)
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        chunk_kda(*inputs, **call)
+        torch.cuda.synchronize()
+    names = " ".join(e.key for e in prof.key_averages())
+    assert "kda_fwd_fused_kernel" in names and "kda_fwd_intra_kernel" not in names, names
     o_ref, ht_ref = reference(inputs, kw)
     assert rel_rms(o_ref, o1) <= KDA_TOL["o"]

@@ -55,6 +55,8 @@ int kda_bwd_slice_batches(const KdaProblem& p);
 struct StreamStages {
   cudaStream_t stream;
   void chunk_map(const KdaProblem& p) { kda_chunk_map(p, stream); }
+  bool fused(const KdaFwdParams& p) { return kda_fwd_fused_wanted(p); }
+  void fused_forward(const KdaFwdParams& p) { kda_fwd_fused(p, stream); }
   void intra(const KdaFwdParams& p) { kda_fwd_intra(p, stream); }
   void scan(const KdaFwdParams& p) { kda_fwd_scan(p, stream); }
   void prep(const KdaBwdParams& p) { kda_bwd_prep(p, stream); }

@@ -4,8 +4,8 @@
 // that runs the same kernels under kf_emu. A stage added, dropped or reordered here changes both,
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
-// Stages provides: chunk_map, intra, scan (Fwd / Bwd params), prep, pair_scans (bool), scans,
-// dh_scan, grads, group_sums, gate_params.
+// Stages provides: chunk_map, fused (bool) and fused_forward, intra, scan (Fwd / Bwd params), prep,
+// pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
 
 #include "kda/bwd/kda_bwd_slice.h"
@@ -16,6 +16,10 @@ namespace kernel_fun::kda {
 template <typename Stages>
 void forward_sequence(const KdaFwdParams& p, Stages& s) {
   s.chunk_map(p);
+  if (s.fused(p)) {  // intra and scan in one kernel (fwd/kda_fwd_fused.cuh), where it is chosen
+    s.fused_forward(p);
+    return;
+  }
   s.intra(p);
   s.scan(p);
 }

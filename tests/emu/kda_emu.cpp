@@ -251,7 +251,12 @@ template <typename WT, int K, int BV>
 struct EmuStages {
   bool cu_int64;
   int64_t pair;
+  bool use_fused;  // the forward through kda_fwd_fused_kernel (the GPU's KERNEL_FUN_KDA_FWD_FUSED)
   void chunk_map(const kda::KdaProblem& p) { ::chunk_map(p, cu_int64); }
+  bool fused(const kda::KdaFwdParams&) { return use_fused; }
+  void fused_forward(const kda::KdaFwdParams& p) {
+    launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>, p);
+  }
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }
   void prep(const kda::KdaBwdParams& p) { ::prep<WT, K>(p); }
@@ -263,7 +268,7 @@ struct EmuStages {
   void gate_params(const kda::KdaBwdParams& p) { ::gate_params<WT>(p); }
 };
 
-void run_any(const KdaEmuArgs& a, bool bwd) {
+void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   if (a.pair_scans < 0 || a.pair_scans > 2) throw std::invalid_argument("kda_emu: pair_scans must be 0, 1 or 2");
   const kda::KdaBwdParams p = make_params(a);
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
@@ -273,7 +278,7 @@ void run_any(const KdaEmuArgs& a, bool bwd) {
   kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu", [&](auto wt, auto k, auto b) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
-    EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr};
+    EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused};
     if (!bwd) return kda::forward_sequence(p, stages);
     kda::KdaBwdParams r = p;  // the re-scan writes states only
     r.o = nullptr;
@@ -322,19 +327,6 @@ __global__ void stage_from_workspace_kernel(const kda::KdaFwdParams p, WT* out) 
   copy_stage_out<WT, K, BV>(stage, out, seq.chunk0 + ch, p.HV, hv);
 }
 
-// The fused forward (kda_fwd_fused.cuh, version 0): o and the final state, no workspace.
-void fused_forward(const KdaEmuArgs& a) {
-  const kda::KdaBwdParams p = make_params(a);
-  chunk_map(p, a.cu_int64 != 0);
-  const int bv = a.bv ? static_cast<int>(a.bv) : (p.V % 128 == 0 ? 128 : 64);
-  kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu_fused", [&](auto wt, auto k, auto b) {
-    using WT = typename decltype(wt)::type;
-    constexpr int K = decltype(k)::value, BV = decltype(b)::value;
-    launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>,
-           static_cast<const kda::KdaFwdParams&>(p));
-  });
-}
-
 // layout[0..6] = kStageElems, kW, kQg, kKg, kAqk, kAkk, kDec (elements), AP
 void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, int64_t* layout) {
   const kda::KdaBwdParams p = make_params(a);
@@ -368,7 +360,7 @@ int kda_emu_backward(const KdaEmuArgs* a) {
 }
 
 int kda_emu_fused_forward(const KdaEmuArgs* a) {
-  return guarded([&] { fused_forward(*a); });
+  return guarded([&] { run_any(*a, false, true); });  // the forward with the fused kernel chosen
 }
 
 // After kda_emu_forward on the same args (its workspace): the intra phases into a scan stage, and

@@ -234,8 +234,9 @@ def forward_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                   allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                   dt_bias=None, bv=None, **_ignored):
-    """(o, final_state) of the fused forward (csrc/kda/fwd/kda_fwd_fused.cuh), on the emulator; its
-    workspace buffers stay untouched (NaN-poisoned: any read of them shows)."""
+    """(o, final_state, ws) of the fused forward (csrc/kda/fwd/kda_fwd_fused.cuh), on the emulator:
+    the forward sequence with the fused kernel chosen. ws: the workspace buffers, NaN-poisoned, which
+    the fused forward neither reads nor writes (they stay NaN)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -249,7 +250,7 @@ def forward_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     if L.kda_emu_fused_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()
-    return o, ht
+    return o, ht, ws
 
 
 def intra_stage_check(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,

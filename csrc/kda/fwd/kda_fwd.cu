@@ -88,11 +88,6 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
-  if (kda_fwd_fused_wanted(p)) {
-    kda_chunk_map(p, stream);
-    kda_fwd_fused(p, stream);
-    return;
-  }
   StreamStages stages{stream};
   forward_sequence(p, stages);
 }
