@@ -37,6 +37,11 @@ struct ScanStage {
   static constexpr int kDec = kVal + kChunk * VP;  // fp32 [K] (offset in WT units)
   static constexpr int kStageElems = (kDec + 2 * K + 511) / 512 * 512;
   static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems + 1024;  // + the base's alignment slack
+  // Element index of (row r, column c) in one swizzled [64][K] tile (w, qg, kg): K / 64 blocks of
+  // [64 rows][64 columns] with 128-byte rows (sw128_offset).
+  static __device__ __forceinline__ int tile_index(int r, int c) {
+    return (c >> 6) * (kChunk * 64) + static_cast<int>(sw128_offset(r, c & 63)) / 2;
+  }
   static_assert(kBytes <= 227 * 1024, "scan shared memory exceeds the sm_90 per-CTA limit");
 };
 
@@ -192,7 +197,7 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
     const bool ok = r < rows;
     const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * K + 8 * q;
     const int nb = ok ? 16 : 0;
-    const int so = (q >> 3) * (kChunk * 64) + static_cast<int>(sw128_offset(r, 8 * (q & 7))) / 2;  // swizzled
+    const int so = S::tile_index(r, 8 * q);  // swizzled
     cp_async16(base + S::kW + so, src.w + off, nb);
     if (with_q) cp_async16(base + S::kQg + so, src.qg + off, nb);
     cp_async16(base + S::kKg + so, src.kg + off, nb);

@@ -181,10 +181,6 @@ template <typename WT, int K, int BV>
 struct IntraToStage {
   using St = dev::ScanStage<WT, K, BV>;
   WT* base;  // the stage's first element (1024-byte aligned)
-  // element (r, c) of a swizzled [64][K] tile: K / 64 blocks of [64 rows][64 columns], 128-byte rows
-  static __device__ __forceinline__ int tile(int r, int c) {
-    return (c >> 6) * (kChunk * 64) + static_cast<int>(dev::sw128_offset(r, c & 63)) / 2;
-  }
   // Rows past the sequence end are stored as +0 (what the phases compute there is zero up to its
   // sign: x * beta with beta = 0 gives -0 for x < 0), as the scan's zero-filled loads leave them.
   static __device__ __forceinline__ uint4 live(const IntraCtx<WT, K>& c, int r, const uint4& v) {
@@ -192,8 +188,8 @@ struct IntraToStage {
   }
   __device__ __forceinline__ bool wants_row(const IntraCtx<WT, K>&, int) const { return true; }
   __device__ __forceinline__ void qg_kg(const IntraCtx<WT, K>& c, int r, int c0, const uint4& q, const uint4& k) const {
-    *reinterpret_cast<uint4*>(base + St::kQg + tile(r, c0)) = live(c, r, q);
-    *reinterpret_cast<uint4*>(base + St::kKg + tile(r, c0)) = live(c, r, k);
+    *reinterpret_cast<uint4*>(base + St::kQg + St::tile_index(r, c0)) = live(c, r, q);
+    *reinterpret_cast<uint4*>(base + St::kKg + St::tile_index(r, c0)) = live(c, r, k);
   }
   __device__ __forceinline__ void aqk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a) const {
     *reinterpret_cast<uint4*>(base + St::kAqk + r * St::AP + c0) = live(c, r, a);
@@ -202,7 +198,7 @@ struct IntraToStage {
     reinterpret_cast<float*>(base + St::kDec)[k] = v;
   }
   __device__ __forceinline__ void w2(const IntraCtx<WT, K>& c, int r, int col, uint32_t v) const {
-    *reinterpret_cast<uint32_t*>(base + St::kW + tile(r, col)) = r < c.len ? v : 0u;
+    *reinterpret_cast<uint32_t*>(base + St::kW + St::tile_index(r, col)) = r < c.len ? v : 0u;
   }
   __device__ __forceinline__ void akk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a, const uint4&) const {
     *reinterpret_cast<uint4*>(base + St::kAkk + r * St::AP + c0) = live(c, r, a);
