@@ -2,7 +2,7 @@
 // launch failure. Kernels never validate: csrc/api checks every argument before a launch.
 //
 // Stage table (docs/kda.md maps each to its math, its fp64 reference and its tests):
-//   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan
+//   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan (or kda_fwd_fused: opt-in, for timing)
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
 //             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
@@ -26,8 +26,8 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
 // KERNEL_FUN_KDA_SCAN_BV.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
 // Version 0 of the fused forward (fwd/kda_fwd_fused.cuh): intra and scan in one kernel, no
-// workspace. Not the default: kda_forward takes it only with KERNEL_FUN_KDA_FWD_FUSED=1 (timing),
-// where the factors are not saved and V is a multiple of 128.
+// workspace. Not the default: forward_sequence (kda_sequence.h) takes it only with
+// KERNEL_FUN_KDA_FWD_FUSED=1 (timing), where the factors are not saved and V is a multiple of 128.
 bool kda_fwd_fused_wanted(const KdaFwdParams& p);
 void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 
