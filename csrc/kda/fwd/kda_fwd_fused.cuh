@@ -8,9 +8,9 @@
 // What version 0 is NOT yet (issue 20; docs/notes/2026-12-02-fused-forward-groundwork.md): the intra
 // of chunk c + 1 does not overlap the state update of chunk c (warp specialisation, a TMA ring of
 // the inputs and mbarriers, common/pipeline.cuh), and with V / BV > 1 slices every slice repeats
-// the intra. It is not launched by kda_forward: the launch policy keeps the two-kernel path until a
-// fused version measures faster on the H200 (KERNEL_FUN_KDA_FWD_FUSED=1 opts in, for timing:
-// kda_fwd.cu's kda_fwd_fused_wanted).
+// the intra. It is not the default: the launch policy keeps the two-kernel path until a fused
+// version measures faster on the H200 (KERNEL_FUN_KDA_FWD_FUSED=1 opts in, for timing: the fused
+// stage of kda_sequence.h's forward_sequence, kda_fwd.cu's kda_fwd_fused_wanted).
 //
 // Shared memory: the intra scratch (IntraSmem<K>, rounded up to 1024 bytes), then one ScanStage
 // (1024-byte aligned, as the swizzled tiles need), from the first 1024-byte aligned byte.
