@@ -185,3 +185,38 @@ def test_paired_scans_are_bitwise_the_two_launches(emu, case, bv):
     assert_bitwise_same({k: sa[k][:nck] for k in ("h_ckpt", "dh_ckpt")},
                         {k: sp[k][:nck] for k in ("h_ckpt", "dh_ckpt")}, "checkpoints")
     assert_bitwise_same(apart, paired, "gradients")
+
+
+@pytest.mark.parametrize("HV,K,nc,max_chunks,varlen", [
+    (3, 128, 1, 1, False),      # one chunk: one segment, one partial
+    (2, 64, 64, 64, False),     # exactly one full segment
+    (2, 128, 65, 65, False),    # a second segment of one chunk
+    (4, 64, 300, 300, False),   # five segments, the last partial
+    (2, 128, 130, 200, True),   # varlen: the device-side chunk total (130) below the grid bound (200)
+])
+def test_gate_param_passes_sum_every_chunk_exactly(emu, HV, K, nc, max_chunks, varlen):
+    """kda_bwd_finish's two passes (segments of 64 chunks in place, then the segments) against a double
+    sum of the same fp32 partials. The partials cancel (large terms of both signs, a small total), as
+    dA_log's do; the only rounding allowed is each segment's sum and the result to fp32. Chunks past
+    nc hold NaN: a pass that read them would show it."""
+    gen = torch.Generator().manual_seed(nc)
+    pbias = torch.full((max_chunks, HV, K), float("nan"))
+    pA = torch.full((max_chunks, HV), float("nan"))
+    big = 1e3 * torch.randn(nc, HV, K + 1, generator=gen, dtype=torch.float64)
+    vals = torch.cat([big, -big.flip(0) + 1e-2 * torch.randn(nc, HV, K + 1, generator=gen, dtype=torch.float64)])
+    vals = vals[torch.randperm(2 * nc, generator=gen)[:nc]].float()
+    pbias[:nc], pA[:nc] = vals[..., :K], vals[..., K]
+    dA_log, ddt_bias = emu.gate_params(pbias, pA, nc, varlen=varlen)
+
+    def check(got, parts):  # parts [nc, ...] fp32
+        p64 = parts.double()
+        exact = p64.sum(0)
+        segs = torch.stack([p64[s:s + 64].sum(0) for s in range(0, nc, 64)])
+        bound = 2.0 ** -24 * (segs.abs().sum(0) + exact.abs()) * 1.0001 + 1e-30
+        assert torch.isfinite(got).all()
+        assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
+
+    check(dA_log, pA[:nc])
+    check(ddt_bias, pbias[:nc])
+    again = emu.gate_params(pbias, pA, nc, varlen=varlen)
+    assert_bitwise_same({"dA_log": dA_log, "ddt_bias": ddt_bias}, {"dA_log": again[0], "ddt_bias": again[1]})

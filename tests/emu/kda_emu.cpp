@@ -226,7 +226,7 @@ void grads(const kda::KdaBwdParams& p) {
 
 template <typename WT>
 void gate_params(const kda::KdaBwdParams& p) {
-  launch(kda::gate_params_launch(p), kda::kda_bwd_gate_params_kernel, p);
+  kda::for_each_gate_params_pass(p, [&](auto kern, const kda::LaunchShape& s) { launch(s, kern, p); });
 }
 
 template <typename WT>
@@ -367,6 +367,33 @@ int kda_emu_fused_forward(const KdaEmuArgs* a) {
 // the stage scan_load_chunk fills from that workspace (intra_stage_check).
 int kda_emu_intra_stage_check(const KdaEmuArgs* a, void* from_intra, void* from_load, int64_t* layout) {
   return guarded([&] { intra_stage_check(*a, from_intra, from_load, layout); });
+}
+
+// kda_bwd_finish's two gate-parameter passes alone, on given per-chunk partials pbias [max_chunks,
+// HV, K] / pA [max_chunks, HV] (overwritten: the first pass works in place) with nc chunks written;
+// varlen != 0 takes nc from a chunk map (as with cu_seqlens) instead of from B and T.
+int kda_emu_gate_params(float* pbias, float* pA, float* dA_log, float* ddt_bias, int64_t HV, int64_t K, int64_t nc,
+                        int64_t max_chunks, int64_t varlen) {
+  return guarded([&] {
+    kda::KdaBwdParams p;
+    int offsets[2] = {0, static_cast<int>(nc)};
+    const int64_t cu[2] = {0, nc * kda::kChunk};
+    p.B = p.N = 1;
+    p.H = p.HV = static_cast<int>(HV);
+    p.K = static_cast<int>(K);
+    p.T = static_cast<int>(nc * kda::kChunk);
+    p.max_chunks = static_cast<int>(max_chunks);
+    if (varlen) {
+      p.cu_seqlens = cu;
+      p.cu_int64 = true;
+      p.chunk_offsets = offsets;
+    }
+    p.pbias = pbias;
+    p.pA = pA;
+    p.dA_log = dA_log;
+    p.ddt_bias = ddt_bias;
+    gate_params<void>(p);
+  });
 }
 
 }  // extern "C"

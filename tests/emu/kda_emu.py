@@ -73,6 +73,9 @@ def lib():
         L.kda_emu_fused_forward.restype = ctypes.c_int
         L.kda_emu_intra_stage_check.argtypes = [ctypes.POINTER(KdaEmuArgs), vp, vp, vp]
         L.kda_emu_intra_stage_check.restype = ctypes.c_int
+        i64 = ctypes.c_int64
+        L.kda_emu_gate_params.argtypes = [vp, vp, vp, vp, i64, i64, i64, i64, i64]
+        L.kda_emu_gate_params.restype = ctypes.c_int
         L.kf_emu_selftest_tma_pipeline.argtypes = [ctypes.c_int, vp, ctypes.c_int, vp]
         L.kf_emu_selftest_tma_swizzle.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp]
         if L.kda_emu_args_size() != ctypes.sizeof(KdaEmuArgs):
@@ -279,6 +282,19 @@ def intra_stage_check(q, k, v, g, beta, *, scale=None, initial_state=None, use_q
     elems = int(layout[0])
     return outs[0][: n * elems].view(f["max_chunks"], HV, elems), outs[1][: n * elems].view(f["max_chunks"], HV, elems), \
         layout.tolist()
+
+
+def gate_params(pbias, pA, nc, varlen=False):
+    """kda_bwd_finish's dA_log / ddt_bias passes on given fp32 partials pbias [max_chunks, HV, K] and
+    pA [max_chunks, HV] (the first nc chunks written; copies are passed, the kernels work in place)."""
+    pbias, pA = pbias.clone().contiguous(), pA.clone().contiguous()
+    max_chunks, HV, K = pbias.shape
+    dA_log = torch.full((HV,), float("nan"))
+    ddt_bias = torch.full((HV, K), float("nan"))
+    if lib().kda_emu_gate_params(_ptr(pbias), _ptr(pA), _ptr(dA_log), _ptr(ddt_bias), HV, K, nc, max_chunks,
+                                 int(varlen)):
+        raise RuntimeError(lib().kda_emu_last_error().decode())
+    return dA_log, ddt_bias
 
 
 def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,

@@ -52,7 +52,7 @@ void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream) {
 }
 
 void kda_bwd_gate_params(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch(kda_bwd_gate_params_kernel, gate_params_launch(p), p, stream);
+  for_each_gate_params_pass(p, [&](auto kern, const LaunchShape& s) { dev::launch(kern, s, p, stream); });
 }
 
 void kda_bwd_group_sums(const KdaBwdParams& p, cudaStream_t stream) {

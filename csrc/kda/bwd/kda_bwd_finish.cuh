@@ -11,24 +11,94 @@
 
 namespace kernel_fun::kda {
 
-constexpr int kGateParamsThreads = 128;
+constexpr int kGateParamsThreads = 256;
+constexpr int kGateSegChunks = 64;  // chunks per segment of the first reduction pass
 constexpr int kGroupSumThreads = 256;  // one warp per (token, q/k head) item
 
-// dA_log[hv] and ddt_bias[hv, :] from the per-chunk partials of kda_bwd_grads, summed over the
-// chunks in index order by one thread per output: deterministic, no atomics. One CTA per value head.
-__global__ void __launch_bounds__(kGateParamsThreads) kda_bwd_gate_params_kernel(const KdaBwdParams p) {
-  const int hv = blockIdx.x, HV = p.HV, K = p.K;
+// The sum of v over the CTA, in a fixed order (a butterfly inside each warp, then the warps in index
+// order by thread 0): the same bits on every run. Valid on thread 0; red holds one double per warp.
+// Ends with a barrier, so red can be reused right after.
+__device__ __forceinline__ double block_sum_fixed(double v, double* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += red[w];
+  __syncthreads();
+  return s;
+}
+
+// Rows first, first + stride, ... (< end) of column col of a row-major fp32 matrix, summed in
+// double in a fixed order. Four independent accumulators keep four loads in flight per thread:
+// the reduction is bound by load latency, not by the adds.
+__device__ __forceinline__ double strided_column_sum(const float* m, int64_t ld, int col, int first, int end,
+                                                     int stride) {
+  double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+  int r = first;
+  for (; r + 3 * stride < end; r += 4 * stride) {
+    a0 += m[r * ld + col];
+    a1 += m[(r + stride) * ld + col];
+    a2 += m[(r + 2 * stride) * ld + col];
+    a3 += m[(r + 3 * stride) * ld + col];
+  }
+  for (; r < end; r += stride) a0 += m[r * ld + col];
+  return (a0 + a1) + (a2 + a3);
+}
+
+// dA_log[hv] and ddt_bias[hv, :] from the per-chunk partials of kda_bwd_grads, in two fixed-order
+// passes (deterministic, no atomics): this one sums each segment of kGateSegChunks chunks, the
+// next (kda_bwd_gate_params_kernel) the segments. One pass of one thread per output took 0.2 ms
+// at B16 T8192 H16 (2048 chunks of dependent loads on 16 CTAs); the sums run in double, so the
+// order adds no error that shows beside the partials' own (dA_log cancels: its terms are ~1e3x
+// the result on strong decays).
+// In place: segment s's sums overwrite the partials of its first chunk (row s * kGateSegChunks of
+// pbias / pA), which only this CTA reads, after every thread of it has read them (the barrier in
+// block_sum_fixed / below). Grid (segment, value head); segments past the last chunk (varlen:
+// max_chunks bounds the device-side total) do nothing.
+__global__ void __launch_bounds__(kGateParamsThreads) kda_bwd_gate_segments_kernel(const KdaBwdParams p) {
+  __shared__ double red[kGateParamsThreads / 32];
+  __shared__ double col[kGateParamsThreads];
+  const int seg = blockIdx.x, hv = blockIdx.y, HV = p.HV, K = p.K;
   const int nc = dev::total_chunks(p);
-  for (int d = threadIdx.x; d < K; d += blockDim.x) {
-    float acc = 0.f;
-    for (int c = 0; c < nc; ++c) acc += p.pbias[(static_cast<int64_t>(c) * HV + hv) * K + d];
-    if (p.ddt_bias) p.ddt_bias[hv * K + d] = acc;
+  const int c0 = seg * kGateSegChunks;
+  if (c0 >= nc) return;
+  const int c1 = min(nc, c0 + kGateSegChunks);
+  const int groups = blockDim.x / K;  // K in {64, 128} divides the block
+  const int d = threadIdx.x % K, grp = threadIdx.x / K;
+  const int64_t ld = static_cast<int64_t>(HV) * K;
+  col[threadIdx.x] = strided_column_sum(p.pbias + hv * K, ld, d, c0 + grp, c1, groups);
+  const double a = threadIdx.x < c1 - c0 ? p.pA[static_cast<int64_t>(c0 + threadIdx.x) * HV + hv] : 0.0;
+  const double sa = block_sum_fixed(a, red);  // its barriers also order col[] and every read above
+  if (grp == 0) {
+    double s = 0.0;
+    for (int gi = 0; gi < groups; ++gi) s += col[gi * K + d];
+    p.pbias[c0 * ld + hv * K + d] = static_cast<float>(s);
   }
-  if (threadIdx.x == 0 && p.dA_log) {
-    float acc = 0.f;
-    for (int c = 0; c < nc; ++c) acc += p.pA[static_cast<int64_t>(c) * HV + hv];
-    p.dA_log[hv] = acc;
+  if (threadIdx.x == 0) p.pA[static_cast<int64_t>(c0) * HV + hv] = static_cast<float>(sa);
+}
+
+// The second pass: the segments' sums (rows 0, kGateSegChunks, 2 kGateSegChunks, ... of pbias /
+// pA after kda_bwd_gate_segments_kernel) in segment order. One CTA per value head.
+__global__ void __launch_bounds__(kGateParamsThreads) kda_bwd_gate_params_kernel(const KdaBwdParams p) {
+  __shared__ double red[kGateParamsThreads / 32];
+  __shared__ double col[kGateParamsThreads];
+  const int hv = blockIdx.x, HV = p.HV, K = p.K;
+  const int nseg = (dev::total_chunks(p) + kGateSegChunks - 1) / kGateSegChunks;
+  const int groups = blockDim.x / K;
+  const int d = threadIdx.x % K, grp = threadIdx.x / K;
+  const int64_t ld = static_cast<int64_t>(HV) * K;
+  col[threadIdx.x] = strided_column_sum(p.pbias + hv * K, ld * kGateSegChunks, d, grp, nseg, groups);
+  double a = 0.0;
+  for (int s = threadIdx.x; s < nseg; s += blockDim.x)
+    a += p.pA[static_cast<int64_t>(s) * kGateSegChunks * HV + hv];
+  const double sa = block_sum_fixed(a, red);
+  if (grp == 0 && p.ddt_bias) {
+    double s = 0.0;
+    for (int gi = 0; gi < groups; ++gi) s += col[gi * K + d];
+    p.ddt_bias[hv * K + d] = static_cast<float>(s);
   }
+  if (threadIdx.x == 0 && p.dA_log) p.dA_log[hv] = static_cast<float>(sa);
 }
 
 // GVA: dq[t, h] = l2norm_backward(q[t, h], sum over the group's value heads of dq^[t, hv]), and the
@@ -77,12 +147,25 @@ __global__ void __launch_bounds__(kGroupSumThreads) kda_bwd_group_sum_kernel(con
   }
 }
 
-// The launches (kda_launch_shape.h), kda_bwd.cu's and the emulator's. gate_params: once, one CTA
-// per value head, only when the gate has parameters and their gradients are asked for (pbias holds
-// the per-chunk partials then).
+// The launches (kda_launch_shape.h), kda_bwd.cu's and the emulator's. The gate parameters' two
+// passes run once, only when the gate has parameters and their gradients are asked for (pbias
+// holds the per-chunk partials then): segments x value heads, then one CTA per value head.
+inline bool gate_params_run(const KdaBwdParams& p) {
+  return p.pbias && p.HV > 0 && p.max_chunks > 0 && (p.dA_log || p.ddt_bias);
+}
+inline LaunchShape gate_segments_launch(const KdaBwdParams& p) {
+  const unsigned segs = gate_params_run(p) ? static_cast<unsigned>((p.max_chunks + kGateSegChunks - 1) / kGateSegChunks) : 0u;
+  return {dim3(segs, static_cast<unsigned>(p.HV)), kGateParamsThreads, 0};
+}
 inline LaunchShape gate_params_launch(const KdaBwdParams& p) {
-  const bool run = p.pbias && p.HV > 0 && (p.dA_log || p.ddt_bias);
-  return {dim3(run ? static_cast<unsigned>(p.HV) : 0u), kGateParamsThreads, 0};
+  return {dim3(gate_params_run(p) ? static_cast<unsigned>(p.HV) : 0u), kGateParamsThreads, 0};
+}
+// Both passes in order, through launch(kernel, shape): the GPU launcher and the emulator call this,
+// so neither can run one pass without the other.
+template <typename Launch>
+void for_each_gate_params_pass(const KdaBwdParams& p, Launch&& launch) {
+  launch(kda_bwd_gate_segments_kernel, gate_segments_launch(p));
+  launch(kda_bwd_gate_params_kernel, gate_params_launch(p));
 }
 // group_sum: per batch slice, GVA only (HV != H), one warp per (token, q/k head) item.
 inline LaunchShape group_sum_launch(const KdaBwdParams& p) {
