@@ -1,0 +1,68 @@
+"""The KDA kernels under compute-sanitizer: a few small forward + backward calls that between them
+launch every KDA kernel (the two-kernel forward, the opt-in fused forward, the backward from saved
+factors and by recompute, the paired scans, GVA's group sums, the gate-parameter passes), in strict
+mode so that nothing falls back to fla. Run by scripts/sanitize_kda.sh, once per tool; alone it is
+a smoke test.
+
+    PYTHONPATH=src python3 scripts/sanitize_kda.py
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+import kernel_fun
+from kernel_fun.kda import chunk_kda
+
+
+def _inputs(T, H, HV, K, V, gate, cu=None, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float32)  # noqa: E731
+    q, k = r(1, T, H, K).to(dtype), r(1, T, H, K).to(dtype)
+    v = r(1, T, HV, V).to(dtype)
+    beta = torch.rand(1, T, HV, generator=g, device="cuda").to(dtype)
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, cu_seqlens=cu)
+    n = 1 if cu is None else cu.numel() - 1
+    kw["initial_state"] = r(n, HV, K, V)
+    if gate == "raw":
+        gt = F.logsigmoid(r(1, T, HV, K)).to(dtype)
+    else:
+        gt = r(1, T, HV, K).to(dtype)
+        kw.update(use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV * K) * 0.1)
+        if gate == "bounded":
+            kw.update(safe_gate=True, lower_bound=-5.0)
+    leaves = [q, k, v, gt, beta, kw["initial_state"]] + [kw[n] for n in ("A_log", "dt_bias") if n in kw]
+    return (q, k, v, gt, beta), kw, leaves
+
+
+def _train(args, kw, leaves):
+    for t in leaves:
+        t.requires_grad_(True)
+    o, ht = chunk_kda(*args, **kw)
+    (o.float().square().mean() + ht.float().square().mean()).backward()
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    cu = torch.tensor([0, 0, 1, 130, 130, 200], device="cuda", dtype=torch.int32)
+    calls = [
+        ("varlen, empty and one-token documents, bounded, K=V=128", dict(T=200, H=2, HV=2, K=128, V=128, gate="bounded", cu=cu)),
+        ("GVA, unbounded, K=64 V=128, fp16", dict(T=150, H=1, HV=2, K=64, V=128, gate="unbounded", dtype=torch.float16)),
+        ("raw gate, K=128 V=256", dict(T=96, H=1, HV=1, K=128, V=256, gate="raw")),
+    ]
+    with kernel_fun.strict():
+        for what, shape in calls:
+            args, kw, leaves = _inputs(**shape)
+            _train(args, kw, leaves)
+            # the forward alone (no saved factors): the fused kernel where KERNEL_FUN_KDA_FWD_FUSED=1
+            with torch.no_grad():
+                chunk_kda(*[a.detach() for a in args], **{k: (v.detach() if torch.is_tensor(v) else v) for k, v in kw.items()})
+            torch.cuda.synchronize()
+            print(f"ok: {what} (fused forward {os.environ.get('KERNEL_FUN_KDA_FWD_FUSED', '0')})", flush=True)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

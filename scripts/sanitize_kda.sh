@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck and synccheck on the KDA kernels (scripts/sanitize_kda.py),
+# with the two-kernel forward and with the fused forward (KERNEL_FUN_KDA_FWD_FUSED=1); only kernels
+# whose name contains "kda_" are instrumented (torch's own are not ours to check). The three tools
+# run at once, one process each. Prints one summary line per run; the six logs go, one after the
+# other, to OUTDIR/sanitize.log (one file: the device call brings back only a few).
+#   bash scripts/sanitize_kda.sh [OUTDIR]       (on the GPU machine, after the build; PYTHONPATH set)
+set -u
+out="${1:-${OUT:-/tmp}}"
+cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+[ -x "$cs" ] || { echo "sanitize_kda: no compute-sanitizer"; exit 1; }
+rc=0
+logs=$(mktemp -d)
+for fused in 0 1; do
+  pids=()
+  for tool in memcheck racecheck synccheck; do
+    extra=()
+    [ "$tool" = memcheck ] && extra=(--leak-check full)
+    KERNEL_FUN_KDA_FWD_FUSED=$fused "$cs" --tool "$tool" "${extra[@]}" --kernel-name regex:kda_ \
+      --error-exitcode 3 python3 scripts/sanitize_kda.py > "$logs/${tool}_fused$fused.log" 2>&1 &
+    pids+=($!)
+  done
+  i=0
+  for tool in memcheck racecheck synccheck; do
+    r=0; wait "${pids[$i]}" || r=$?
+    i=$((i + 1))
+    [ $r -ne 0 ] && rc=$r
+    echo "[sanitize] $tool fused=$fused rc=$r: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$logs/${tool}_fused$fused.log" | tr '\n' ' ')"
+    grep -m3 -E "^=========  (Invalid|Race|Barrier|Error)" "$logs/${tool}_fused$fused.log"
+    grep -q "^done" "$logs/${tool}_fused$fused.log" || { echo "  did not finish:"; tail -5 "$logs/${tool}_fused$fused.log"; }
+  done
+done
+for f in "$logs"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done > "$out/sanitize.log"
+exit $rc
