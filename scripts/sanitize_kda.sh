@@ -16,7 +16,7 @@ for fused in 0 1; do
   for tool in memcheck racecheck synccheck; do
     extra=()
     [ "$tool" = memcheck ] && extra=(--leak-check full)
-    KERNEL_FUN_KDA_FWD_FUSED=$fused "$cs" --tool "$tool" "${extra[@]}" --kernel-name regex:kda_ \
+    KERNEL_FUN_KDA_FWD_FUSED=$fused "$cs" --tool "$tool" "${extra[@]}" --kernel-name kns=kda_ \
       --error-exitcode 3 python3 scripts/sanitize_kda.py > "$logs/${tool}_fused$fused.log" 2>&1 &
     pids+=($!)
   done
