@@ -155,3 +155,29 @@ def test_draws_run_more_seeds_and_report_medians(monkeypatch):
     assert row["median"]["fla"]["dq"] == pytest.approx(0.003, rel=1e-3)
     assert not acc._complete(dict(row, draws=row["draws"][:2]), ("ours", "fla"), "all", draws=3)
     assert acc._complete(row, ("ours", "fla"), "all", draws=3)
+
+
+@pytest.mark.skipif(not _RESULTS.exists(), reason="no committed grad-accuracy results yet")
+def test_combine_takes_the_last_run_and_keeps_earlier_fla_errors(tmp_path):
+    rows = [r for r in json.loads(_RESULTS.read_text())["rows"] if r.get("fla")][:2]
+    assert len(rows) == 2
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    older = [dict(r, ours={k: 1.0 for k in r["ours"]}, before={"dg": 9.0}) for r in rows]
+    for r in older:
+        r.pop("ours_label", None), r.pop("fla_label", None)
+    newer = [dict(rows[0], ours={k: 2.0 for k in rows[0]["ours"]}, fla=None, fla_why="not measured")]
+    newer[0].pop("before", None), newer[0].pop("ours_label", None), newer[0].pop("fla_label", None)
+    (a / "h.json").write_text(json.dumps({"meta": {"label": "old"}, "rows": older}))
+    (b / "h.json").write_text(json.dumps({"meta": {"label": "new"}, "rows": newer}))
+    assert acc.main(["--combine", str(a / "h.json"), str(b / "h.json"), "--out", str(tmp_path / "out"),
+                     "--note", "n"]) == 0
+    doc = json.loads((tmp_path / "out" / "h.json").read_text())
+    got = {r["case"]: r for r in doc["rows"]}
+    first, second = got[rows[0]["case"]], got[rows[1]["case"]]
+    assert set(first["ours"].values()) == {2.0} and first["ours_label"] == "new"  # the last run wins
+    assert first["fla"] == rows[0]["fla"] and first["fla_label"] == "old"         # fla's from the older
+    assert "fla_why" not in first and first["before"] == {"dg": 9.0}
+    assert set(second["ours"].values()) == {1.0} and second["ours_label"] == "old"
+    assert doc["meta"]["note"] == "n" and doc["meta"]["label"] == "combined: old; new"

@@ -457,6 +457,45 @@ def _complete(row: dict, impls, fla_where: str, draws: int = 0) -> bool:
     return True
 
 
+def combine(paths: list[str], out: str, note: str = "") -> str:
+    """Rows of several runs (files of this tool, measured on the same inputs: a case's inputs depend
+    on its seed only) in one document. Per case the last file's row wins; each row says which run
+    measured ours (ours_label) and, where fla's errors come from an earlier file because the winning
+    row lacks them, which run measured fla's (fla_label); an earlier row's 'before' is kept too."""
+    rows: dict[str, dict] = {}
+    metas = []
+    for p in paths:
+        with open(p) as f:
+            doc = json.load(f)
+        metas.append(doc["meta"])
+        label = doc["meta"].get("label", "")
+        for r in _load_rows(p):
+            r = dict(r)
+            r.setdefault("ours_label", label)
+            if r.get("fla") is not None:
+                r.setdefault("fla_label", label)
+            old = rows.get(r["case"])
+            if r.get("fla") is None and old is not None and old.get("fla") is not None:
+                r["fla"], r["fla_label"] = old["fla"], old["fla_label"]
+                r.pop("fla_why", None)
+            if old is not None and "before" in old and "before" not in r:  # the A/B column of --merge
+                r["before"] = old["before"]
+            rows[r["case"]] = r
+    meta = dict(metas[-1])
+    meta["label"] = "combined: " + "; ".join(m.get("label", "") for m in metas)
+    meta["combined_from"] = [os.path.basename(os.path.dirname(os.path.abspath(p))) + "/" + os.path.basename(p)
+                             for p in paths]
+    if note:
+        meta["note"] = note
+    impls = [i for i in ("ours", "fla") if any(r.get(i) for r in rows.values())]
+    doc = _document(list(rows.values()), meta, impls)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, os.path.basename(paths[-1]))
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernel_fun.bench.accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results", help="folder for <gpu>-grad-accuracy.json")
@@ -474,7 +513,10 @@ def main(argv=None) -> int:
     ap.add_argument("--before", metavar="JSON", help="no GPU: add this earlier run's errors of ours to each row "
                     "of --merge as 'before' (an A/B of two builds on the same inputs) and write --out")
     ap.add_argument("--merge", metavar="JSON", help="with --before: the run to merge into")
-    ap.add_argument("--note", default="", help="with --merge: a note written into the JSON's meta")
+    ap.add_argument("--note", default="", help="with --merge or --combine: a note written into the JSON's meta")
+    ap.add_argument("--combine", metavar="JSON", nargs="+", help="no GPU: one file from several runs' files "
+                    "(--out): per case the row of the last file that has it, labelled with its run "
+                    "(ours_label); where that row lacks fla's errors, an earlier file's are kept (fla_label)")
     a = ap.parse_args(argv)
     names = a.case or list(CASE_NAMES)
     unknown = sorted(set(names) - set(CASE_NAMES))
@@ -484,6 +526,10 @@ def main(argv=None) -> int:
         for c in CASES:
             if c.name in names:
                 print(f"{c.name}: {c.label()}")
+        return 0
+    if a.combine:
+        path = combine(a.combine, a.out, a.note)
+        print(f"wrote {path}")
         return 0
     if a.merge:
         with open(a.merge) as f:
