@@ -196,7 +196,7 @@ void launch(const kda::LaunchShape& s, void (*kernel)(Params), const Params& p) 
 
 template <typename WT, int K>
 void intra(const kda::KdaFwdParams& p) {
-  launch(kda::intra_launch<K>(p), kda::kda_fwd_intra_kernel<WT, K>, p);
+  launch(kda::intra_launch<WT, K>(p), kda::kda_fwd_intra_kernel<WT, K>, p);
 }
 
 template <typename WT, int K, int BV>
@@ -216,12 +216,12 @@ void scans(const kda::KdaBwdParams& p) {
 
 template <typename WT, int K>
 void prep(const kda::KdaBwdParams& p) {
-  launch(kda::prep_launch<K>(p), kda::kda_bwd_prep_kernel<WT, K>, p);
+  launch(kda::prep_launch<WT, K>(p), kda::kda_bwd_prep_kernel<WT, K>, p);
 }
 
 template <typename WT, int K>
 void grads(const kda::KdaBwdParams& p) {
-  launch(kda::grads_launch<K>(p), kda::grads_kernel_for<WT, K>(p), p);
+  launch(kda::grads_launch<WT, K>(p), kda::grads_kernel_for<WT, K>(p), p);
 }
 
 template <typename WT>
@@ -302,12 +302,12 @@ __device__ void copy_stage_out(const WT* stage, WT* out, int64_t gchunk, int HV,
 template <typename WT, int K, int BV>
 __global__ void intra_to_stage_kernel(const kda::KdaFwdParams p, WT* out) {
   KF_DYN_SMEM(float4, smem_f4);
-  char* sm = reinterpret_cast<char*>(smem_f4);
+  auto* sm = reinterpret_cast<kda::FusedSmem<WT, K, BV>*>(kda::dev::scan_smem_base<WT>(smem_f4));  // the fused kernel's plan
   const int hv = blockIdx.y;
   int n, ch;
   if (!kda::dev::chunk_of(p, blockIdx.x, n, ch)) return;
-  const kda::IntraCtx<WT, K> c(p, sm, kda::dev::seq_info(p, n), ch, hv);
-  WT* stage = reinterpret_cast<WT*>(sm + (kda::IntraSmem<K>::kBytes + 1023) / 1024 * 1024);
+  const kda::IntraCtx<WT, K> c(p, reinterpret_cast<char*>(&sm->intra), kda::dev::seq_info(p, n), ch, hv);
+  WT* stage = sm->stage;
   kda::intra_chunk(c, kda::IntraToStage<WT, K, BV>{stage});
   copy_stage_out<WT, K, BV>(stage, out, c.gchunk, p.HV, hv);
 }
@@ -337,9 +337,9 @@ void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, i
     using St = kda::dev::ScanStage<WT, K, BV>;
     const int64_t l[8] = {St::kStageElems, St::kW, St::kQg, St::kKg, St::kAqk, St::kAkk, St::kDec, St::AP};
     for (int i = 0; i < 8; ++i) layout[i] = l[i];
-    const kda::LaunchShape in = kda::intra_launch<K>(p);
+    const kda::LaunchShape in = kda::intra_launch<WT, K>(p);
     if (in.empty()) return;
-    const size_t smem1 = (kda::IntraSmem<K>::kBytes + 1023) / 1024 * 1024 + sizeof(WT) * St::kStageElems;
+    const size_t smem1 = kda::fused_smem_bytes<WT, K, BV>();
     kf_emu::launch(in.grid, dim3(in.threads), smem1, intra_to_stage_kernel<WT, K, BV>,
                    static_cast<const kda::KdaFwdParams&>(p), static_cast<WT*>(from_intra));
     kf_emu::launch(in.grid, dim3(in.threads), sizeof(WT) * St::kStageElems, stage_from_workspace_kernel<WT, K, BV>,

@@ -46,6 +46,7 @@
 // terms <= 0; masks are selects; dA, dL, dg, h dh and every accumulator are fp32.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kda/bwd/kda_bwd_launch.h"
@@ -58,10 +59,12 @@ namespace kernel_fun::kda {
 constexpr int kGradsThreads = 512;
 constexpr int kVS = 32;  // V-slice width of the contraction loop
 
-// Shared memory plan (byte offsets). Base: live for the whole kernel. Union: the V phase's
-// operands and slices, then (after the V loop) the E phase's matrices (Akk stays in place), then
-// the I / F phases' [64][K] results, which overwrite all of E but dA1 and dL.
-template <int K>
+// Shared memory plan, a view of the dynamic shared memory (nothing is constructed; every member's
+// size is a multiple of 16 bytes, so each starts 16-byte aligned and nothing is padded). The base
+// lives for the whole kernel. Then a union of the phases: the V phase's operands and slices; after
+// the V loop the E phase's matrices (Akk stays in place), overlaid later by the I / F phases' [64][K]
+// results, which overwrite all of E but dA1 and dL (E writes them, I reads them).
+template <typename WT, int K>
 struct GradsSmem {
   static constexpr int KQ = K + 8;     // WT row stride of [64][K] tiles (16-byte rows, distinct banks)
   static constexpr int KP = K + 8;     // fp32 row stride of the g2 tile
@@ -69,55 +72,59 @@ struct GradsSmem {
   static constexpr int AF = 68;        // fp32 row stride of [64][64] tiles
   static constexpr int VSP = kVS + 8;  // WT row stride of [64][32] slices
   static constexpr int NPART = 2;  // partial sums of sum_v h dh per state row (one per 16-row half of a slice)
+  // One stage of the V loop's double buffer: this slice of h_c and dh_{c+1}, and of do and v.
+  struct VStage {
+    WT h[kVS][KQ];
+    WT dh[kVS][KQ];
+    WT do_[kChunk][VSP];  // [64 tok][VSP]
+    WT v[kChunk][VSP];
+  };
+  struct VPhase {
+    WT aqk[kChunk][AP];
+    WT akk[kChunk][AP];
+    WT kg[kChunk][KQ];
+    WT w[kChunk][KQ];
+    VStage stage[2];
+    WT vn[kChunk][VSP];
+    WT dvn[kChunk][VSP];
+  };
+  struct EPhase {
+    WT m[kChunk][AP];      // over V's aqk
+    WT akk[kChunk][AP];    // V's akk, in place
+    WT dw[kChunk][KQ];     // over V's kg
+    WT kexp[kChunk][KQ];   // over V's w
+    float dakk[kChunk][AF];
+    WT dm[kChunk][AP];
+    WT z[kChunk][AP];
+  };
+  struct IPhase {
+    float xq[kChunk][K];
+    float xk[kChunk][K];
+    float xg[kChunk][K];
+  };
+  struct EIPhases {
+    union {
+      EPhase e;
+      IPhase i;
+    };
+    float rowd[16][16];    // [16 warps][16] diagonal row sums
+    float carry[4][K];     // per-block column sums
+    float a1[kChunk][AF];  // dA1, then (F) the gate partials
+    float dl[kChunk][AF];  // dL
+  };
   // base
-  static constexpr int oQ = 0;
-  static constexpr int oK = oQ + kChunk * KQ * 2;
-  static constexpr int oG = oK + kChunk * KQ * 2;
-  static constexpr int oGate = oG + kChunk * KP * 4;  // dev::GateScratch
-  static constexpr int oDec = oGate + dev::GateScratch<K>::kBytes;  // [NPART][K] partial sums of h * dh
-  static constexpr int oDGp = oDec + NPART * K * 4;   // [4][K] per row block sums of kg * dkg, then partials
-  static constexpr int oRowA = oDGp + 8 * K * 4;      // [4][64] per column quarter row sums
-  static constexpr int oDbc = oRowA + 4 * kChunk * 4;  // [8][64] dbeta from Akk's columns (partials)
-  static constexpr int oU = oDbc + 8 * kChunk * 4;
-  // union, V phase
-  static constexpr int vAqk = oU;
-  static constexpr int vAkk = vAqk + kChunk * AP * 2;
-  static constexpr int vKg = vAkk + kChunk * AP * 2;
-  static constexpr int vW = vKg + kChunk * KQ * 2;
-  static constexpr int vStage = vW + kChunk * KQ * 2;
-  static constexpr int sH = 0;  // within a stage: h_c slice [32 v][KQ]
-  static constexpr int sDH = sH + kVS * KQ * 2;
-  static constexpr int sDo = sDH + kVS * KQ * 2;  // [64 tok][VSP]
-  static constexpr int sV = sDo + kChunk * VSP * 2;
-  static constexpr int kStageBytes = sV + kChunk * VSP * 2;
-  static constexpr int vVN = vStage + 2 * kStageBytes;
-  static constexpr int vDVN = vVN + kChunk * VSP * 2;
-  static constexpr int vEnd = vDVN + kChunk * VSP * 2;
-  // union, E phase (Akk stays where it was)
-  static constexpr int eM = vAqk;
-  static constexpr int eDW = vKg;
-  static constexpr int eKexp = vW;
-  static constexpr int eDAkk = eKexp + kChunk * KQ * 2;
-  static constexpr int eDM = eDAkk + kChunk * AF * 4;
-  static constexpr int eZ = eDM + kChunk * AP * 2;
-  static constexpr int eZEnd = eZ + kChunk * AP * 2;
-  // union, I / F phases
-  static constexpr int iXq = oU;
-  static constexpr int iXk = iXq + kChunk * K * 4;
-  static constexpr int iXg = iXk + kChunk * K * 4;
-  static constexpr int iXEnd = iXg + kChunk * K * 4;
-  static constexpr int iRowD = eZEnd > iXEnd ? eZEnd : iXEnd;  // [16 warps][16] diagonal row sums
-  static constexpr int iCarry = iRowD + 16 * 16 * 4;           // [4][K] per-block column sums
-  static constexpr int eA1 = iCarry + 4 * K * 4;              // dA1 and dL: written in E, read in I
-  static constexpr int eDL = eA1 + kChunk * AF * 4;
-  static constexpr int eEnd = eDL + kChunk * AF * 4;
-  static constexpr size_t kBytes = (vEnd > eEnd ? vEnd : eEnd);
-  static_assert(oK % 16 == 0 && oG % 16 == 0 && oGate % 16 == 0 && oU % 16 == 0 && vStage % 16 == 0 &&
-                    kStageBytes % 16 == 0 && eA1 % 16 == 0 && eDM % 16 == 0 && eZ % 16 == 0 && iXk % 16 == 0,
-                "16-byte aligned buffers");
-  static_assert(eDAkk >= vAkk + kChunk * AP * 2, "the E phase keeps Akk in place");
-  static_assert(kBytes <= 227 * 1024, "grads shared memory exceeds the sm_90 per-CTA limit");
-  static_assert((kGradsThreads / (K / 8)) * K <= kChunk * AF, "F's gate partials fit in dA1's place");
+  WT q[kChunk][KQ];
+  WT k[kChunk][KQ];
+  float g[kChunk][KP];
+  dev::GateStorage<K> gate;
+  float dec[NPART][K];     // partial sums of h * dh
+  float dgp[8][K];         // [4][K] per row block sums of kg * dkg, then partials
+  float rowa[4][kChunk];   // per column quarter row sums
+  float dbc[8][kChunk];    // dbeta from Akk's columns (partials)
+  union {
+    VPhase v;
+    EIPhases ei;
+  } u;
 };
 
 // Profiling (tests / scripts only): thread 0 of every CTA stamps clock64() at the phase boundaries
@@ -135,20 +142,23 @@ struct GradsSmem {
 // Everything a phase needs: the params, this CTA's chunk, the thread's place, the smem buffers.
 template <typename WT, int K>
 struct GradsCtx : dev::ChunkPlace {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using E = dev::Elem<WT>;
   static constexpr int NTH = kGradsThreads;
+  static_assert(sizeof(S) <= 227 * 1024, "grads shared memory exceeds the sm_90 per-CTA limit");
+  static_assert(offsetof(typename S::EPhase, akk) == offsetof(typename S::VPhase, akk), "the E phase keeps Akk in place");
+  static_assert((kGradsThreads / (K / 8)) * K <= kChunk * S::AF, "F's gate partials fit in dA1's place");
   static constexpr int KQ = S::KQ, KP = S::KP, AP = S::AP, AF = S::AF, VSP = S::VSP;
   static constexpr int KW = K / 4;     // columns of K per warp (column quarter)
   static constexpr int NTK = KW / 8;   // n-tiles of 8 columns in a warp's quarter of K
 
   const KdaBwdParams& p;
-  char* sm;
+  S* st;
   int g, t, rb, cq, cb;
   int V;
 
   __device__ __forceinline__ GradsCtx(const KdaBwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
-      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), sm(sm_) {
+      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), st(reinterpret_cast<S*>(sm_)) {
     g = lane >> 2;
     t = lane & 3;
     rb = warp & 3;
@@ -156,21 +166,21 @@ struct GradsCtx : dev::ChunkPlace {
     cb = cq * KW;
     V = p.V;
   }
-  template <typename T>
-  __device__ __forceinline__ T* at(int off) const { return reinterpret_cast<T*>(sm + off); }
-  __device__ __forceinline__ WT* sQ() const { return at<WT>(S::oQ); }
-  __device__ __forceinline__ WT* sK() const { return at<WT>(S::oK); }
-  __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
-  using GS = dev::GateScratch<K>;  // its offsets (no pointer struct here: the hot loops index from sm)
-  __device__ __forceinline__ float* sBT() const { return at<float>(S::oGate + GS::kBT); }
-  __device__ __forceinline__ float* sBO() const { return at<float>(S::oGate + GS::kBO); }
-  __device__ __forceinline__ float* sBS() const { return at<float>(S::oGate + GS::kBS); }
-  __device__ __forceinline__ float* sGt() const { return at<float>(S::oGate + GS::kGt); }
-  __device__ __forceinline__ float* sBeta() const { return at<float>(S::oGate + GS::kBeta); }
-  __device__ __forceinline__ float* sRq() const { return at<float>(S::oGate + GS::kRq); }
-  __device__ __forceinline__ float* sRk() const { return at<float>(S::oGate + GS::kRk); }
-  __device__ __forceinline__ float* sA1() const { return at<float>(S::eA1); }
-  __device__ __forceinline__ float* sDL() const { return at<float>(S::eDL); }
+  __device__ __forceinline__ WT* sQ() const { return &st->q[0][0]; }
+  __device__ __forceinline__ WT* sK() const { return &st->k[0][0]; }
+  __device__ __forceinline__ float* sG() const { return &st->g[0][0]; }
+  __device__ __forceinline__ float* sBT() const { return &st->gate.BT[0][0]; }
+  __device__ __forceinline__ float* sBO() const { return &st->gate.BO[0][0]; }
+  __device__ __forceinline__ float* sBS() const { return &st->gate.BS[0][0]; }
+  __device__ __forceinline__ float* sGt() const { return st->gate.Gt; }
+  __device__ __forceinline__ float* sBeta() const { return st->gate.beta; }
+  __device__ __forceinline__ float* sRq() const { return st->gate.rq; }
+  __device__ __forceinline__ float* sRk() const { return st->gate.rk; }
+  __device__ __forceinline__ float* sA1() const { return &st->u.ei.a1[0][0]; }
+  __device__ __forceinline__ float* sDL() const { return &st->u.ei.dl[0][0]; }
+  __device__ __forceinline__ typename S::VPhase& vph() const { return st->u.v; }
+  __device__ __forceinline__ typename S::EPhase& eph() const { return st->u.ei.e; }
+  __device__ __forceinline__ typename S::IPhase& iph() const { return st->u.ei.i; }
   __device__ __forceinline__ float qhat(int r, int d) const { return E::to_float(sQ()[r * KQ + d]) * sRq()[r]; }
   __device__ __forceinline__ float khat(int r, int d) const { return E::to_float(sK()[r * KQ + d]) * sRk()[r]; }
   // exponents of element (r, d), r in this warp's row block: g2 = O_b + loc, G - g2 = (T_b - loc) + S_b
@@ -220,14 +230,14 @@ using Tile = float[NTK][4];
 // ---------------------------------------------------------------- P
 template <typename WT, int K>
 __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s, int st) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   constexpr int KQ = S::KQ, VSP = S::VSP, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
-  char* base = c.sm + S::vStage + st * S::kStageBytes;
-  WT* bH = reinterpret_cast<WT*>(base + S::sH);
-  WT* bDH = reinterpret_cast<WT*>(base + S::sDH);
-  WT* bDo = reinterpret_cast<WT*>(base + S::sDo);
-  WT* bV = reinterpret_cast<WT*>(base + S::sV);
+  typename S::VStage& stage = c.vph().stage[st];
+  WT* bH = &stage.h[0][0];
+  WT* bDH = &stage.dh[0][0];
+  WT* bDo = &stage.do_[0][0];
+  WT* bV = &stage.v[0][0];
   const int64_t sb = (static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * c.V * K;
   const WT* gh = reinterpret_cast<const WT*>(p.h_ckpt) + sb;
   const WT* gdh = reinterpret_cast<const WT*>(p.dh_ckpt) + sb;
@@ -253,15 +263,15 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
 // rows past the end zero-filled, sources never read. One commit group.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   constexpr int KQ = S::KQ, AP = S::AP, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
   const WT* q = reinterpret_cast<const WT*>(p.q);
   const WT* k = reinterpret_cast<const WT*>(p.k);
   const WT* gw = reinterpret_cast<const WT*>(p.w);
   const WT* gkg = reinterpret_cast<const WT*>(p.kg);
-  WT* sW = c.template at<WT>(S::vW);
-  WT* sKg = c.template at<WT>(S::vKg);
+  WT* sW = &c.vph().w[0][0];
+  WT* sKg = &c.vph().kg[0][0];
   constexpr int VPR = K / 8;
   dev::strided<kChunk * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
@@ -275,8 +285,8 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
   });
   const WT* gAqk = reinterpret_cast<const WT*>(p.Aqk);
   const WT* gAkk = reinterpret_cast<const WT*>(p.Akk);
-  WT* sAqk = c.template at<WT>(S::vAqk);
-  WT* sAkk = c.template at<WT>(S::vAkk);
+  WT* sAqk = &c.vph().aqk[0][0];
+  WT* sAkk = &c.vph().akk[0][0];
   dev::strided<kChunk * 8, NTH>(c.tid, [&](int i) {
     const int r = i / 8, c8 = (i % 8) * 8;
     const bool ok = r < c.len;
@@ -304,17 +314,17 @@ template <typename WT, int K>
 __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4],
                                                float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
                                                float (&dAk)[2][4], float (&dec2)[2]) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
   constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
   const int rb = c.rb, cq = c.cq, g = c.g, t = c.t;
-  const WT* sAqk = c.template at<WT>(S::vAqk);
-  const WT* sAkk = c.template at<WT>(S::vAkk);
-  const WT* sKg = c.template at<WT>(S::vKg);
-  const WT* sW = c.template at<WT>(S::vW);
-  WT* sVN = c.template at<WT>(S::vVN);
-  WT* sDVN = c.template at<WT>(S::vDVN);
+  const WT* sAqk = &c.vph().aqk[0][0];
+  const WT* sAkk = &c.vph().akk[0][0];
+  const WT* sKg = &c.vph().kg[0][0];
+  const WT* sW = &c.vph().w[0][0];
+  WT* sVN = &c.vph().vn[0][0];
+  WT* sDVN = &c.vph().dvn[0][0];
   // V1 roles: warp (rb, vg = cq & 1, which = cq >> 1): the 16 x 16 tile (rows 16 rb, slice columns
   // 16 vg) of v' (which = 0) or dv' (which = 1)
   const int vg = cq & 1;
@@ -330,11 +340,11 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
     __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage, sVN / sDVN)
     if (s + 1 < nvs) grads_load_slice(c, s + 1, st ^ 1);
     dev::cp_async_commit();
-    const char* base = c.sm + S::vStage + st * S::kStageBytes;
-    const WT* bH = reinterpret_cast<const WT*>(base + S::sH);
-    const WT* bDH = reinterpret_cast<const WT*>(base + S::sDH);
-    const WT* bDo = reinterpret_cast<const WT*>(base + S::sDo);
-    const WT* bV = reinterpret_cast<const WT*>(base + S::sV);
+    const typename S::VStage& stage = c.vph().stage[st];
+    const WT* bH = &stage.h[0][0];
+    const WT* bDH = &stage.dh[0][0];
+    const WT* bDo = &stage.do_[0][0];
+    const WT* bV = &stage.v[0][0];
 
     // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T (one tile per warp)
     {
@@ -421,25 +431,25 @@ template <typename WT, int K>
 __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4], float (&dkg)[K / 32][4],
                                          float (&dwc)[K / 32][4], float (&dAq)[2][4], float (&dAk)[2][4],
                                          float (&dkA)[K / 32][4], float (&dec2)[2]) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
   constexpr int KQ = S::KQ, AP = S::AP, AF = S::AF, NTK = Ctx::NTK, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
   const int rb = c.rb, cq = c.cq, g = c.g, t = c.t, cb = c.cb, tid = c.tid;
   const int r0 = c.r0(), r1 = c.r1();
-  WT* sM = c.template at<WT>(S::eM);
-  WT* sAkk = c.template at<WT>(S::vAkk);
-  WT* sDW = c.template at<WT>(S::eDW);
-  WT* sKexp = c.template at<WT>(S::eKexp);
-  float* sDAkk = c.template at<float>(S::eDAkk);
-  WT* sDM = c.template at<WT>(S::eDM);
-  WT* sZ = c.template at<WT>(S::eZ);
+  WT* sM = &c.eph().m[0][0];
+  WT* sAkk = &c.vph().akk[0][0];
+  WT* sDW = &c.eph().dw[0][0];
+  WT* sKexp = &c.eph().kexp[0][0];
+  float* sDAkk = &c.eph().dakk[0][0];
+  WT* sDM = &c.eph().dm[0][0];
+  WT* sZ = &c.eph().z[0][0];
   float* sA1 = c.sA1();
   float* sDL = c.sDL();
-  float* sDec = c.template at<float>(S::oDec);
-  float* sDGp = c.template at<float>(S::oDGp);
-  float* sDbc = c.template at<float>(S::oDbc);
+  float* sDec = &c.st->dec[0][0];
+  float* sDGp = &c.st->dgp[0][0];
+  float* sDbc = &c.st->dbc[0][0];
   {
     const WT* gM = reinterpret_cast<const WT*>(p.M);
     dev::strided<kChunk * 8, NTH>(tid, [&](int i) {
@@ -655,7 +665,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
 template <typename WT, int K>
 __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4],
                                               float (&dkA)[K / 32][4], float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   constexpr int KP = S::KP, NTK = Ctx::NTK;
   const int rb = c.rb, g = c.g, t = c.t, cb = c.cb;
@@ -758,16 +768,16 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 // of dbeta goes to rowsumK, as I1's does; the SIMT I3 then does not run.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (&rowsumK)[2]) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   constexpr int KP = S::KP, NTK = Ctx::NTK;
   const int rb = c.rb, g = c.g, t = c.t, cb = c.cb;
   const int r0 = c.r0(), r1 = c.r1(), m = 16 * rb + 8;
   const float* sG = c.sG();
   const float* sBeta = c.sBeta();
-  float* Xq = c.template at<float>(S::iXq);
-  float* Xk = c.template at<float>(S::iXk);
-  float* Xg = c.template at<float>(S::iXg);
+  float* Xq = &c.iph().xq[0][0];
+  float* Xk = &c.iph().xk[0][0];
+  float* Xg = &c.iph().xg[0][0];
   float lm[NTK];  // g_m (block-local) at this lane's B columns d = cb + 8 j + g
 #pragma unroll
   for (int j = 0; j < NTK; ++j) lm[j] = sG[m * KP + cb + 8 * j + g];
@@ -860,16 +870,16 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
 template <typename WT, int K, bool kMid>
 __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4], float (&dkA)[K / 32][4],
                                            float (&dkB)[K / 32][4], float (&rowsumK)[2]) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   constexpr int KP = S::KP, AF = S::AF, NTK = Ctx::NTK;
   const int t = c.t, cb = c.cb, tid = c.tid, lane = c.lane, warp = c.warp;
   const int r0 = c.r0(), r1 = c.r1();
-  float* Xq = c.template at<float>(S::iXq);
-  float* Xk = c.template at<float>(S::iXk);
-  float* Xg = c.template at<float>(S::iXg);
-  float* sRowA = c.template at<float>(S::oRowA);
-  float* sRowD = c.template at<float>(S::iRowD);
+  float* Xq = &c.iph().xq[0][0];
+  float* Xk = &c.iph().xk[0][0];
+  float* Xg = &c.iph().xg[0][0];
+  float* sRowA = &c.st->rowa[0][0];
+  float* sRowD = &c.st->u.ei.rowd[0][0];
 #pragma unroll
   for (int j = 0; j < NTK; ++j) {
     const int col = cb + 8 * j + 2 * t;
@@ -972,7 +982,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 // g), dbeta, and dq / dk (l2norm backward, or dq^ / dk^ per value head with GVA).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
   constexpr int NTH = kGradsThreads, NPART = S::NPART;
@@ -980,17 +990,17 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   const int tid = c.tid, lane = c.lane, warp = c.warp;
   const int HV = c.HV, hv = c.hv, len = c.len;
   const int64_t tok0 = c.tok0;
-  float* Xq = c.template at<float>(S::iXq);
-  float* Xk = c.template at<float>(S::iXk);
-  float* Xg = c.template at<float>(S::iXg);
+  float* Xq = &c.iph().xq[0][0];
+  float* Xk = &c.iph().xk[0][0];
+  float* Xg = &c.iph().xg[0][0];
   float* sGt = c.sGt();
-  float* sDec = c.template at<float>(S::oDec);
-  float* sDGp = c.template at<float>(S::oDGp);
-  float* sCarry = c.template at<float>(S::iCarry);
-  float* sPart = c.template at<float>(S::eA1);  // [NTH / (K / 8)][K] gate partials: dA1 is dead by now
-  float* sRowA = c.template at<float>(S::oRowA);
-  float* sRowD = c.template at<float>(S::iRowD);
-  float* sDbc = c.template at<float>(S::oDbc);
+  float* sDec = &c.st->dec[0][0];
+  float* sDGp = &c.st->dgp[0][0];
+  float* sCarry = &c.st->u.ei.carry[0][0];
+  float* sPart = c.sA1();  // [NTH / (K / 8)][K] gate partials: dA1 is dead by now
+  float* sRowA = &c.st->rowa[0][0];
+  float* sRowD = &c.st->u.ei.rowd[0][0];
+  float* sDbc = &c.st->dbc[0][0];
   // the gate backward's items: item = (row r_first + RSTEP it, 8 columns at d0). The first item's raw
   // gate input is loaded here, in flight across the cumsum below; the loop over items is rolled (one
   // copy of the gate derivatives' code: this epilogue runs once per CTA, so its size is instruction
@@ -1180,7 +1190,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
 // against 8,360 / 6,744 apart), and the grads kernel has been instruction-fetch bound before.
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
-  using S = GradsSmem<K>;
+  using S = GradsSmem<WT, K>;
   constexpr int NTH = kGradsThreads, NTK = K / 32;
   KF_DYN_SMEM(float4, smem_f4);
   int n, ci;
@@ -1244,15 +1254,15 @@ auto grads_kernel_for(const KdaBwdParams& p) {
 }
 
 // The launch (kda_launch_shape.h): one CTA of kGradsThreads per (chunk, value head).
-template <int K>
+template <typename WT, int K>
 inline LaunchShape grads_launch(const KdaProblem& p) {
-  return chunk_grid(p, kGradsThreads, GradsSmem<K>::kBytes);
+  return chunk_grid(p, kGradsThreads, sizeof(GradsSmem<WT, K>));
 }
 
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_grads(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_kernel(grads_kernel_for<WT, K>(p), grads_launch<K>(p), p, stream);
+  dev::launch_chunk_kernel(grads_kernel_for<WT, K>(p), grads_launch<WT, K>(p), p, stream);
 }
 #endif
 

@@ -27,31 +27,28 @@ constexpr int kPrepThreads = 256;
 
 constexpr int kPrepCtasPerSm = 4;
 
-template <int K>
+// Shared memory (a view of the dynamic shared memory; every member a multiple of 16 bytes).
+template <typename WT, int K>
 struct PrepSmem {
   static constexpr int KQ = K + 8;  // WT row stride of q (then kexp) and k
   static constexpr int AP = kChunk + 8;
-  static constexpr int oQ = 0;      // raw q, then kexp (each element overwritten by the thread that read it)
-  static constexpr int oK = oQ + kChunk * KQ * 2;
-  static constexpr int oAkk = oK + kChunk * KQ * 2;
-  static constexpr int oGate = oAkk + kChunk * AP * 2;  // dev::GateScratch
-  static constexpr size_t kBytes = oGate + dev::GateScratch<K>::kBytes;
-  static_assert(oK % 16 == 0 && oAkk % 16 == 0 && oGate % 16 == 0, "16-byte aligned buffers");
-  static_assert(kPrepCtasPerSm * (kBytes + 1024) <= 228 * 1024, "kPrepCtasPerSm CTAs per SM");
+  WT q[kChunk][KQ];  // raw q, then kexp (each element overwritten by the thread that read it)
+  WT k[kChunk][KQ];
+  WT akk[kChunk][AP];
+  dev::GateStorage<K> gate;
 };
-
 template <typename WT, int K>
 __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_kernel(const KdaBwdParams p) {
-  using S = PrepSmem<K>;
+  using S = PrepSmem<WT, K>;
   using Map = dev::GateMap<K, kPrepThreads>;
   constexpr int NTH = kPrepThreads, KQ = S::KQ, AP = S::AP, RPT = Map::RPT;
   KF_DYN_SMEM(float4, smem_f4);
-  char* sm = reinterpret_cast<char*>(smem_f4);
-  WT* sQ = reinterpret_cast<WT*>(sm + S::oQ);
-  WT* sK = reinterpret_cast<WT*>(sm + S::oK);
+  S* sm = reinterpret_cast<S*>(smem_f4);
+  WT* sQ = &sm->q[0][0];
+  WT* sK = &sm->k[0][0];
   WT* sKexp = sQ;
-  WT* sAkk = reinterpret_cast<WT*>(sm + S::oAkk);
-  const dev::GateScratch<K> gs(sm + S::oGate);
+  WT* sAkk = &sm->akk[0][0];
+  const dev::GateScratch<K> gs(sm->gate);
   float *sBT = gs.BT, *sBO = gs.BO, *sBS = gs.BS, *sGt = gs.Gt, *sBeta = gs.beta, *sRq = gs.rq, *sRk = gs.rk;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -149,15 +146,16 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_ker
 }
 
 // The launch (kda_launch_shape.h): launch_prep's and the emulator's.
-template <int K>
+template <typename WT, int K>
 inline LaunchShape prep_launch(const KdaProblem& p) {
-  return chunk_grid(p, kPrepThreads, PrepSmem<K>::kBytes);
+  static_assert(kPrepCtasPerSm * (sizeof(PrepSmem<WT, K>) + 1024) <= 228 * 1024, "kPrepCtasPerSm CTAs per SM");
+  return chunk_grid(p, kPrepThreads, sizeof(PrepSmem<WT, K>));
 }
 
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_prep(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_kernel(kda_bwd_prep_kernel<WT, K>, prep_launch<K>(p), p, stream);
+  dev::launch_chunk_kernel(kda_bwd_prep_kernel<WT, K>, prep_launch<WT, K>(p), p, stream);
 }
 #endif
 

@@ -311,24 +311,25 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
 // The gate's per-chunk scratch in shared memory, one block that every kernel recomputing the gate
 // keeps (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads): the block totals T_b and the sums of the
 // totals before (O_b) and after (S_b) each block ([4][K] fp32 each, block_offsets), g2 at the last
-// valid row ([K]), beta and the l2norm row factors of q and k ([64] fp32 each). The block must start
-// 16-byte aligned; every piece then is.
+// valid row ([K]), beta and the l2norm row factors of q and k ([64] fp32 each). Every member is a
+// multiple of 16 bytes, so the block keeps each piece 16-byte aligned where it starts aligned.
+template <int K>
+struct GateStorage {
+  float BT[4][K];
+  float BO[4][K];
+  float BS[4][K];
+  float Gt[K];
+  float beta[kChunk];
+  float rq[kChunk];
+  float rk[kChunk];
+};
+
+// Pointers into a GateStorage, for the phases that pass the gate scratch around as one value.
 template <int K>
 struct GateScratch {
-  static constexpr int kBT = 0;
-  static constexpr int kBO = kBT + 4 * K * 4;
-  static constexpr int kBS = kBO + 4 * K * 4;
-  static constexpr int kGt = kBS + 4 * K * 4;
-  static constexpr int kBeta = kGt + K * 4;
-  static constexpr int kRq = kBeta + kChunk * 4;
-  static constexpr int kRk = kRq + kChunk * 4;
-  static constexpr int kBytes = kRk + kChunk * 4;
   float *BT, *BO, *BS, *Gt, *beta, *rq, *rk;
-  __device__ __forceinline__ explicit GateScratch(char* base)
-      : BT(reinterpret_cast<float*>(base + kBT)), BO(reinterpret_cast<float*>(base + kBO)),
-        BS(reinterpret_cast<float*>(base + kBS)), Gt(reinterpret_cast<float*>(base + kGt)),
-        beta(reinterpret_cast<float*>(base + kBeta)), rq(reinterpret_cast<float*>(base + kRq)),
-        rk(reinterpret_cast<float*>(base + kRk)) {}
+  __device__ __forceinline__ explicit GateScratch(GateStorage<K>& s)
+      : BT(&s.BT[0][0]), BO(&s.BO[0][0]), BS(&s.BS[0][0]), Gt(s.Gt), beta(s.beta), rq(s.rq), rk(s.rk) {}
 };
 
 // From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,

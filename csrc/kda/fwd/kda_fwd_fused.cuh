@@ -12,8 +12,8 @@
 // version measures faster on the H200 (KERNEL_FUN_KDA_FWD_FUSED=1 opts in, for timing: the fused
 // stage of kda_sequence.h's forward_sequence, kda_fwd.cu's kda_fwd_fused_wanted).
 //
-// Shared memory: the intra scratch (IntraSmem<K>, rounded up to 1024 bytes), then one ScanStage
-// (1024-byte aligned, as the swizzled tiles need), from the first 1024-byte aligned byte.
+// Shared memory: FusedSmem (the intra scratch, then one ScanStage 1024-byte aligned, as the swizzled
+// tiles need), placed at the first 1024-byte aligned byte of the dynamic shared memory.
 #pragma once
 
 #include "kda/fwd/kda_fwd_intra.cuh"
@@ -23,19 +23,24 @@ namespace kernel_fun::kda {
 
 template <typename WT, int K, int BV>
 struct FusedSmem {
-  static constexpr size_t kIntra = (IntraSmem<K>::kBytes + 1023) / 1024 * 1024;
-  static constexpr size_t kStage = kIntra;  // bytes from the aligned base
-  static constexpr size_t kBytes = kIntra + sizeof(WT) * dev::ScanStage<WT, K, BV>::kStageElems + 1024;
-  static_assert(kBytes <= 227 * 1024, "fused forward shared memory exceeds the sm_90 per-CTA limit");
-  static_assert(dev::scan_threads<BV>() <= kIntraThreads, "the state warps are a subset of the CTA");
+  IntraSmem<WT, K> intra;
+  alignas(1024) WT stage[dev::ScanStage<WT, K, BV>::kStageElems];
 };
+// The dynamic shared memory a fused CTA asks for: the struct and the slack that aligning its base
+// to 1024 bytes may cost (dev::scan_smem_base).
+template <typename WT, int K, int BV>
+constexpr size_t fused_smem_bytes() {
+  static_assert(sizeof(FusedSmem<WT, K, BV>) + 1024 <= 227 * 1024,
+                "fused forward shared memory exceeds the sm_90 per-CTA limit");
+  static_assert(dev::scan_threads<BV>() <= kIntraThreads, "the state warps are a subset of the CTA");
+  return sizeof(FusedSmem<WT, K, BV>) + 1024;
+}
 
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const KdaFwdParams p) {
-  using F = FusedSmem<WT, K, BV>;
   KF_DYN_SMEM(float4, smem_f4);
-  char* sm = reinterpret_cast<char*>(dev::scan_smem_base<WT>(smem_f4));
-  WT* stage = reinterpret_cast<WT*>(sm + F::kStage);
+  auto* sm = reinterpret_cast<FusedSmem<WT, K, BV>*>(dev::scan_smem_base<WT>(smem_f4));
+  WT* stage = sm->stage;
   const dev::ScanPlace<K, BV> pl(p, dev::scan_block());
   const bool state_warp = threadIdx.x < dev::scan_threads<BV>();
   const bool with_o = p.o != nullptr;
@@ -44,7 +49,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const K
   for (int c = 0; c < pl.nchunks; ++c) {
     // the intra phases' first barrier also orders this chunk's stage writes after the state warps'
     // reads of the previous chunk's stage
-    const IntraCtx<WT, K> ic(p, sm, pl.seq, c, pl.hv);
+    const IntraCtx<WT, K> ic(p, reinterpret_cast<char*>(&sm->intra), pl.seq, c, pl.hv);
     intra_chunk(ic, IntraToStage<WT, K, BV>{stage});
     dev::scan_load_values<WT, K, BV, kIntraThreads>(stage, reinterpret_cast<const WT*>(p.v), p, pl.seq, c, pl.hv,
                                                     pl.v0);
@@ -59,7 +64,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const K
 // The launch (kda_launch_shape.h): the scans' grid (V / BV slices, value heads, sequences).
 template <typename WT, int K, int BV>
 inline LaunchShape fwd_fused_launch(const KdaProblem& p) {
-  return scan_grid(p, p.V / BV, kIntraThreads, FusedSmem<WT, K, BV>::kBytes);
+  return scan_grid(p, p.V / BV, kIntraThreads, fused_smem_bytes<WT, K, BV>());
 }
 
 #ifndef KF_EMU

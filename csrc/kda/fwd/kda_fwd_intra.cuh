@@ -36,14 +36,7 @@
 //   * warps 4-7: the rest of each diagonal 16-block on tf32 tensor cores, through the last row e of
 //     the column tile: exp2(g_i - g_e) * exp2(g_e - g_j).
 //
-// Shared memory plan (KP = K + 8 floats, KQ = K + 8 elements, AP = 68):
-//   sG  fp32 [64][KP]  block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2), B operand of w (.. P4b)
-//   sQ  WT   [64][KQ]  raw q (P0 .. qg), then X = (I+L)^-1 fp32 [64][AP] (P3 .. P4b)
-//   sK  WT   [64][KQ]  raw k (P0 .. kexp)
-//   sA  fp32 [64][AP]  Aqk (P2 .. its store), then the merge scratch Y [48][AP] (P3 merge)
-//   sL  fp32 [64][AP]  L (P2 .. P3)
-//   sBeta, sRq, sRk [64]; sGt [K] = G; sBT / sBO / sBS [4][K]: per 16-row block its total, the sum of
-//   the totals before it, the sum of the totals after it
+// Shared memory: IntraSmem below, each region with its lifetime (~109 KB at K = 128).
 // g2 is kept BLOCK-LOCAL (the inclusive cumsum restarts at every 16-row block, times 1/ln2): every
 // exponent is either a difference inside one block or such a difference plus whole-block totals,
 // all terms <= 0, so a large cumsum never cancels across blocks (e.g. one -1000 step in block 0
@@ -52,6 +45,7 @@
 // nothing, keep g2 of the last valid row, and are never written to the workspace.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kda/device/gate.cuh"
@@ -64,29 +58,26 @@ namespace kernel_fun::kda {
 
 constexpr int kIntraThreads = 256;
 
-template <int K>
+// The shared memory plan above as one typed struct (nothing in it is constructed: it is a view of
+// the dynamic shared memory). Every member's size is a multiple of 16 bytes, so each starts 16-byte
+// aligned and the layout has no padding.
+template <typename WT, int K>
 struct IntraSmem {
   // Row strides: KP = K + 8 floats is 8 banks per row, so the 8-byte (float2) loads of P2 (rows g
   // of a fragment, columns 2t, 2t+1) and P4b's column reads hit distinct banks per half-warp.
   static constexpr int KP = K + 8;
   static constexpr int KQ = K + 8;
   static constexpr int AP = 68;
-  static constexpr int kGBytes = kChunk * KP * 4;
-  // The q region later holds X = (I+L)^-1 in fp32 (from P3 on), so it has room for both.
-  static constexpr int kQBytes = kChunk * KQ * 2 > kChunk * AP * 4 ? kChunk * KQ * 2 : kChunk * AP * 4;
-  static constexpr int kKBytes = kChunk * KQ * 2;
-  static constexpr int kABytes = kChunk * AP * 4;
-  static constexpr int oG = 0;
-  static constexpr int oQ = oG + kGBytes;
-  static constexpr int oK = oQ + kQBytes;
-  static constexpr int oA = oK + kKBytes;
-  static constexpr int oL = oA + kABytes;
-  static constexpr int oGate = oL + kABytes;  // dev::GateScratch
-  static constexpr int oWork = oGate + dev::GateScratch<K>::kBytes;  // int: next unit of the shared qg/kg work queue
-  static constexpr size_t kBytes = oWork + 16;
-  static_assert(oQ % 16 == 0 && oK % 16 == 0 && oA % 16 == 0 && oL % 16 == 0 && oGate % 16 == 0,
-                "16-byte aligned buffers");
-  static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
+  float g[kChunk][KP];    // block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2) (.. P4b)
+  union {
+    WT q[kChunk][KQ];     // raw q (P0 .. qg)
+    float x[kChunk][AP];  // X = (I + L)^-1 (P3 .. P4b): q is dead once qg is written
+  } qx;
+  WT k[kChunk][KQ];       // raw k (P0 .. kexp)
+  float a[kChunk][AP];    // Aqk (P2 .. its store), then the merge scratch Y [48][AP] (P3 merge)
+  float l[kChunk][AP];    // L (P2 .. P3); zero-filled with a[] as one range, so it must follow a[]
+  dev::GateStorage<K> gate;
+  int work[4];            // [0]: the next unit of the shared qg / kg work queue (P2 .. P4a)
 };
 
 // 3xTF32 m16n8k8: D += A B with A, B split into tf32 hi + lo parts (hi*lo + lo*hi + hi*hi), about
@@ -109,27 +100,27 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
 // the thread's place and the typed views of the shared memory plan above.
 template <typename WT, int K>
 struct IntraCtx : dev::ChunkPlace {
-  using S = IntraSmem<K>;
+  using S = IntraSmem<WT, K>;
   using E = dev::Elem<WT>;
   static constexpr int KP = S::KP, KQ = S::KQ, AP = S::AP, NTH = kIntraThreads;
+  static_assert(sizeof(S) <= 113 * 1024, "two CTAs per SM");
+  static_assert(offsetof(S, l) == offsetof(S, a) + sizeof(S::a), "a[] and l[] are zero-filled as one range");
 
   const KdaFwdParams& p;
-  char* sm;
+  S* st;
 
   __device__ __forceinline__ IntraCtx(const KdaFwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
-      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), sm(sm_) {}
-  template <typename T>
-  __device__ __forceinline__ T* at(int off) const { return reinterpret_cast<T*>(sm + off); }
-  __device__ __forceinline__ float* sG() const { return at<float>(S::oG); }
-  __device__ __forceinline__ WT* sQ() const { return at<WT>(S::oQ); }
-  __device__ __forceinline__ WT* sK() const { return at<WT>(S::oK); }
-  __device__ __forceinline__ float* sA() const { return at<float>(S::oA); }
-  __device__ __forceinline__ float* sL() const { return at<float>(S::oL); }
-  __device__ __forceinline__ dev::GateScratch<K> gs() const { return dev::GateScratch<K>(sm + S::oGate); }
-  __device__ __forceinline__ int* sWork() const { return at<int>(S::oWork); }
-  __device__ __forceinline__ float* sX() const { return at<float>(S::oQ); }  // from P3 (q is dead once qg is written)
-  __device__ __forceinline__ float* sY() const { return sA(); }              // P3 merge (Aqk is stored by then)
-  __device__ __forceinline__ float* sKexp() const { return sG(); }           // from P4a's second part
+      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), st(reinterpret_cast<S*>(sm_)) {}
+  __device__ __forceinline__ float* sG() const { return &st->g[0][0]; }
+  __device__ __forceinline__ WT* sQ() const { return &st->qx.q[0][0]; }
+  __device__ __forceinline__ WT* sK() const { return &st->k[0][0]; }
+  __device__ __forceinline__ float* sA() const { return &st->a[0][0]; }
+  __device__ __forceinline__ float* sL() const { return &st->l[0][0]; }
+  __device__ __forceinline__ dev::GateScratch<K> gs() const { return dev::GateScratch<K>(st->gate); }
+  __device__ __forceinline__ int* sWork() const { return st->work; }
+  __device__ __forceinline__ float* sX() const { return &st->qx.x[0][0]; }  // from P3
+  __device__ __forceinline__ float* sY() const { return sA(); }             // P3 merge (Aqk is stored by then)
+  __device__ __forceinline__ float* sKexp() const { return sG(); }          // from P4a's second part
 
   __device__ __forceinline__ float Qf(int r, int d) const { return E::to_float(sQ()[r * KQ + d]); }
   __device__ __forceinline__ float Kf(int r, int d) const { return E::to_float(sK()[r * KQ + d]); }
@@ -770,15 +761,15 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
 }
 
 // The launch (kda_launch_shape.h): launch_intra's and the emulator's.
-template <int K>
+template <typename WT, int K>
 inline LaunchShape intra_launch(const KdaProblem& p) {
-  return chunk_grid(p, kIntraThreads, IntraSmem<K>::kBytes);
+  return chunk_grid(p, kIntraThreads, sizeof(IntraSmem<WT, K>));
 }
 
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_kernel(kda_fwd_intra_kernel<WT, K>, intra_launch<K>(p), p, stream);
+  dev::launch_chunk_kernel(kda_fwd_intra_kernel<WT, K>, intra_launch<WT, K>(p), p, stream);
 }
 #endif
 

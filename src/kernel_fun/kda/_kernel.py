@@ -236,6 +236,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     -(M^T dM M^T) (i > j), both [B*T, HV, 64] fp32; h_ckpt, dh_ckpt: [max_chunks, HV, V, K], the state
     before chunk c and the state gradient dh_{c+1} chunk c reads; M, and the recomputed forward
     workspace; with profile also clock: kda_bwd_grads' clock64() at its phase boundaries, [CTAs, 16]}.
+    pbias / pA (the per-chunk gate partials) come back as the gate-parameter passes leave them: rows
+    0, 64, 128, ... hold the sums of their 64-chunk segments (kda_bwd_finish.cuh works in place).
     saved: the forward's (Aqk, Akk, M) (kda_bwd_prep rebuilds the rest), or None (the forward intra
     recomputes everything)."""
     A, D = gate_params(opts, A_log, dt_bias)
