@@ -472,3 +472,42 @@ def test_out_of_bounds_global_write_is_caught(emu):
     finally:
         emu._Guarded.alloc = orig
 
+
+
+def test_cluster_handoff_through_distributed_shared_memory(emu):
+    """Two CTAs of a cluster (kf_emu::launch_cluster; common/pipeline.cuh's cluster wrappers): rank 0
+    writes each tile into rank 1's ring through mapa and arrives on rank 1's barrier remotely; rank 1
+    releases stages by arriving on rank 0's. The column sums are exact, under every schedule."""
+    ntiles = 7
+    want = np.array([sum(t * 100 + c for t in range(ntiles)) for c in range(64)], np.float32)
+    L = emu.lib()
+    for order, greedy in (("forward", False), ("reverse", True), ("random", True)):
+        emu.set_schedule(order, greedy, seed=5)
+        out = np.zeros(64, np.float32)
+        try:
+            assert L.kf_emu_selftest_cluster(ntiles, 0, _p(out)) == 0, L.kf_emu_selftest_last_error().decode()
+        finally:
+            emu.set_schedule()
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("bug, words", [
+    (1, ("never initialised",)),                  # no cluster_sync between the inits and the first remote arrival
+    (2, ("has exited",)),                         # a CTA leaves while its peer still arrives on its barriers
+    (3, ("deadlock", "barrier.cluster", "mbarrier")),  # a consumer waits for a tile that never comes
+    (4, ("mapa", "not in the calling CTA")),      # mapa of a global address
+])
+def test_cluster_misuse_is_reported(emu, bug, words):
+    out = np.zeros(64, np.float32)
+    L = emu.lib()
+    bad = False
+    for order in ("forward", "reverse"):  # a race shows under some order
+        emu.set_schedule(order, True)
+        try:
+            if L.kf_emu_selftest_cluster(4, bug, _p(out)) != 0:
+                err = L.kf_emu_selftest_last_error().decode()
+                assert all(w in err for w in words), err
+                bad = True
+        finally:
+            emu.set_schedule()
+    assert bad, f"cluster misuse {bug} not reported"

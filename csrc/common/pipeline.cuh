@@ -131,4 +131,99 @@ __device__ __forceinline__ void named_arrive(int id, int nthreads) {
 #endif
 }
 
+
+// ---- Thread block clusters (a launch with cudaLaunchAttributeClusterDimension): the CTAs of a
+// cluster run on neighbouring SMs and reach each other's shared memory (distributed shared memory).
+// The handoff these serve: a producer CTA writes a stage into a consumer CTA's shared memory
+// through map_shared_rank, then arrives on the consumer's "full" mbarrier (mbar_arrive_remote);
+// the consumer waits on it locally and releases the stage by arriving on the producer's "empty"
+// barrier the same way. cluster_sync after the mbarrier inits (so no CTA arrives on a peer's
+// barrier before it exists) and before any CTA exits (so none writes into a peer that is gone).
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+#ifdef KF_EMU
+  return kf_emu::cluster_ctarank();
+#else
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+#endif
+}
+__device__ __forceinline__ uint32_t cluster_nctarank() {
+#ifdef KF_EMU
+  return kf_emu::cluster_nctarank();
+#else
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+#endif
+}
+
+// The same shared-memory object in the CTA of cluster rank `rank` (a generic address: plain loads
+// and stores reach it).
+template <typename T>
+__device__ __forceinline__ T* map_shared_rank(T* p, uint32_t rank) {
+#ifdef KF_EMU
+  return static_cast<T*>(kf_emu::map_shared_rank(p, rank));
+#else
+  uint64_t r;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<T*>(r);
+#endif
+}
+
+// barrier.cluster: every thread of every CTA of the cluster arrives, then waits (release /
+// acquire: the shared-memory writes before the arrive are visible after the wait, cluster-wide).
+__device__ __forceinline__ void cluster_arrive() {
+#ifdef KF_EMU
+  kf_emu::cluster_arrive();
+#else
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#ifdef KF_EMU
+  kf_emu::cluster_wait();
+#else
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+// Arrive on the mbarrier at `bar` (an address in this CTA's shared memory) of the CTA of cluster
+// rank `rank`, with release semantics at cluster scope: the writes this thread made into that CTA's
+// shared memory before are visible to whoever waits on the barrier's phase.
+__device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t rank) {
+#ifdef KF_EMU
+  kf_emu::mbar_arrive_cluster(kf_emu::map_shared_rank(bar, rank));
+#else
+  asm volatile(
+      "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, %0, %1;\n\t"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n\t}" ::"r"(smem_u32addr(bar)),
+      "r"(rank)
+      : "memory");
+#endif
+}
+
+
+// mbar_wait for a phase completed by arrivals from other CTAs (mbar_arrive_remote): acquire at
+// cluster scope, so their writes into this CTA's shared memory are visible after it.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, int parity) {
+#ifdef KF_EMU
+  kf_emu::mbar_try_wait(bar, parity);
+#else
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_u32addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
 }  // namespace kernel_fun::dev

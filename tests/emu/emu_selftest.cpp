@@ -277,6 +277,56 @@ __global__ void tma_swizzle_kernel(const __grid_constant__ CUtensorMap map, int 
   for (int i = threadIdx.x; i < 512 + 16; i += 32) out[i] = s16[i];
 }
 
+
+// A 2-CTA cluster handing tiles over through distributed shared memory: rank 0 (producer) writes
+// each tile straight into rank 1's 2-stage ring (map_shared_rank) and arrives on rank 1's "full"
+// barrier (mbar_arrive_remote); rank 1's threads wait on it, sum their column and release the stage
+// by arriving on rank 0's "empty" barrier. 64 threads per CTA, one column each. out[c] = the column
+// sums. `bug`: 1 no cluster_sync after the mbarrier inits (the producer may arrive on a barrier not
+// yet initialised), 2 the producer exits without the final cluster_sync (the consumer's releases
+// then arrive on a CTA that is gone), 3 rank 1 waits for one tile more than rank 0 sends (a
+// deadlock: rank 0 in the final cluster barrier, rank 1 on its full barrier), 4 a mapa of an
+// address outside the CTA's shared memory. (Threads that have exited count as arrived at
+// barrier.cluster, as at __syncthreads here.)
+__global__ void cluster_handoff_kernel(int ntiles, int bug, float* out) {
+  KF_DYN_SMEM(float4, smem_f4);
+  float* stage = reinterpret_cast<float*>(smem_f4);                 // [2][64], used on rank 1
+  uint64_t* full = reinterpret_cast<uint64_t*>(stage + 2 * 64);     // rank 1's
+  uint64_t* empty = full + 2;                                       // rank 0's
+  const int tid = threadIdx.x;
+  const uint32_t rank = pipe::cluster_ctarank();
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      pipe::mbar_init(&full[s], 64);   // one arrival per producer thread
+      pipe::mbar_init(&empty[s], 64);  // one per consumer thread
+    }
+    pipe::mbar_init_fence();
+  }
+  __syncthreads();
+  if (bug != 1) pipe::cluster_sync();
+  if (bug == 4 && rank == 0 && tid == 0) pipe::map_shared_rank(out, 1);
+  if (rank == 0) {
+    float* peer = pipe::map_shared_rank(stage, 1);
+    for (int t = 0; t < ntiles; ++t) {
+      const int s = t & 1, ph = (t >> 1) & 1;
+      pipe::mbar_wait_cluster(&empty[s], ph ^ 1);
+      peer[s * 64 + tid] = static_cast<float>(t * 100 + tid);
+      pipe::mbar_arrive_remote(&full[s], 1);
+    }
+    if (bug == 2) return;
+  } else {
+    float acc = 0.f;
+    for (int t = 0; t < ntiles + (bug == 3); ++t) {
+      const int s = t & 1, ph = (t >> 1) & 1;
+      pipe::mbar_wait_cluster(&full[s], ph);
+      acc += stage[s * 64 + tid];
+      pipe::mbar_arrive_remote(&empty[s], 0);
+    }
+    out[tid] = acc;
+  }
+  pipe::cluster_sync();  // no CTA leaves while a peer may still arrive on its barriers
+}
+
 }  // namespace
 
 extern "C" {
@@ -339,6 +389,14 @@ int kf_emu_selftest_tma_swizzle(const uint16_t* src, int rows, int row0, uint16_
     const uint32_t box[2] = {64, 8};
     const CUtensorMap map = kernel_fun::make_tma_desc(src, 2, kernel_fun::DType::kBFloat16, dims, strides, box, 128);
     kf_emu::launch(dim3(1), dim3(32), 1024 + 64, tma_swizzle_kernel, map, row0, src, out);
+  });
+}
+
+
+// out: 64 floats (the consumer's column sums)
+int kf_emu_selftest_cluster(int ntiles, int bug, float* out) {
+  return guarded([&] {
+    kf_emu::launch_cluster(dim3(2), dim3(2), dim3(64), 2 * 64 * 4 + 64, cluster_handoff_kernel, ntiles, bug, out);
   });
 }
 

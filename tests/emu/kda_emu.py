@@ -77,6 +77,7 @@ def lib():
         L.kda_emu_gate_params.argtypes = [vp, vp, vp, vp, i64, i64, i64, i64, i64]
         L.kda_emu_gate_params.restype = ctypes.c_int
         L.kf_emu_selftest_tma_pipeline.argtypes = [ctypes.c_int, vp, ctypes.c_int, vp]
+        L.kf_emu_selftest_cluster.argtypes = [ctypes.c_int, ctypes.c_int, vp]
         L.kf_emu_selftest_tma_swizzle.argtypes = [vp, ctypes.c_int, ctypes.c_int, vp]
         if L.kda_emu_args_size() != ctypes.sizeof(KdaEmuArgs):
             raise RuntimeError("KdaEmuArgs layout differs between kda_emu.cpp and kda_emu.py")

@@ -111,7 +111,7 @@ thread_local Cur t_cur;
 
 namespace {
 
-enum State : int { kReady = 0, kWaitBar, kWaitWarp, kWaitMbar, kWaitNamed, kDone };
+enum State : int { kReady = 0, kWaitBar, kWaitWarp, kWaitMbar, kWaitNamed, kWaitCluster, kDone };
 
 const char* op_name(int op) {
   switch (op) {
@@ -137,6 +137,7 @@ struct Copy {
 // One bulk asynchronous copy (cp.async.bulk, 1-D, or cp.async.bulk.tensor through a tensor map) in
 // flight on an mbarrier: performed when a thread waits on that barrier (kf_emu.h).
 struct AsyncCopy {
+  char* smem;                  // the issuing CTA's shared memory (the destination's base)
   char* dst;
   uint32_t bytes;
   const char* src;             // 1-D copies
@@ -183,6 +184,7 @@ struct Fiber {
   int state = kDone;
   uint3 tid{};
   int lane = 0, warp = 0;
+  int cta = 0;                            // its CTA's index in the cluster (Worker::ctas)
   std::vector<Copy> open;                 // issued cp.async not yet committed
   std::deque<std::vector<Copy>> groups;   // committed groups, oldest first
   std::vector<Wgmma> wg_open;             // issued wgmma not yet committed
@@ -190,6 +192,7 @@ struct Fiber {
   bool wg_fenced = false;                 // a wgmma.fence since the last wgmma.wait_group
   const void* wait_obj = nullptr;         // kWaitMbar: the mbarrier; kWaitNamed: unused
   int wait_arg = 0;                       // kWaitMbar: the phase parity; kWaitNamed: the barrier id
+  uint32_t cl_arrived = 0;                // barrier.cluster: the phase this thread last arrived in, + 1
   char* stack_lo = nullptr;
   Worker* worker = nullptr;
 };
@@ -207,18 +210,34 @@ constexpr unsigned char kCanaryByte = 0xA5;
 
 void fiber_main(Fiber* f);
 
+// One CTA's state: its shared memory (with canaries), __syncthreads count, mbarriers, named
+// barriers and warps. A launch without clusters has one per worker; a cluster launch has one per
+// CTA of the cluster, all scheduled together (their threads interleave, as on neighbouring SMs).
+struct Cta {
+  uint3 bid{};
+  int rank = 0;               // %cluster_ctarank (x fastest)
+  int f0 = 0;                 // its first fiber in Worker::fibers
+  unsigned char* smem_buf = nullptr;
+  char* smem = nullptr;
+  int live = 0, bar_arrived = 0;
+  bool exited = false;        // every thread has exited: its shared memory is gone (poisoned)
+  std::unordered_map<uint32_t, Mbar> mbars;  // by smem offset; cleared at every block start
+  NamedBar named[16];
+  std::vector<Warp> warps;
+};
+
 struct Worker {
   size_t stack_bytes = 0, page = 0;
   char* stacks = nullptr;
   size_t stacks_len = 0;
-  std::vector<Fiber> fibers;
-  std::vector<Warp> warps;
-  int nthreads = 0, live = 0, bar_arrived = 0;
-  dim3 bdim, gdim;
-  uint3 bid{};
-  unsigned char* smem_buf = nullptr;
-  char* smem = nullptr;
-  size_t smem_bytes = 0;
+  std::vector<Fiber> fibers;  // ctas.size() x nthreads, CTA after CTA
+  std::vector<Cta> ctas;
+  int nthreads = 0;           // per CTA
+  int live = 0;               // over the cluster
+  dim3 bdim, gdim, cdim{1, 1, 1};
+  size_t smem_bytes = 0;      // per CTA
+  uint32_t cl_phase = 0;      // barrier.cluster: completed phases
+  int cl_arrived = 0;         // arrivals in the current phase
   Fiber* cur = nullptr;
   bool in_fiber = false;
 #ifdef KF_EMU_UCONTEXT
@@ -230,30 +249,37 @@ struct Worker {
 #endif
   const KernelRef* kernel = nullptr;
   std::string error;
-  std::unordered_map<uint32_t, Mbar> mbars;  // by smem offset; cleared at every block start
-  NamedBar named[16];
 
-  Worker(dim3 block, size_t smem_size, const KernelRef* k) : bdim(block), kernel(k) {
+  Worker(dim3 block, dim3 cluster, size_t smem_size, const KernelRef* k) : bdim(block), cdim(cluster), kernel(k) {
     nthreads = static_cast<int>(block.x * block.y * block.z);
+    const int ncta = static_cast<int>(cluster.x * cluster.y * cluster.z);
     page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     stack_bytes = (std::max<size_t>(config().stack_bytes, 64 * 1024) + page - 1) / page * page;
-    stacks_len = static_cast<size_t>(nthreads) * (stack_bytes + page);
+    const int nfib = ncta * nthreads;
+    stacks_len = static_cast<size_t>(nfib) * (stack_bytes + page);
     void* m = mmap(nullptr, stacks_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) throw std::runtime_error("kf_emu: cannot map fiber stacks");
     stacks = static_cast<char*>(m);
-    fibers.resize(nthreads);
-    for (int i = 0; i < nthreads; ++i) {
+    fibers.resize(nfib);
+    for (int i = 0; i < nfib; ++i) {
       char* region = stacks + static_cast<size_t>(i) * (stack_bytes + page);
       mprotect(region, page, PROT_NONE);  // guard page below the stack: an overflow faults
       fibers[i].stack_lo = region + page;
       fibers[i].worker = this;
+      fibers[i].cta = i / nthreads;
     }
-    warps.resize((nthreads + 31) / 32);
     smem_bytes = smem_size;
     const size_t total = (kGuard * 2 + smem_bytes + 255) / 256 * 256;
-    smem_buf = static_cast<unsigned char*>(std::aligned_alloc(256, total));
-    if (!smem_buf) throw std::runtime_error("kf_emu: cannot allocate shared memory");
-    smem = reinterpret_cast<char*>(smem_buf + kGuard);
+    ctas.resize(ncta);
+    for (int r = 0; r < ncta; ++r) {
+      Cta& c = ctas[r];
+      c.rank = r;
+      c.f0 = r * nthreads;
+      c.warps.resize((nthreads + 31) / 32);
+      c.smem_buf = static_cast<unsigned char*>(std::aligned_alloc(256, total));
+      if (!c.smem_buf) throw std::runtime_error("kf_emu: cannot allocate shared memory");
+      c.smem = reinterpret_cast<char*>(c.smem_buf + kGuard);
+    }
 #ifndef KF_EMU_UCONTEXT
     csr = _mm_getcsr();
     if (config().ftz) csr |= 0x8040u;  // FTZ | DAZ
@@ -264,10 +290,14 @@ struct Worker {
   }
   ~Worker() {
     if (stacks) munmap(stacks, stacks_len);
-    std::free(smem_buf);
+    for (Cta& c : ctas) std::free(c.smem_buf);
   }
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
+
+  Cta& cta_of(const Fiber& f) { return ctas[f.cta]; }
+  const Cta& cta_of(const Fiber& f) const { return ctas[f.cta]; }
+  Fiber& fiber(const Cta& c, int i) { return fibers[c.f0 + i]; }
 
   void init_fiber(Fiber& f) {
 #ifdef KF_EMU_UCONTEXT
@@ -302,6 +332,7 @@ struct Worker {
   void resume(Fiber& f) {
     cur = &f;
     t_cur.tid = f.tid;
+    t_cur.bid = cta_of(f).bid;
     in_fiber = true;
 #ifdef KF_EMU_UCONTEXT
     swapcontext(&sched, &f.ctx);
@@ -319,48 +350,63 @@ struct Worker {
 #endif
   }
 
-  std::string where(const Fiber* f) const {
-    char buf[160];
-    if (f)
-      std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u) [warp %d lane %d]", bid.x, bid.y, bid.z,
-                    f->tid.x, f->tid.y, f->tid.z, f->warp, f->lane);
-    else
-      std::snprintf(buf, sizeof buf, "block (%u,%u,%u)", bid.x, bid.y, bid.z);
-    return buf;
+  std::string where(const Fiber* f, const Cta* c = nullptr) const {
+    char buf[200];
+    if (f) c = &cta_of(*f);
+    if (!c) c = &ctas[0];
+    const int n = std::snprintf(buf, sizeof buf, "block (%u,%u,%u)", c->bid.x, c->bid.y, c->bid.z);
+    if (ctas.size() > 1) std::snprintf(buf + n, sizeof buf - n, " [cluster rank %d]", c->rank);
+    std::string s = buf;
+    if (f) {
+      std::snprintf(buf, sizeof buf, " thread (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z, f->warp,
+                    f->lane);
+      s += buf;
+    }
+    return s;
   }
 
-  void run_block(uint3 b) {
-    bid = b;
-    t_cur.bid = b;
+  // One cluster (one CTA without clusters) whose first CTA is `origin`: its CTAs are origin +
+  // (x, y, z) for (x, y, z) < cdim, rank x + cdim.x (y + cdim.y z).
+  void run_cluster(uint3 origin) {
     t_cur.bdim = bdim;
     t_cur.gdim = gdim;
-    std::memset(smem_buf, kCanaryByte, kGuard);
-    std::memset(smem + smem_bytes, kCanaryByte, kGuard);
-    std::memset(smem, config().poison_smem ? 0xFF : 0x00, smem_bytes);
-    live = nthreads;
-    bar_arrived = 0;
-    mbars.clear();
-    for (NamedBar& nb : named) nb = NamedBar{};
-    for (size_t w = 0; w < warps.size(); ++w) {
-      const int n = std::min(32, nthreads - static_cast<int>(w) * 32);
-      warps[w].live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
-      warps[w].arrived = 0;
-      warps[w].mask = 0;
-      warps[w].op = -1;
-    }
-    for (int i = 0; i < nthreads; ++i) {
-      Fiber& f = fibers[i];
-      f.tid = uint3{static_cast<unsigned>(i) % bdim.x, (static_cast<unsigned>(i) / bdim.x) % bdim.y,
-                    static_cast<unsigned>(i) / (bdim.x * bdim.y)};
-      f.warp = i / 32;
-      f.lane = i % 32;
-      f.state = kReady;
-      f.open.clear();
-      f.groups.clear();
-      f.wg_open.clear();
-      f.wg_groups.clear();
-      f.wg_fenced = false;
-      init_fiber(f);
+    live = 0;
+    cl_phase = 0;
+    cl_arrived = 0;
+    for (Cta& c : ctas) {
+      const unsigned r = static_cast<unsigned>(c.rank);
+      c.bid = uint3{origin.x + r % cdim.x, origin.y + (r / cdim.x) % cdim.y, origin.z + r / (cdim.x * cdim.y)};
+      std::memset(c.smem_buf, kCanaryByte, kGuard);
+      std::memset(c.smem + smem_bytes, kCanaryByte, kGuard);
+      std::memset(c.smem, config().poison_smem ? 0xFF : 0x00, smem_bytes);
+      c.live = nthreads;
+      c.bar_arrived = 0;
+      c.exited = false;
+      c.mbars.clear();
+      for (NamedBar& nb : c.named) nb = NamedBar{};
+      for (size_t w = 0; w < c.warps.size(); ++w) {
+        const int n = std::min(32, nthreads - static_cast<int>(w) * 32);
+        c.warps[w].live = n == 32 ? 0xffffffffu : ((1u << n) - 1u);
+        c.warps[w].arrived = 0;
+        c.warps[w].mask = 0;
+        c.warps[w].op = -1;
+      }
+      for (int i = 0; i < nthreads; ++i) {
+        Fiber& f = fiber(c, i);
+        f.tid = uint3{static_cast<unsigned>(i) % bdim.x, (static_cast<unsigned>(i) / bdim.x) % bdim.y,
+                      static_cast<unsigned>(i) / (bdim.x * bdim.y)};
+        f.warp = i / 32;
+        f.lane = i % 32;
+        f.state = kReady;
+        f.open.clear();
+        f.groups.clear();
+        f.wg_open.clear();
+        f.wg_groups.clear();
+        f.wg_fenced = false;
+        f.cl_arrived = 0;
+        init_fiber(f);
+      }
+      live += nthreads;
     }
     // Scheduling (config().schedule, config().warp_greedy). Each pass resumes every ready fiber in
     // thread order, in reverse, or in a fresh random permutation; with warp_greedy a warp's lanes
@@ -368,15 +414,18 @@ struct Worker {
     // next warp starts, so a warp races ahead of the others as far as the barriers allow. A kernel
     // whose threads only communicate through barriers, warp collectives and waited cp.async gives
     // bitwise the same result under every schedule; one that reads another warp's smem writes
-    // without a barrier in between reads poison or stale data under some greedy order.
+    // without a barrier in between reads poison or stale data under some greedy order. In a
+    // cluster the order runs over the threads (warps) of all its CTAs, CTA after CTA.
     const int mode = config().schedule;
     const bool greedy = config().warp_greedy;
-    const int nwarps = static_cast<int>(warps.size());
-    std::vector<int> order(greedy ? nwarps : nthreads), lanes(32);
+    const int nfib = static_cast<int>(fibers.size());
+    const int wpc = static_cast<int>(ctas[0].warps.size());  // warps per CTA
+    const int nwarps = wpc * static_cast<int>(ctas.size());
+    std::vector<int> order(greedy ? nwarps : nfib), lanes(32);
     for (size_t i = 0; i < order.size(); ++i) order[i] = mode == 1 ? static_cast<int>(order.size() - 1 - i) : static_cast<int>(i);
     for (int i = 0; i < 32; ++i) lanes[i] = mode == 1 ? 31 - i : i;
-    uint64_t rng = config().seed * 0x9E3779B97F4A7C15ull + (static_cast<uint64_t>(b.x) << 40) +
-                   (static_cast<uint64_t>(b.y) << 20) + b.z + 1;
+    uint64_t rng = config().seed * 0x9E3779B97F4A7C15ull + (static_cast<uint64_t>(origin.x) << 40) +
+                   (static_cast<uint64_t>(origin.y) << 20) + origin.z + 1;
     auto shuffle = [&](std::vector<int>& v) {  // Fisher-Yates with xorshift64
       for (int i = static_cast<int>(v.size()) - 1; i > 0; --i) {
         rng ^= rng << 13;
@@ -399,14 +448,17 @@ struct Worker {
           if (!error.empty()) return;
         }
       } else {
-        for (int w : order) {
+        for (int gw : order) {
+          const int c = gw / wpc, w = gw % wpc;
           for (bool progress = true; progress;) {
             progress = false;
             for (int l : lanes) {
               const int i = 32 * w + l;
-              if (i >= nthreads || fibers[i].state != kReady) continue;
+              if (i >= nthreads) continue;
+              Fiber& f = fibers[c * nthreads + i];
+              if (f.state != kReady) continue;
               progress = ran = true;
-              resume(fibers[i]);
+              resume(f);
               if (!error.empty()) return;
             }
           }
@@ -417,45 +469,72 @@ struct Worker {
         return;
       }
     }
-    for (size_t i = 0; i < kGuard; ++i) {
-      if (smem_buf[i] != kCanaryByte || static_cast<unsigned char>(smem[smem_bytes + i]) != kCanaryByte) {
-        char buf[200];
-        std::snprintf(buf, sizeof buf,
-                      "kf_emu: %s: dynamic shared memory written out of bounds (%zu bytes allocated; a guard "
-                      "byte %s the buffer changed)",
-                      where(nullptr).c_str(), smem_bytes, smem_buf[i] != kCanaryByte ? "before" : "after");
-        error = buf;
-        return;
-      }
+    for (Cta& c : ctas) {
+      if (!check_canaries(c)) return;
     }
   }
 
+  bool check_canaries(Cta& c) {
+    for (size_t i = 0; i < kGuard; ++i) {
+      if (c.smem_buf[i] != kCanaryByte || static_cast<unsigned char>(c.smem[smem_bytes + i]) != kCanaryByte) {
+        char buf[240];
+        std::snprintf(buf, sizeof buf,
+                      "kf_emu: %s: dynamic shared memory written out of bounds (%zu bytes allocated; a guard "
+                      "byte %s the buffer changed)",
+                      where(nullptr, &c).c_str(), smem_bytes, c.smem_buf[i] != kCanaryByte ? "before" : "after");
+        error = buf;
+        return false;
+      }
+    }
+    return true;
+  }
+
   std::string deadlock_report() const {
-    std::string s = "kf_emu: " + where(nullptr) + ": deadlock, no thread can proceed (";
-    int at_bar = 0, at_mbar = 0, at_named = 0;
+    std::string s = "kf_emu: " + where(nullptr) + (ctas.size() > 1 ? "'s cluster" : "") +
+                    ": deadlock, no thread can proceed (";
+    int at_bar = 0, at_mbar = 0, at_named = 0, at_cluster = 0;
     for (const Fiber& f : fibers) {
       at_bar += f.state == kWaitBar;
       at_mbar += f.state == kWaitMbar;
       at_named += f.state == kWaitNamed;
+      at_cluster += f.state == kWaitCluster;
     }
     s += std::to_string(at_bar) + " of " + std::to_string(live) + " live threads wait in __syncthreads";
     if (at_mbar) s += ", " + std::to_string(at_mbar) + " on an mbarrier phase that no arrival completes";
     if (at_named) s += ", " + std::to_string(at_named) + " in a named barrier (bar.sync) that never fills";
-    for (size_t w = 0; w < warps.size(); ++w) {
-      const Warp& wp = warps[w];
-      if (!wp.arrived) continue;
-      char buf[200];
-      std::snprintf(buf, sizeof buf, "; warp %zu: lanes 0x%08x wait in %s (mask 0x%08x), lanes 0x%08x never arrive",
-                    w, wp.arrived, op_name(wp.op), wp.mask, (wp.mask & wp.live) & ~wp.arrived);
-      s += buf;
+    if (at_cluster)
+      s += ", " + std::to_string(at_cluster) + " in barrier.cluster.wait (" + std::to_string(cl_arrived) + " of " +
+           std::to_string(live) + " arrived)";
+    for (const Cta& c : ctas) {
+      for (size_t w = 0; w < c.warps.size(); ++w) {
+        const Warp& wp = c.warps[w];
+        if (!wp.arrived) continue;
+        char buf[240];
+        std::snprintf(buf, sizeof buf,
+                      "; %swarp %zu: lanes 0x%08x wait in %s (mask 0x%08x), lanes 0x%08x never arrive",
+                      ctas.size() > 1 ? ("rank " + std::to_string(c.rank) + " ").c_str() : "", w, wp.arrived,
+                      op_name(wp.op), wp.mask, (wp.mask & wp.live) & ~wp.arrived);
+        s += buf;
+      }
     }
     return s + ")";
   }
 
-  void release_barrier() {
-    bar_arrived = 0;
-    for (Fiber& f : fibers)
+  void release_barrier(Cta& c) {
+    c.bar_arrived = 0;
+    for (int i = 0; i < nthreads; ++i) {
+      Fiber& f = fiber(c, i);
       if (f.state == kWaitBar) f.state = kReady;
+    }
+  }
+
+  // barrier.cluster: the phase completes when every live thread of the cluster has arrived.
+  void cluster_try_complete() {
+    if (cl_arrived == 0 || cl_arrived < live) return;
+    cl_arrived = 0;
+    ++cl_phase;
+    for (Fiber& f : fibers)
+      if (f.state == kWaitCluster) f.state = kReady;
   }
 
   void perform(const std::vector<Copy>& g) {
@@ -482,13 +561,23 @@ struct Worker {
     f.open.clear();
     f.state = kDone;
     --live;
-    Warp& wp = warps[f.warp];
+    Cta& c = cta_of(f);
+    --c.live;
+    Warp& wp = c.warps[f.warp];
     wp.live &= ~(1u << f.lane);
-    if (wp.arrived && ((wp.mask & wp.live) & ~wp.arrived) == 0) finish_warp(f.warp);
-    if (bar_arrived > 0 && bar_arrived == live) release_barrier();
+    if (wp.arrived && ((wp.mask & wp.live) & ~wp.arrived) == 0) finish_warp(c, f.warp);
+    if (c.bar_arrived > 0 && c.bar_arrived == c.live) release_barrier(c);
+    if (c.live == 0 && ctas.size() > 1) {
+      // The CTA is gone: on the GPU its shared memory may now belong to another CTA, so what a peer
+      // still reads there is garbage (here: poison) and a later mapa of it is reported.
+      if (!check_canaries(c)) return;
+      c.exited = true;
+      std::memset(c.smem, 0xFF, smem_bytes);
+    }
+    cluster_try_complete();
   }
 
-  void finish_warp(int wi);
+  void finish_warp(Cta& c, int wi);
 };
 
 thread_local Worker* t_worker = nullptr;
@@ -506,6 +595,9 @@ Worker& need_fiber(const char* what) {
   if (!w || !w->in_fiber || !w->cur) failf("%s called outside a kernel launched by kf_emu::launch", what);
   return *w;
 }
+
+// The calling thread's CTA.
+Cta& cur_cta(Worker& w) { return w.cta_of(*w.cur); }
 
 // ---------------------------------------------------------------------------------------------------
 // warp collectives
@@ -572,8 +664,8 @@ void mma_1688_tf32(Warp& wp) {
   }
 }
 
-void Worker::finish_warp(int wi) {
-  Warp& wp = warps[wi];
+void Worker::finish_warp(Cta& cta, int wi) {
+  Warp& wp = cta.warps[wi];
   const uint32_t who = wp.arrived;
   const int op = wp.op;
   auto need_full = [&]() {
@@ -623,12 +715,12 @@ void Worker::finish_warp(int wi) {
       const char* row[32];
       for (int l = 0; l < 32; ++l) {
         const char* p = static_cast<const char*>(wp.slot[l].ptr);
-        if (p < smem || p + 16 > smem + smem_bytes)
-          failf("%s in warp %d: lane %d's row address %p is outside the dynamic shared memory [%p, +%zu)",
-                op_name(op), wi, l, static_cast<const void*>(p), static_cast<void*>(smem), smem_bytes);
-        if ((p - smem) % 16)
+        if (p < cta.smem || p + 16 > cta.smem + smem_bytes)
+          failf("%s in warp %d: lane %d's row address %p is outside the CTA's dynamic shared memory [%p, +%zu)",
+                op_name(op), wi, l, static_cast<const void*>(p), static_cast<void*>(cta.smem), smem_bytes);
+        if ((p - cta.smem) % 16)
           failf("%s in warp %d: lane %d's row address (smem offset %td) is not 16-byte aligned", op_name(op), wi, l,
-                p - smem);
+                p - cta.smem);
         row[l] = p;
       }
       for (int l = 0; l < 32; ++l) {
@@ -655,7 +747,7 @@ void Worker::finish_warp(int wi) {
   wp.op = -1;
   for (int l = 0; l < 32; ++l) {
     if (!(who >> l & 1u)) continue;
-    Fiber& f = fibers[wi * 32 + l];
+    Fiber& f = fiber(cta, wi * 32 + l);
     if (f.state == kWaitWarp) f.state = kReady;
   }
 }
@@ -681,13 +773,14 @@ void Worker::finish_warp(int wi) {
 
 Slot& lane_slot() {
   Worker& w = need_fiber("a warp collective");
-  return w.warps[w.cur->warp].slot[w.cur->lane];
+  return cur_cta(w).warps[w.cur->warp].slot[w.cur->lane];
 }
 
 void warp_collective(int op, unsigned mask) {
   Worker& w = need_fiber(op_name(op));
   Fiber& f = *w.cur;
-  Warp& wp = w.warps[f.warp];
+  Cta& cta = cur_cta(w);
+  Warp& wp = cta.warps[f.warp];
   const uint32_t bit = 1u << f.lane;
   if (!(mask & bit)) failf("%s with member mask 0x%08x that excludes the calling lane %d", op_name(op), mask, f.lane);
   if (wp.arrived == 0) {
@@ -700,14 +793,14 @@ void warp_collective(int op, unsigned mask) {
   }
   wp.arrived |= bit;
   if (((wp.mask & wp.live) & ~wp.arrived) == 0) {
-    w.finish_warp(f.warp);
+    w.finish_warp(cta, f.warp);
     return;
   }
   f.state = kWaitWarp;
   w.yield(f);
 }
 
-void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k) {
+void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k, dim3 cluster) {
   if (t_worker && t_worker->in_fiber) failf("kernel launch from inside a kernel is not supported");
   const long long nthreads = static_cast<long long>(block.x) * block.y * block.z;
   if (nthreads < 1 || nthreads > 1024)
@@ -718,10 +811,15 @@ void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k) {
   if (smem_bytes > config().max_dyn_smem)
     throw std::runtime_error("kf_emu: " + std::to_string(smem_bytes) + " bytes of dynamic smem exceed the limit " +
                              std::to_string(config().max_dyn_smem));
-  const long long nblocks = static_cast<long long>(grid.x) * grid.y * grid.z;
+  const long long csize = static_cast<long long>(cluster.x) * cluster.y * cluster.z;
+  if (csize < 1 || csize > 16 || grid.x % cluster.x || grid.y % cluster.y || grid.z % cluster.z)
+    throw std::runtime_error("kf_emu: cluster (" + std::to_string(cluster.x) + "," + std::to_string(cluster.y) + "," +
+                             std::to_string(cluster.z) + ") must divide the grid and hold 1..16 CTAs");
+  const dim3 cgrid(grid.x / cluster.x, grid.y / cluster.y, grid.z / cluster.z);  // clusters per dimension
+  const long long nclusters = static_cast<long long>(cgrid.x) * cgrid.y * cgrid.z;
   int nw = config().workers;
   if (nw <= 0) nw = std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
-  nw = static_cast<int>(std::max(1LL, std::min<long long>(nw, nblocks)));
+  nw = static_cast<int>(std::max(1LL, std::min<long long>(nw, nclusters)));
 
   std::atomic<long long> next{0};
   std::atomic<bool> failed{false};
@@ -729,17 +827,18 @@ void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k) {
   std::string first_error;
   auto body = [&]() {
     try {
-      Worker w(block, smem_bytes, &k);
+      Worker w(block, cluster, smem_bytes, &k);
       w.gdim = grid;
       Worker* saved = t_worker;
       t_worker = &w;
       for (;;) {
         if (failed.load()) break;
         const long long b = next.fetch_add(1);
-        if (b >= nblocks) break;
-        const uint3 bid{static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
-                        static_cast<unsigned>(b / (static_cast<long long>(grid.x) * grid.y))};
-        w.run_block(bid);
+        if (b >= nclusters) break;
+        const uint3 origin{static_cast<unsigned>(b % cgrid.x) * cluster.x,
+                           static_cast<unsigned>((b / cgrid.x) % cgrid.y) * cluster.y,
+                           static_cast<unsigned>(b / (static_cast<long long>(cgrid.x) * cgrid.y)) * cluster.z};
+        w.run_cluster(origin);
         if (!w.error.empty()) {
           std::lock_guard<std::mutex> lock(mu);
           if (!failed.exchange(true)) first_error = w.error;
@@ -768,23 +867,28 @@ void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k) {
 using detail::failf;
 using detail::need_fiber;
 
-void* dyn_smem() { return need_fiber("dynamic shared memory").smem; }
+void* dyn_smem() {
+  detail::Worker& w = need_fiber("dynamic shared memory");
+  return detail::cur_cta(w).smem;
+}
 size_t dyn_smem_bytes() { return need_fiber("dynamic shared memory").smem_bytes; }
 
 unsigned shared_offset(const void* p) {
   detail::Worker& w = need_fiber("__cvta_generic_to_shared");
+  const char* sm = detail::cur_cta(w).smem;
   const char* c = static_cast<const char*>(p);
-  if (c < w.smem || c > w.smem + w.smem_bytes)
-    failf("__cvta_generic_to_shared(%p): not in the dynamic shared memory [%p, +%zu)", p,
-          static_cast<void*>(w.smem), w.smem_bytes);
-  return static_cast<unsigned>(c - w.smem);
+  if (c < sm || c > sm + w.smem_bytes)
+    failf("__cvta_generic_to_shared(%p): not in the CTA's dynamic shared memory [%p, +%zu)", p,
+          static_cast<const void*>(sm), w.smem_bytes);
+  return static_cast<unsigned>(c - sm);
 }
 
 void syncthreads() {
   detail::Worker& w = need_fiber("__syncthreads");
   detail::Fiber& f = *w.cur;
-  if (++w.bar_arrived == w.live) {
-    w.release_barrier();
+  detail::Cta& c = detail::cur_cta(w);
+  if (++c.bar_arrived == c.live) {
+    w.release_barrier(c);
     return;
   }
   f.state = detail::kWaitBar;
@@ -796,10 +900,11 @@ void cp_async(void* dst, const void* src, int cp_size, int src_size) {
   if (cp_size != 4 && cp_size != 8 && cp_size != 16) failf("cp.async: cp-size %d is not 4, 8 or 16", cp_size);
   if (src_size < 0 || src_size > cp_size) failf("cp.async: src-size %d outside [0, %d]", src_size, cp_size);
   char* d = static_cast<char*>(dst);
-  if (d < w.smem || d + cp_size > w.smem + w.smem_bytes)
-    failf("cp.async: destination %p is outside the dynamic shared memory [%p, +%zu)", dst,
-          static_cast<void*>(w.smem), w.smem_bytes);
-  if ((d - w.smem) % cp_size) failf("cp.async: destination smem offset %td is not %d-byte aligned", d - w.smem, cp_size);
+  char* sm = detail::cur_cta(w).smem;
+  if (d < sm || d + cp_size > sm + w.smem_bytes)
+    failf("cp.async: destination %p is outside the CTA's dynamic shared memory [%p, +%zu)", dst,
+          static_cast<void*>(sm), w.smem_bytes);
+  if ((d - sm) % cp_size) failf("cp.async: destination smem offset %td is not %d-byte aligned", d - sm, cp_size);
   if (src_size > 0) {
     if (!src) failf("cp.async: null source with src-size %d", src_size);
     if (reinterpret_cast<uintptr_t>(src) % static_cast<uintptr_t>(cp_size))
@@ -832,7 +937,7 @@ void wgmma_poison(float* d, int nreg) {
 }
 
 // B element (k, n) of a 128-byte-swizzled operand, at the canonical-layout address (kf_emu.h).
-uint32_t wgmma_b_elem(const detail::Worker& w, uint64_t desc, bool trans_b, int k, int n) {
+uint32_t wgmma_b_elem(const detail::Worker& w, const char* sm, uint64_t desc, bool trans_b, int k, int n) {
   const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
   const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4;
   const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
@@ -843,7 +948,7 @@ uint32_t wgmma_b_elem(const detail::Worker& w, uint64_t desc, bool trans_b, int 
     failf("wgmma: B element (%d, %d) at smem offset %u is outside the dynamic shared memory (%zu bytes)", k, n, addr,
           w.smem_bytes);
   uint16_t v;
-  std::memcpy(&v, w.smem + addr, 2);
+  std::memcpy(&v, sm + addr, 2);
   return v;
 }
 
@@ -863,11 +968,12 @@ void wgmma_perform(detail::Worker& w, const detail::Wgmma& x) {
     failf("wgmma: the A operand registers of a wgmma.mma_async changed (or went out of scope) before the "
           "wgmma.wait_group that completes it");
   const int lane = w.cur->lane, g = lane >> 2, t = lane & 3;
+  const char* sm = detail::cur_cta(w).smem;  // wgmma reads its own CTA's shared memory
   for (int j = 0; j < x.N / 8; ++j) {
     const int n = 8 * j + g;
-    const uint32_t b0 = wgmma_b_elem(w, x.desc, x.trans_b, 2 * t, n) | (wgmma_b_elem(w, x.desc, x.trans_b, 2 * t + 1, n) << 16);
+    const uint32_t b0 = wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t, n) | (wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t + 1, n) << 16);
     const uint32_t b1 =
-        wgmma_b_elem(w, x.desc, x.trans_b, 2 * t + 8, n) | (wgmma_b_elem(w, x.desc, x.trans_b, 2 * t + 9, n) << 16);
+        wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t + 8, n) | (wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t + 9, n) << 16);
     float c[4];
     for (int e = 0; e < 4; ++e) c[e] = !x.acc ? 0.f : (x.chained ? d[4 * j + e] : x.c[4 * j + e]);
     detail::mma_call(x.op, c, x.a, b0, b1);
@@ -951,19 +1057,36 @@ void wgmma_wait(int n) {
 // ---------------------------------------------------------------------------------------------------
 // mbarrier, bulk asynchronous copies (TMA) and named barriers (kf_emu.h)
 namespace {
-uint32_t mbar_offset(detail::Worker& w, const void* bar, const char* what) {
-  const char* c = static_cast<const char*>(bar);
-  if (c < w.smem || c + 8 > w.smem + w.smem_bytes)
-    failf("%s: the mbarrier %p is not in the dynamic shared memory [%p, +%zu)", what, bar,
-          static_cast<void*>(w.smem), w.smem_bytes);
-  if ((c - w.smem) % 8) failf("%s: the mbarrier at smem offset %td is not 8-byte aligned", what, c - w.smem);
-  return static_cast<uint32_t>(c - w.smem);
+// The CTA of the cluster whose shared memory holds p (null: none).
+detail::Cta* owner_cta(detail::Worker& w, const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (detail::Cta& cta : w.ctas)
+    if (c >= cta.smem && c + bytes <= cta.smem + w.smem_bytes) return &cta;
+  return nullptr;
 }
 
-detail::Mbar& mbar_state(detail::Worker& w, const void* bar, const char* what) {
-  const uint32_t off = mbar_offset(w, bar, what);
-  auto it = w.mbars.find(off);
-  if (it == w.mbars.end()) failf("%s: the mbarrier at smem offset %u was never initialised (mbarrier.init)", what, off);
+// The mbarrier's offset in the calling thread's CTA (remote: in any CTA of the cluster, which
+// *owner receives), checked.
+uint32_t mbar_offset(detail::Worker& w, const void* bar, const char* what, bool remote = false,
+                     detail::Cta** owner = nullptr) {
+  detail::Cta& mine = detail::cur_cta(w);
+  detail::Cta* cta = remote ? owner_cta(w, bar, 8) : &mine;
+  const char* c = static_cast<const char*>(bar);
+  if (!cta || c < cta->smem || c + 8 > cta->smem + w.smem_bytes)
+    failf("%s: the mbarrier %p is not in the %s dynamic shared memory [%p, +%zu)", what, bar,
+          remote ? "cluster's" : "CTA's", static_cast<void*>(mine.smem), w.smem_bytes);
+  if (cta->exited) failf("%s: the mbarrier %p is in cluster rank %d, which has exited", what, bar, cta->rank);
+  if ((c - cta->smem) % 8) failf("%s: the mbarrier at smem offset %td is not 8-byte aligned", what, c - cta->smem);
+  if (owner) *owner = cta;
+  return static_cast<uint32_t>(c - cta->smem);
+}
+
+detail::Mbar& mbar_state(detail::Worker& w, const void* bar, const char* what, bool remote = false) {
+  detail::Cta* cta = nullptr;
+  const uint32_t off = mbar_offset(w, bar, what, remote, &cta);
+  auto it = cta->mbars.find(off);
+  if (it == cta->mbars.end())
+    failf("%s: the mbarrier at smem offset %u was never initialised (mbarrier.init)", what, off);
   return it->second;
 }
 
@@ -986,7 +1109,7 @@ void perform_tensor(detail::Worker& w, const detail::AsyncCopy& c) {
   uint64_t total = 1;
   for (int i = 0; i < d.rank; ++i) total *= d.box[i];
   const char* base = static_cast<const char*>(d.base);
-  const uint32_t dst0 = static_cast<uint32_t>(c.dst - w.smem);
+  const uint32_t dst0 = static_cast<uint32_t>(c.dst - c.smem);
   for (uint64_t lin = 0; lin < total; ++lin) {
     uint64_t rest = lin, goff = 0;
     bool inside = true;
@@ -998,15 +1121,17 @@ void perform_tensor(detail::Worker& w, const detail::AsyncCopy& c) {
     }
     uint32_t sh = dst0 + static_cast<uint32_t>(lin) * static_cast<uint32_t>(d.elem_bytes);
     if (d.swizzle_bytes == 128) sh ^= ((sh >> 7) & 7) << 4;  // 16-byte chunk ^= 128-byte row % 8
-    if (inside) std::memcpy(w.smem + sh, base + goff, static_cast<size_t>(d.elem_bytes));
-    else std::memset(w.smem + sh, 0, static_cast<size_t>(d.elem_bytes));  // out of bounds: zeros
+    if (inside) std::memcpy(c.smem + sh, base + goff, static_cast<size_t>(d.elem_bytes));
+    else std::memset(c.smem + sh, 0, static_cast<size_t>(d.elem_bytes));  // out of bounds: zeros
   }
 }
 
 void async_issue(detail::Worker& w, void* bar, detail::AsyncCopy&& c, const char* what) {
-  if (c.dst < w.smem || c.dst + c.bytes > w.smem + w.smem_bytes)
-    failf("%s: destination [%p, +%u) is outside the dynamic shared memory [%p, +%zu)", what,
-          static_cast<void*>(c.dst), c.bytes, static_cast<void*>(w.smem), w.smem_bytes);
+  char* sm = detail::cur_cta(w).smem;
+  if (c.dst < sm || c.dst + c.bytes > sm + w.smem_bytes)
+    failf("%s: destination [%p, +%u) is outside the CTA's dynamic shared memory [%p, +%zu)", what,
+          static_cast<void*>(c.dst), c.bytes, static_cast<void*>(sm), w.smem_bytes);
+  c.smem = sm;
   detail::Mbar& m = mbar_state(w, bar, what);
   std::memset(c.dst, 0xFF, c.bytes);  // poison until it lands: a read before the barrier's wait shows
   m.copies.push_back(std::move(c));
@@ -1019,7 +1144,7 @@ void mbar_init(void* bar, int count) {
   if (count < 1 || count >= (1 << 20)) failf("mbarrier.init: count %d outside [1, 2^20)", count);
   detail::Mbar m;
   m.count = m.pending = count;
-  w.mbars[mbar_offset(w, bar, "mbarrier.init")] = std::move(m);
+  detail::cur_cta(w).mbars[mbar_offset(w, bar, "mbarrier.init")] = std::move(m);
 }
 
 namespace {
@@ -1084,7 +1209,8 @@ void bulk_g2s(void* dst, const void* src, uint32_t bytes, void* bar) {
   if (bytes == 0 || bytes % 16) failf("cp.async.bulk: size %u is not a positive multiple of 16", bytes);
   if (reinterpret_cast<uintptr_t>(src) % 16) failf("cp.async.bulk: global source %p is not 16-byte aligned", src);
   char* d = static_cast<char*>(dst);
-  if ((d - w.smem) % 16) failf("cp.async.bulk: destination smem offset %td is not 16-byte aligned", d - w.smem);
+  const char* sm = detail::cur_cta(w).smem;
+  if ((d - sm) % 16) failf("cp.async.bulk: destination smem offset %td is not 16-byte aligned", d - sm);
   detail::AsyncCopy c{};
   c.dst = d;
   c.bytes = bytes;
@@ -1101,9 +1227,10 @@ void tma_load(void* dst, const void* tmap, const int32_t* coords, void* bar) {
   uint64_t bytes = static_cast<uint64_t>(d.elem_bytes);
   for (int i = 0; i < d.rank; ++i) bytes *= d.box[i];
   char* dp = static_cast<char*>(dst);
+  const char* sm = detail::cur_cta(w).smem;
   const int align = d.swizzle_bytes == 128 ? 1024 : 128;
-  if ((dp - w.smem) % align)
-    failf("cp.async.bulk.tensor: destination smem offset %td is not %d-byte aligned%s", dp - w.smem, align,
+  if ((dp - sm) % align)
+    failf("cp.async.bulk.tensor: destination smem offset %td is not %d-byte aligned%s", dp - sm, align,
           d.swizzle_bytes == 128 ? " (128-byte swizzle)" : "");
   if (d.swizzle_bytes == 128 && d.box[0] * static_cast<uint32_t>(d.elem_bytes) != 128)
     failf("cp.async.bulk.tensor: the 128-byte swizzle needs a 128-byte inner box, got %u bytes",
@@ -1122,7 +1249,7 @@ detail::NamedBar& named_bar(detail::Worker& w, int id, int nthreads, const char*
   if (id < 1 || id > 15) failf("%s: barrier id %d outside [1, 15] (0 is __syncthreads')", what, id);
   if (nthreads < 32 || nthreads % 32 || nthreads > w.nthreads)
     failf("%s: thread count %d is not a multiple of 32 in [32, %d]", what, nthreads, w.nthreads);
-  detail::NamedBar& b = w.named[id];
+  detail::NamedBar& b = detail::cur_cta(w).named[id];
   if (b.arrived == 0) b.count = nthreads;
   else if (b.count != nthreads)
     failf("%s %d: thread count %d while %d threads wait with count %d", what, id, nthreads, b.arrived, b.count);
@@ -1131,8 +1258,11 @@ detail::NamedBar& named_bar(detail::Worker& w, int id, int nthreads, const char*
 bool named_arrive(detail::Worker& w, detail::NamedBar& b, int id) {  // true: this arrival filled it
   if (++b.arrived < b.count) return false;
   b.arrived = 0;
-  for (detail::Fiber& f : w.fibers)
+  const detail::Cta& c = detail::cur_cta(w);
+  for (int i = 0; i < w.nthreads; ++i) {
+    detail::Fiber& f = w.fiber(c, i);
     if (f.state == detail::kWaitNamed && f.wait_arg == id) f.state = detail::kReady;
+  }
   return true;
 }
 }  // namespace
@@ -1174,7 +1304,60 @@ void syncwarp(unsigned mask) { detail::warp_collective(detail::kOpSyncwarp, mask
 
 unsigned activemask() {
   detail::Worker& w = need_fiber("__activemask");
-  return w.warps[w.cur->warp].live;  // no divergence tracking: every live lane counts as active
+  return detail::cur_cta(w).warps[w.cur->warp].live;  // no divergence tracking: every live lane counts as active
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// thread block clusters (kf_emu.h)
+unsigned cluster_ctarank() {
+  detail::Worker& w = need_fiber("%cluster_ctarank");
+  return static_cast<unsigned>(detail::cur_cta(w).rank);
+}
+
+unsigned cluster_nctarank() { return static_cast<unsigned>(need_fiber("%cluster_nctarank").ctas.size()); }
+
+void* map_shared_rank(const void* p, unsigned rank) {
+  detail::Worker& w = need_fiber("mapa");
+  const detail::Cta& mine = detail::cur_cta(w);
+  const char* c = static_cast<const char*>(p);
+  if (c < mine.smem || c > mine.smem + w.smem_bytes)
+    failf("mapa(%p, %u): not in the calling CTA's dynamic shared memory [%p, +%zu)", p, rank,
+          static_cast<void*>(mine.smem), w.smem_bytes);
+  if (rank >= w.ctas.size()) failf("mapa(%p, %u): the cluster has %zu CTAs", p, rank, w.ctas.size());
+  const detail::Cta& dst = w.ctas[rank];
+  if (dst.exited) failf("mapa(%p, %u): cluster rank %u has exited (its shared memory is gone)", p, rank, rank);
+  return dst.smem + (c - mine.smem);
+}
+
+void cluster_arrive() {
+  detail::Worker& w = need_fiber("barrier.cluster.arrive");
+  detail::Fiber& f = *w.cur;
+  if (f.cl_arrived == w.cl_phase + 1)
+    failf("barrier.cluster.arrive twice in one phase without barrier.cluster.wait in between");
+  f.cl_arrived = w.cl_phase + 1;
+  ++w.cl_arrived;
+  w.cluster_try_complete();
+}
+
+void cluster_wait() {
+  detail::Worker& w = need_fiber("barrier.cluster.wait");
+  detail::Fiber& f = *w.cur;
+  if (f.cl_arrived == 0) failf("barrier.cluster.wait without a barrier.cluster.arrive before it");
+  while (f.cl_arrived == w.cl_phase + 1) {  // its phase has not completed
+    f.state = detail::kWaitCluster;
+    w.yield(f);
+  }
+  f.cl_arrived = 0;
+}
+
+void mbar_arrive_cluster(void* bar) {
+  detail::Worker& w = need_fiber("mbarrier.arrive.shared::cluster");
+  detail::Mbar& m = mbar_state(w, bar, "mbarrier.arrive.shared::cluster", true);
+  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);
+  if (--m.pending < 0)
+    failf("mbarrier.arrive.shared::cluster: more arrivals than the barrier's count %d in one phase", m.count);
+  mbar_try_complete(w, bar, m);
 }
 
 }  // namespace kf_emu

@@ -86,7 +86,7 @@ struct KernelRef {
   void* obj;
   void (*call)(void*);
 };
-void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k);
+void launch_impl(dim3 grid, dim3 block, size_t smem_bytes, const KernelRef& k, dim3 cluster = dim3(1, 1, 1));
 
 // One lane's operands / results of a warp collective.
 struct Slot {
@@ -122,8 +122,13 @@ inline float u2f(uint32_t u) {
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------ launch
+// launch_cluster: a launch with thread block clusters (cudaLaunchKernelEx with
+// cudaLaunchAttributeClusterDimension): `cluster` must divide the grid; the CTAs of a cluster run
+// together in one scheduler (their threads interleave), each with its own dynamic shared memory.
+// Static __shared__ variables are per OS thread here, so a cluster's CTAs would share them: kernels
+// launched with clusters must keep their shared state in dynamic shared memory.
 template <typename... P, typename... A>
-void launch(dim3 grid, dim3 block, size_t dyn_smem_bytes, void (*kernel)(P...), A&&... args) {
+void launch_cluster(dim3 grid, dim3 cluster, dim3 block, size_t dyn_smem_bytes, void (*kernel)(P...), A&&... args) {
   static_assert(sizeof...(P) == sizeof...(A), "kf_emu::launch: argument count differs from the kernel's");
   using Params = std::tuple<std::decay_t<P>...>;
   Params params(std::forward<A>(args)...);  // by value, like a CUDA launch
@@ -135,7 +140,11 @@ void launch(dim3 grid, dim3 block, size_t dyn_smem_bytes, void (*kernel)(P...), 
                           auto* x = static_cast<Ctx*>(c);
                           std::apply(x->k, *x->params);  // every thread gets its own copies
                         }};
-  detail::launch_impl(grid, block, dyn_smem_bytes, ref);
+  detail::launch_impl(grid, block, dyn_smem_bytes, ref, cluster);
+}
+template <typename... P, typename... A>
+void launch(dim3 grid, dim3 block, size_t dyn_smem_bytes, void (*kernel)(P...), A&&... args) {
+  launch_cluster(grid, dim3(1, 1, 1), block, dyn_smem_bytes, kernel, std::forward<A>(args)...);
 }
 
 // ------------------------------------------------------------------------------------ block-level
@@ -268,6 +277,21 @@ static_assert(sizeof(TensorMapDesc) <= 128, "a TensorMapDesc must fit a CUtensor
 void tma_load(void* dst, const void* tmap, const int32_t* coords, void* bar);
 void named_barrier_sync(int id, int nthreads);    // bar.sync id, nthreads (ids 1..15)
 void named_barrier_arrive(int id, int nthreads);  // bar.arrive id, nthreads
+
+// ---- Thread block clusters (launch_cluster). Distributed shared memory: map_shared_rank (mapa)
+// returns the address of the same offset in another CTA's dynamic shared memory, which the calling
+// thread then reads and writes with plain loads and stores, as on the GPU. barrier.cluster blocks
+// until every live thread of every CTA of the cluster has arrived (arrive, then wait; a second
+// arrive before the wait, or a wait without an arrive, is reported). mbar_arrive_cluster arrives on
+// an mbarrier in another CTA (its address from map_shared_rank). When every thread of a CTA has
+// exited, its shared memory is poisoned (0xFF) and a later mapa of it or arrival on it is reported:
+// on the GPU a CTA must not exit while its peers still use its shared memory.
+unsigned cluster_ctarank();                       // %cluster_ctarank
+unsigned cluster_nctarank();                      // %cluster_nctarank
+void* map_shared_rank(const void* p, unsigned rank);  // mapa (generic address)
+void cluster_arrive();                            // barrier.cluster.arrive.release.aligned
+void cluster_wait();                              // barrier.cluster.wait.acquire.aligned
+void mbar_arrive_cluster(void* bar);              // mbarrier.arrive.release.cluster.shared::cluster.b64
 
 // Shuffle / vote on 32-bit words (mode as in PTX shfl: 0 idx, 1 up, 2 down, 3 bfly; c as in PTX).
 uint32_t shfl32(int mode, unsigned mask, uint32_t v, int b, int c);
