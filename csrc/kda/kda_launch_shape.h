@@ -18,6 +18,7 @@ struct LaunchShape {
   dim3 grid;
   int threads;  // per CTA (x only)
   size_t smem;  // dynamic shared memory, bytes
+  dim3 cluster = dim3(1, 1, 1);  // thread block cluster (CTAs per cluster in each dimension; divides grid)
   // An empty grid launches nothing (an empty problem: no chunks, no heads, no sequences).
   bool empty() const { return grid.x == 0 || grid.y == 0 || grid.z == 0; }
 };

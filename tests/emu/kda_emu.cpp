@@ -191,7 +191,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
 template <typename Params>
 void launch(const kda::LaunchShape& s, void (*kernel)(Params), const Params& p) {
   if (s.empty()) return;  // as the launchers: nothing launched for an empty problem
-  kf_emu::launch(s.grid, dim3(s.threads), s.smem, kernel, p);
+  kf_emu::launch_cluster(s.grid, s.cluster, dim3(s.threads), s.smem, kernel, p);
 }
 
 template <typename WT, int K>

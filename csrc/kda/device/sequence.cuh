@@ -88,7 +88,23 @@ template <typename Params>
 void launch(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(s.smem)));
   if (s.empty()) return;
-  kern<<<s.grid, s.threads, s.smem, stream>>>(p);
+  if (s.cluster.x * s.cluster.y * s.cluster.z == 1) {
+    kern<<<s.grid, s.threads, s.smem, stream>>>(p);
+  } else {  // a cluster launch (distributed shared memory between the cluster's CTAs)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = s.grid;
+    cfg.blockDim = dim3(s.threads);
+    cfg.dynamicSmemBytes = s.smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = s.cluster.x;
+    attr[0].val.clusterDim.y = s.cluster.y;
+    attr[0].val.clusterDim.z = s.cluster.z;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    KF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
+  }
   KF_CHECK_LAUNCH();
 }
 
