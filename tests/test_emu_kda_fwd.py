@@ -79,6 +79,11 @@ def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="
     elif gate == "precomputed":
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, generator=gen) + 2)
         kw.update(use_gate_in_kernel=False)
+    elif gate == "precomputed_weak":  # ~ -0.003 per step: a chunk decays by ~0.8, so the products of
+        # rows 48..63 with columns 0..15 weigh as much as the diagonal ones (with the gates above they
+        # are ~1e-15 of them, and an error there shows nowhere)
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, generator=gen) + 6)
+        kw.update(use_gate_in_kernel=False)
     else:
         raise ValueError(gate)
     if extreme:  # a fraction of the per-step gates at -1000 (fla's varlen tests)
@@ -112,6 +117,7 @@ CASES = {
     "g-fp16-misaligned": dict(T=80, g_dtype=torch.float16, misalign=True),
     "misaligned-K128": dict(T=66, K=128, misalign=True),
     "extreme-1000": dict(T=130, gate="precomputed", extreme=0.5, h0=True),
+    "weak-decay-K128": dict(T=128, K=128, gate="precomputed_weak", h0=True),  # every block pair counts
     "l2norm-eps-tiny-qk": dict(T=100, qk_scale=1e-4, h0=True),  # the kernels' l2norm epsilon (gate.cuh)
     "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
     "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,

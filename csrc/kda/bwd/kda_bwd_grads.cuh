@@ -121,6 +121,10 @@ struct GradsSmem {
   float dgp[8][K];         // [4][K] per row block sums of kg * dkg, then partials
   float rowa[4][kChunk];   // per column quarter row sums
   float dbc[8][kChunk];    // dbeta from Akk's columns (partials)
+  // I1's column-side pair (row block 3 -> rows of block 0), computed by the row-block-3 warps and
+  // added by the row-block-0 warps after the barrier (grads_offdiag): per column quarter, per lane,
+  // its C fragment (K / 32 tiles x 4 floats). Live from I1 to the start of I2 only.
+  float colpart[4][32][K / 8];
   union {
     VPhase v;
     EIPhases ei;
@@ -211,10 +215,11 @@ struct GradsCtx : dev::ChunkPlace {
   }
   // Column side: A[m = s][k = r] = dA1[r][s] and dL[r][s], s = r0 / r1, r = ra, ra + 4 (beta_r goes
   // onto the B operand: the A elements are rounded to tf32 exactly as the row side rounds them).
-  __device__ __forceinline__ void a_col_side(int ra, uint32_t (&a1)[4], uint32_t (&al)[4]) const {
+  // (columns s of block jb: this warp's own rows, or the block it sums for another warp, I1)
+  __device__ __forceinline__ void a_col_side(int ra, int jb, uint32_t (&a1)[4], uint32_t (&al)[4]) const {
     const float* A1 = sA1();
     const float* L = sDL();
-    const int s0 = r0(), s1 = r1(), oa = ra * S::AF, oc = (ra + 4) * S::AF;
+    const int s0 = 16 * jb + g, s1 = s0 + 8, oa = ra * S::AF, oc = (ra + 4) * S::AF;
     a1[0] = dev::to_tf32(A1[oa + s0]); a1[1] = dev::to_tf32(A1[oa + s1]);
     a1[2] = dev::to_tf32(A1[oc + s0]); a1[3] = dev::to_tf32(A1[oc + s1]);
     al[0] = dev::to_tf32(L[oa + s0]); al[1] = dev::to_tf32(L[oa + s1]);
@@ -717,21 +722,31 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
     }
   }
   KF_GRADS_PHASE(4);
-  if (rb < 3) {
+  // The column side, balanced over the row-block warps: a column pair costs twice a row pair (two B
+  // operands, each split), so the plain assignment (warp rb: its rb row pairs and 3 - rb column
+  // pairs) gave warp 0 six units of work and warp 3 three, and the barrier after I1 waits for warp 0
+  // (9.4k of 59k cycles per CTA at bounded_b16, 2026-12-02). Here warp 3 takes the pair of row block
+  // 3 with the rows of block 0 (max 5 units): it leaves that C fragment in colpart, and warp 0
+  // adds it (grads_offdiag_take) after the barrier.
+  const int jb = rb < 3 ? rb : 0;                 // the block whose rows (columns s) this warp sums
+  const int bi0 = rb < 3 ? rb + 1 : 3;            // its first row block i > jb
+  const int bi1 = rb == 0 ? 3 : 4;                // one past its last (warp 0 leaves block 3 to warp 3)
+  {
     float cs[NTK][4];
 #pragma unroll
     for (int j = 0; j < NTK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) cs[j][e] = 0.f;
-    float mid[NTK];  // the totals of the blocks strictly between rb and bi (grows as bi rises)
+    float mid[NTK];  // the totals of the blocks strictly between jb and bi (grows as bi rises)
 #pragma unroll
-    for (int j = 0; j < NTK; ++j) mid[j] = 0.f;
-    for (int bi = rb + 1; bi < 4; ++bi) {
+    for (int j = 0; j < NTK; ++j)  // warp 3 starts at bi = 3: T_1 + T_2, the bits warp 0 reached there
+      mid[j] = rb == 3 ? sBT[K + cb + 8 * j + g] + sBT[2 * K + cb + 8 * j + g] : 0.f;
+    for (int bi = bi0; bi < bi1; ++bi) {
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         const int ra = 16 * bi + 8 * ks + t, rc = ra + 4;
         uint32_t a1[4], al[4];  // A[m = s][k = r] = dA1[r][s] / beta_r dL[r][s]
-        c.a_col_side(ra, a1, al);
+        c.a_col_side(ra, jb, a1, al);
 #pragma unroll
         for (int j = 0; j < NTK; ++j) {
           const int d = cb + 8 * j + g;
@@ -749,10 +764,36 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
       const int col = cb + 8 * j + 2 * t;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int s = e < 2 ? r0 : r1, d = col + (e & 1);
-        dkB[j][e] += cs[j][e] * dev::fast_exp2(sBT[rb * K + d] - sG[s * KP + d]);
+        const int s = 16 * jb + g + 8 * (e >> 1), d = col + (e & 1);
+        cs[j][e] *= dev::fast_exp2(sBT[jb * K + d] - sG[s * KP + d]);
       }
     }
+    if (rb < 3) {
+#pragma unroll
+      for (int j = 0; j < NTK; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dkB[j][e] += cs[j][e];
+    } else {
+      float4* part = reinterpret_cast<float4*>(c.st->colpart[c.cq][c.lane]);
+#pragma unroll
+      for (int j = 0; j < NTK; ++j) part[j] = make_float4(cs[j][0], cs[j][1], cs[j][2], cs[j][3]);
+    }
+  }
+}
+
+// After the barrier that follows I1: the row-block-0 warps add the column-side fragment the
+// row-block-3 warps left for them (grads_offdiag's balance).
+template <typename WT, int K>
+__device__ __forceinline__ void grads_offdiag_take(const GradsCtx<WT, K>& c, float (&dkB)[K / 32][4]) {
+  if (c.rb != 0) return;
+  const float4* part = reinterpret_cast<const float4*>(c.st->colpart[c.cq][c.lane]);
+#pragma unroll
+  for (int j = 0; j < K / 32; ++j) {
+    const float4 v = part[j];
+    dkB[j][0] += v.x;
+    dkB[j][1] += v.y;
+    dkB[j][2] += v.z;
+    dkB[j][3] += v.w;
   }
 }
 
@@ -804,7 +845,7 @@ __device__ __forceinline__ void grads_diag_mid(const GradsCtx<WT, K>& c, float (
     {  // column side: A[row = s][k = r] = dA1[r][s] / beta_r dL[r][s]
       const int ra = 16 * rb + 8 * ks + t, rc = ra + 4;
       uint32_t a1[4], al[4];
-      c.a_col_side(ra, a1, al);
+      c.a_col_side(ra, c.rb, a1, al);
 #pragma unroll
       for (int j = 0; j < NTK; ++j) {
         const int d = cb + 8 * j + g;
@@ -1238,6 +1279,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   grads_offdiag(c, dqg, dkA, dkg, rowsumK);
   KF_GRADS_PHASE(5);
   __syncthreads();  // E4's readers of sM / sZ are done: the X arrays may overwrite them
+  grads_offdiag_take(c, dkg);
   grads_diag<WT, K, kMid>(c, dqg, dkA, dkg, rowsumK);
   KF_GRADS_PHASE(6);
   __syncthreads();
