@@ -728,9 +728,11 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
   // (9.4k of 59k cycles per CTA at bounded_b16, 2026-12-02). Here warp 3 takes the pair of row block
   // 3 with the rows of block 0 (max 5 units): it leaves that C fragment in colpart, and warp 0
   // adds it (grads_offdiag_take) after the barrier.
-  const int jb = rb < 3 ? rb : 0;                 // the block whose rows (columns s) this warp sums
-  const int bi0 = rb < 3 ? rb + 1 : 3;            // its first row block i > jb
-  const int bi1 = rb == 0 ? 3 : 4;                // one past its last (warp 0 leaves block 3 to warp 3)
+  // (p.i1_balance = 0, for A/B timing: the plain assignment, warp 3 idle here.)
+  const bool bal = c.p.i1_balance != 0;             // kernel-uniform
+  const int jb = rb < 3 ? rb : 0;                   // the block whose rows (columns s) this warp sums
+  const int bi0 = rb < 3 ? rb + 1 : (bal ? 3 : 4);  // its first row block i > jb
+  const int bi1 = rb == 0 && bal ? 3 : 4;           // one past its last (warp 0 leaves block 3 to warp 3)
   {
     float cs[NTK][4];
 #pragma unroll
@@ -773,7 +775,7 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
       for (int j = 0; j < NTK; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dkB[j][e] += cs[j][e];
-    } else {
+    } else if (bal) {
       float4* part = reinterpret_cast<float4*>(c.st->colpart[c.cq][c.lane]);
 #pragma unroll
       for (int j = 0; j < NTK; ++j) part[j] = make_float4(cs[j][0], cs[j][1], cs[j][2], cs[j][3]);
@@ -785,7 +787,7 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 // row-block-3 warps left for them (grads_offdiag's balance).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_offdiag_take(const GradsCtx<WT, K>& c, float (&dkB)[K / 32][4]) {
-  if (c.rb != 0) return;
+  if (c.rb != 0 || !c.p.i1_balance) return;
   const float4* part = reinterpret_cast<const float4*>(c.st->colpart[c.cq][c.lane]);
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) {
