@@ -52,6 +52,7 @@ CASES = {
     # weak decays: every block pair of a chunk counts (I1's far pairs, e.g. rows 48..63 x columns 0..15)
     "weak-decay-K128": dict(T=128, K=128, V=64, gate="precomputed_weak", h0=True),
     "weak-decay-B2-T64": dict(B=2, T=64, K=64, V=64, gate="precomputed_weak"),
+    "bounded-weak-K128": dict(T=128, K=128, V=64, gate="bounded_weak", h0=True),
     "neg-eig-svf": dict(T=70, neg_eig=True, h0=True, state_v_first=True),
     "fp16": dict(T=100, dtype=torch.float16, h0=True),
     "varlen": dict(T=200, cu=[0, 0, 1, 64, 65, 200], h0=True),

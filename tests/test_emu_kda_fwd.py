@@ -67,6 +67,11 @@ def make_case(B=1, T=100, H=2, HV=None, K=64, V=64, dtype=torch.bfloat16, gate="
         g = torch.randn(B, T, HV, K, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)),
                   dt_bias=0.5 * torch.randn(HV * K, generator=gen), lower_bound=-5.0)
+    elif gate == "bounded_weak":  # lower_bound -0.05: every step in (-0.05, 0), a chunk decays by > e^-3.2,
+        # so the tensor-core paths' far block pairs (bounded: the midpoint I3 and I1) carry weight
+        g = torch.randn(B, T, HV, K, generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=torch.log(torch.empty(HV).uniform_(1, 16, generator=gen)),
+                  dt_bias=0.5 * torch.randn(HV * K, generator=gen), lower_bound=-0.05)
     elif gate == "bounded16":  # nearly every step at lower_bound = -5: the widest midpoint factors
         g = 3 * torch.randn(B, T, HV, K, generator=gen) + 4
         kw.update(use_gate_in_kernel=True, A_log=torch.full((HV,), math.log(16.0)), dt_bias=None, lower_bound=-5.0)
@@ -118,6 +123,7 @@ CASES = {
     "misaligned-K128": dict(T=66, K=128, misalign=True),
     "extreme-1000": dict(T=130, gate="precomputed", extreme=0.5, h0=True),
     "weak-decay-K128": dict(T=128, K=128, gate="precomputed_weak", h0=True),  # every block pair counts
+    "bounded-weak": dict(T=128, gate="bounded_weak", h0=True),
     "l2norm-eps-tiny-qk": dict(T=100, qk_scale=1e-4, h0=True),  # the kernels' l2norm epsilon (gate.cuh)
     "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
     "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,
