@@ -115,6 +115,10 @@ CASES = {
     "extreme-unbounded16": dict(T=400, gate="unbounded16", h0=True),
     "extreme-bounded16": dict(T=400, gate="bounded16", h0=True),
     "extreme-1000": dict(T=400, gate="precomputed", extreme=0.5, h0=True),
+    # weak decays: the far block pairs of a chunk weigh as much as the near ones (with the gates
+    # above they are ~1e-15 of them, and a kernel that dropped them passed every case)
+    "weak-decay": dict(T=300, gate="precomputed_weak", h0=True),
+    "bounded-weak": dict(T=300, gate="bounded_weak", h0=True),
 }
 VARLEN_CASES = {
     "varlen-onetoken": dict(T=200, cu=[0, 1, 64, 65, 200], h0=True),

@@ -65,6 +65,14 @@ def make_case(B=1, T=100, H=2, HV=None, K=128, V=128, dtype=torch.bfloat16, gate
     elif gate == "precomputed":
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=dev, generator=gen) + 2)
         kw.update(use_gate_in_kernel=False)
+    elif gate == "precomputed_weak":  # ~ -0.003 per step: the far block pairs of a chunk carry weight
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=dev, generator=gen) + 6)
+        kw.update(use_gate_in_kernel=False)
+    elif gate == "bounded_weak":  # every step in (-0.05, 0): the bounded tensor-core paths' far pairs count
+        g = torch.randn(B, T, HV, K, device=dev, generator=gen)
+        A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16, generator=gen))
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=0.5 * torch.randn(HV * K, device=dev, generator=gen),
+                  lower_bound=-0.05)
     else:
         raise ValueError(gate)
     if extreme:  # fla's varlen tests: a fraction of the per-step gates at -1000
@@ -149,6 +157,8 @@ CASES = {
     "varlen-fla": dict(T=2000, H=2, HV=4, cu=[0, 15, 100, 300, 1200, 2000], h0=True),
     "varlen-extreme-bounded": dict(T=1000, cu=[0, 256, 500, 1000], gate="bounded"),
     "varlen-extreme-1000": dict(T=1000, cu=[0, 256, 500, 1000], gate="precomputed", extreme=0.3),
+    "weak-decay": dict(T=300, gate="precomputed_weak", h0=True),  # every block pair of a chunk counts
+    "bounded-weak": dict(T=300, gate="bounded_weak", h0=True),
 }
 
 
