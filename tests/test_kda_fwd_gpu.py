@@ -483,6 +483,9 @@ FUSED_CASES = {
     "K64-V256-fp16": dict(T=200, K=64, V=256, dtype=torch.float16),
     "gva-varlen": dict(T=700, H=1, HV=2, V=128, cu=[0, 0, 1, 65, 300, 700], h0=True),
     "state-v-first": dict(T=190, V=128, h0=True, state_v_first=True),
+    "bounded16": dict(T=260, V=128, gate="bounded16", h0=True),       # the widest midpoint factors
+    "extreme-1000": dict(T=260, V=128, gate="precomputed", extreme=0.5, h0=True),
+    "weak-decay": dict(T=260, V=128, gate="precomputed_weak", h0=True),
 }
 
 
