@@ -9,6 +9,8 @@
 #   KF_BENCH     benchmark args, or "all" for every case (default: none, no benchmark: a whole benchmark
 #                with fla does not fit one call on a fresh machine; name the cases and a --budget-s)
 #   KF_NO_BUILD  1 = use a carried src/kernel_fun/_C.abi3.so instead of building here
+#   KF_PREBUILT  1 = use the extension scripts/prebuild.sh packed into .prebuilt/ (carry it), if it was
+#                built from this tree's sources (scripts/source_hash.sh) and loads here; else build
 #   KF_TEST_TIMEOUT  seconds our GPU tests may take (default 300)
 #   KF_FLA_TESTS     0 = skip the fla-parity GPU tests (slow on a fresh machine: fla's Triton
 #                    compile); KF_FLA_TEST_TIMEOUT bounds them (default 300)
@@ -50,6 +52,22 @@ export TRITON_CACHE_DIR=$PWD/.triton-cache
 export FLA_TILELANG=0  # fla 0.5.2's Triton backward, not its optional TileLang one (docs/benchmark.md)
 export FLA_FLASH_KDA=0  # fla stays on its own forward when flash_kda is importable (KF_FLASHKDA)
 
+if [ "${KF_PREBUILT:-0}" = "1" ] && [ "${KF_NO_BUILD:-0}" != "1" ]; then
+  if [ -f .prebuilt/_C.abi3.so.xz ] && [ "$(cat .prebuilt/SOURCES 2>/dev/null)" = "$(bash scripts/source_hash.sh)" ]; then
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      .prebuilt/_C.abi3.so.xz src/kernel_fun/_C.abi3.so
+    if python3 -c "import sys, kernel_fun._ext as e; ok, why = e.status(); print(why); sys.exit(0 if ok else 1)" \
+        >> "$out/env.txt" 2>&1; then
+      stamp "using the prebuilt extension (.prebuilt/, sources $(cat .prebuilt/SOURCES))"
+      KF_NO_BUILD=1
+    else
+      stamp "the prebuilt extension does not load here (env.txt): building"
+      rm -f src/kernel_fun/_C*.so
+    fi
+  else
+    stamp "KF_PREBUILT=1 but .prebuilt/ is missing or was built from other sources: building"
+  fi
+fi
 if [ "${KF_NO_BUILD:-0}" != "1" ]; then
   stamp "building the extension"
   rm -f src/kernel_fun/_C*.so

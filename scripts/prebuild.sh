@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Build the extension HERE (no GPU needed) and pack it for a device call, so the call can skip its
+# ~85 s build: writes .prebuilt/_C.abi3.so.xz (~5 MB; the .so is ~33 MB) and .prebuilt/SOURCES, the
+# hash of what it was built from. scripts/gpu_run.sh with KF_PREBUILT=1 (carry [".whl", ".prebuilt"])
+# unpacks it only if the hash matches the tree it runs in and the extension loads there; otherwise it
+# builds as usual. The extension is abi3 on torch's stable ABI, so this machine's Python 3.11 build
+# serves the device's 3.12 when torch and CUDA are the same versions (2.11.0+cu130, 13.0).
+#   bash scripts/prebuild.sh
+set -eu
+cd "$(dirname "$0")/.."
+MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace
+mkdir -p .prebuilt
+xz -T0 -6 -c src/kernel_fun/_C.abi3.so > .prebuilt/_C.abi3.so.xz
+bash scripts/source_hash.sh > .prebuilt/SOURCES
+echo "prebuilt: $(du -h .prebuilt/_C.abi3.so.xz | cut -f1), sources $(cat .prebuilt/SOURCES)"

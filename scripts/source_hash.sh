@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# One hash of everything the extension is built from (csrc/, setup.py, the build requirements), for
+# scripts/prebuild.sh and scripts/gpu_run.sh to tell whether a prebuilt extension matches a tree.
+set -eu
+cd "$(dirname "$0")/.."
+{ find csrc -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.cpp' \) | LC_ALL=C sort; \
+  echo setup.py; echo requirements-build.txt; } | xargs sha256sum | sha256sum | cut -c1-16
