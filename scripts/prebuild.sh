@@ -5,11 +5,14 @@
 # unpacks it only if the hash matches the tree it runs in and the extension loads there; otherwise it
 # builds as usual. The extension is abi3 on torch's stable ABI, so this machine's Python 3.11 build
 # serves the device's 3.12 when torch and CUDA are the same versions (2.11.0+cu130, 13.0).
-#   bash scripts/prebuild.sh
+# An A/B tree (ab_alt/, ab_base/: scripts/ab_probe.sh) gets its own .prebuilt/ the same way, which
+# ab_probe.sh then unpacks instead of building that tree on the device.
+#   bash scripts/prebuild.sh [TREE]     (default: this repository)
 set -eu
-cd "$(dirname "$0")/.."
+here="$(cd "$(dirname "$0")/.." && pwd)"
+cd "${1:-$here}"
 MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace
 mkdir -p .prebuilt
 xz -T0 -6 -c src/kernel_fun/_C.abi3.so > .prebuilt/_C.abi3.so.xz
-bash scripts/source_hash.sh > .prebuilt/SOURCES
-echo "prebuilt: $(du -h .prebuilt/_C.abi3.so.xz | cut -f1), sources $(cat .prebuilt/SOURCES)"
+bash "$here/scripts/source_hash.sh" "$PWD" > .prebuilt/SOURCES
+echo "prebuilt $PWD: $(du -h .prebuilt/_C.abi3.so.xz | cut -f1), sources $(cat .prebuilt/SOURCES)"
