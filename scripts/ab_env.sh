@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of a launcher knob inside one build: scripts/kda_stage_times.py (fwd+bwd) with the environment
 # variable VAR set to each of VALUES in turn, AB_RUNS times (default 2, so that drift shows). For the
-# knobs the launchers read at every call (KERNEL_FUN_KDA_BWD_PAIR_SCANS, KERNEL_FUN_KDA_BWD_SLICE, KERNEL_FUN_KDA_BWD_I1_BALANCE,
+# knobs the launchers read at every call (KERNEL_FUN_KDA_BWD_PAIR_SCANS, KERNEL_FUN_KDA_BWD_SLICE, KERNEL_FUN_KDA_BWD_BALANCE,
 # KERNEL_FUN_KDA_SCAN_BV): no second build is needed.
 #   KF_PROBE='bash scripts/ab_env.sh KERNEL_FUN_KDA_BWD_PAIR_SCANS "0 1" long_b1_t32k bounded_b1' \
 #     KF_FLA_TESTS=0 bash scripts/gpu_run.sh

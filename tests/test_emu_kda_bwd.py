@@ -224,3 +224,24 @@ def test_gate_param_passes_sum_every_chunk_exactly(emu, HV, K, nc, max_chunks, v
     check(ddt_bias, pbias[:nc])
     again = emu.gate_params(pbias, pA, nc, varlen=varlen)
     assert_bitwise_same({"dA_log": dA_log, "ddt_bias": ddt_bias}, {"dA_log": again[0], "ddt_bias": again[1]})
+
+
+@pytest.mark.parametrize("name", ["weak-decay-K128", "gva-2-4-K128", "bounded16-K128"])
+def test_grads_load_balancing(emu, name):
+    """kda_bwd_grads' load balancing (KdaBwdParams::balance, KERNEL_FUN_KDA_BWD_BALANCE on the GPU):
+    E1's dAkk tiles on other warps (bit 2) compute the same numbers, bit for bit; I1's column-side
+    hand-over (bit 1) only regroups one sum, so it stays within the stage tolerance of the plain
+    assignment -- and the hand-over must arrive: on weak decays its pair is not negligible."""
+    inputs, kw = make_case(**CASES[name])
+    do, dht = _do_dht(inputs, kw, 2)
+    kw = {k: v for k, v in kw.items() if k != "output_final_state"}
+    runs = {b: emu.backward_stages(*inputs, do, dht, balance=b, **kw) for b in (0, 1, 2, 3)}
+
+    def grads(b):
+        g, st = runs[b]
+        return {**{k: v for k, v in g.items() if v is not None}, "dA": st["dA"], "dL": st["dL"]}
+
+    assert_bitwise_same(grads(0), grads(2), "E1 tiles moved")
+    assert_bitwise_same(grads(1), grads(3), "E1 tiles moved, I1 balanced")
+    for key, ref in grads(0).items():
+        assert rel_rms(ref.double(), grads(1)[key].double()) <= STAGE_TOL, key

@@ -113,8 +113,9 @@ struct KdaBwdParams : KdaFwdParams {
   float* dbg_dA = nullptr;     // optional stage dumps for tests: [B*T, HV, 64] fp32 dAqk (scaled),
   float* dbg_dL = nullptr;     //   and dL = -(M^T dM M^T) (strictly lower)
   long long* dbg_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_bwd_grads (profiling)
-  int i1_balance = 1;          // kda_bwd_grads: I1's column side balanced over the warps (0: the plain
-                               // assignment; KERNEL_FUN_KDA_BWD_I1_BALANCE=0, for A/B timing)
+  int balance = 3;             // kda_bwd_grads' load balancing, a bit mask (A/B timing with
+                               // KERNEL_FUN_KDA_BWD_BALANCE=0..3): 1 = I1's column side over the
+                               // warps, 2 = E1's dAkk tiles to the warps with the least dkA work
 };
 
 // ---------------------------------------------------------------- workspace

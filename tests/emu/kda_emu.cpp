@@ -102,6 +102,8 @@ struct KdaEmuArgs {
   int64_t slice_b;        // backward: batches per slice (bwd/kda_bwd_slice.h); 0 = one pass
   int64_t pair_scans;     // backward: 0 = the launcher's choice (kda_policy.h), 1 = both scans in one
                           // launch (bwd/kda_bwd_scans.cuh), 2 = two launches
+  int64_t balance;        // backward: kda_bwd_grads' load-balancing bits (KdaBwdParams::balance), or
+                          // -1 for the default (KERNEL_FUN_KDA_BWD_BALANCE on the GPU)
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -270,7 +272,9 @@ struct EmuStages {
 
 void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   if (a.pair_scans < 0 || a.pair_scans > 2) throw std::invalid_argument("kda_emu: pair_scans must be 0, 1 or 2");
-  const kda::KdaBwdParams p = make_params(a);
+  if (a.balance < -1 || a.balance > 3) throw std::invalid_argument("kda_emu: balance must be -1 or 0..3");
+  kda::KdaBwdParams p = make_params(a);
+  if (a.balance >= 0) p.balance = static_cast<int>(a.balance);
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
   if (bv > 0 && p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
   const int64_t pr = a.pair_scans;

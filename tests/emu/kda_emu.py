@@ -36,7 +36,7 @@ _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "op
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
          "dbg_dL")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
-         "saved_factors", "slice_b", "pair_scans")
+         "saved_factors", "slice_b", "pair_scans", "balance")
 
 
 class KdaEmuArgs(ctypes.Structure):
@@ -301,14 +301,16 @@ def gate_params(pbias, pA, nc, varlen=False):
 def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
-                    dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, **_ignored):
+                    dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
+                    **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
     slice_b: run the stages on slice_b batches at a time (csrc/kda/bwd/kda_bwd_slice.h; the workspace
     then holds the last slice's values only). pair_scans: 0 = the launcher's choice
     (kda_policy.h's bwd_pair_scans), 1 = the re-scan and the dh scan in one launch
-    (csrc/kda/bwd/kda_bwd_scans.cuh), 2 = two launches."""
+    (csrc/kda/bwd/kda_bwd_scans.cuh), 2 = two launches. balance: kda_bwd_grads' load-balancing bits
+    (KdaBwdParams::balance: 1 I1, 2 E1), -1 = the default."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -329,7 +331,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
               dL=gz.alloc("dbg_dL", (B * T, HV, CHUNK), torch.float32, fill=0.0))
     a = KdaEmuArgs(**f, dout=_ptr(do_), dht=_ptr(dht_), **{n: _ptr(t) for n, t in grads.items()},
                    dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or 0),
-                   slice_b=int(slice_b), pair_scans=int(pair_scans))
+                   slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance))
     L = lib()
     if L.kda_emu_backward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())

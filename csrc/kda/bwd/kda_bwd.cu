@@ -47,8 +47,8 @@ void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream) {
 
 void kda_bwd_grads(const KdaBwdParams& p_in, cudaStream_t stream) {
   KdaBwdParams p = p_in;
-  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_I1_BALANCE");  // benchmarking: 0 or 1
-  if (env && (env[0] == '0' || env[0] == '1') && env[1] == '\0') p.i1_balance = env[0] == '1';
+  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_BALANCE");  // benchmarking: 0..3 (kda_problem.h)
+  if (env && env[0] >= '0' && env[0] <= '3' && env[1] == '\0') p.balance = env[0] - '0';
   dispatch_wt_k(p.dtype, p.K, "kda_bwd_grads", [&](auto wt, auto k) {
     launch_grads<typename decltype(wt)::type, decltype(k)::value>(p, stream);
   });

@@ -530,33 +530,48 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
   dev::cp_async_wait<0>();
   __syncthreads();
 
-  // ---- E1: dAkk += dw kexp^T ([16 x 16] per warp); dkA = exp2(g2) (Akk^T dw) ([16 x K/4])
-  if (cq <= rb) {
+  // ---- E1: dAkk += dw kexp^T (one [16 x 16] tile (tr, tc), tc <= tr, per warp that has one); dkA =
+  // exp2(g2) (Akk^T dw) ([16 x K/4]: warp rb sums 4 - rb row blocks, so rb = 0 has 4x rb = 3's work).
+  // The 10 dAkk tiles are in smem, so any warp can take any: with bit 2 of p.balance they go to the
+  // warps of row blocks 3 and 2 and to two of row block 1 (the least dkA work), not to warp (rb, cq)
+  // for tile (rb, cq), which gave warp (0, 0) the most of both (E1's longest path ~60 -> ~53 units).
+  int tr = rb, tc = cq;
+  bool has_tile = cq <= rb;
+  if (p.balance & 2) {
+    // warps (3, x) -> tiles 0..3, (2, x) -> 4..7, (1, 0), (1, 1) -> 8, 9; tiles in row-major order
+    // of the lower triangle: (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) (3,1) (3,2) (3,3)
+    const int slot = rb == 3 ? cq : (rb == 2 ? 4 + cq : (rb == 1 && cq < 2 ? 8 + cq : -1));
+    has_tile = slot >= 0;
+    tr = slot < 1 ? 0 : (slot < 3 ? 1 : (slot < 6 ? 2 : 3));
+    tc = slot - tr * (tr + 1) / 2;
+  }
+  if (has_tile) {
+    const int tr0 = 16 * tr + g, tr1 = tr0 + 8;  // this thread's rows of the tile
     float acc[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int col = 16 * cq + 8 * j + 2 * t;
-      acc[j][0] = sDAkk[r0 * AF + col];
-      acc[j][1] = sDAkk[r0 * AF + col + 1];
-      acc[j][2] = sDAkk[r1 * AF + col];
-      acc[j][3] = sDAkk[r1 * AF + col + 1];
+      const int col = 16 * tc + 8 * j + 2 * t;
+      acc[j][0] = sDAkk[tr0 * AF + col];
+      acc[j][1] = sDAkk[tr0 * AF + col + 1];
+      acc[j][2] = sDAkk[tr1 * AF + col];
+      acc[j][3] = sDAkk[tr1 * AF + col + 1];
     }
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
       uint32_t a[4], b[4];
-      dev::ldsm_a(a, sDW, KQ, 16 * rb, 16 * kk);
+      dev::ldsm_a(a, sDW, KQ, 16 * tr, 16 * kk);
       // B[k][n = token'] = kexp[token'][k]: rows token', non-transposed
-      dev::ldsm_b(b, sKexp, KQ, 16 * cq, 16 * kk);
+      dev::ldsm_b(b, sKexp, KQ, 16 * tc, 16 * kk);
       dev::mma_16x16<WT>(acc[0], acc[1], a, b);
     }
     // every (row, column) of dAkk is owned by exactly one thread: write back in place
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int col = 16 * cq + 8 * j + 2 * t;
-      sDAkk[r0 * AF + col] = acc[j][0];
-      sDAkk[r0 * AF + col + 1] = acc[j][1];
-      sDAkk[r1 * AF + col] = acc[j][2];
-      sDAkk[r1 * AF + col + 1] = acc[j][3];
+      const int col = 16 * tc + 8 * j + 2 * t;
+      sDAkk[tr0 * AF + col] = acc[j][0];
+      sDAkk[tr0 * AF + col + 1] = acc[j][1];
+      sDAkk[tr1 * AF + col] = acc[j][2];
+      sDAkk[tr1 * AF + col + 1] = acc[j][3];
     }
   }
 #pragma unroll
@@ -728,8 +743,8 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
   // (9.4k of 59k cycles per CTA at bounded_b16, 2026-12-02). Here warp 3 takes the pair of row block
   // 3 with the rows of block 0 (max 5 units): it leaves that C fragment in colpart, and warp 0
   // adds it (grads_offdiag_take) after the barrier.
-  // (p.i1_balance = 0, for A/B timing: the plain assignment, warp 3 idle here.)
-  const bool bal = c.p.i1_balance != 0;             // kernel-uniform
+  // (Without bit 1 of p.balance, for A/B timing: the plain assignment, warp 3 idle here.)
+  const bool bal = (c.p.balance & 1) != 0;          // kernel-uniform
   const int jb = rb < 3 ? rb : 0;                   // the block whose rows (columns s) this warp sums
   const int bi0 = rb < 3 ? rb + 1 : (bal ? 3 : 4);  // its first row block i > jb
   const int bi1 = rb == 0 && bal ? 3 : 4;           // one past its last (warp 0 leaves block 3 to warp 3)
@@ -787,7 +802,7 @@ __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&
 // row-block-3 warps left for them (grads_offdiag's balance).
 template <typename WT, int K>
 __device__ __forceinline__ void grads_offdiag_take(const GradsCtx<WT, K>& c, float (&dkB)[K / 32][4]) {
-  if (c.rb != 0 || !c.p.i1_balance) return;
+  if (c.rb != 0 || !(c.p.balance & 1)) return;
   const float4* part = reinterpret_cast<const float4*>(c.st->colpart[c.cq][c.lane]);
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) {
