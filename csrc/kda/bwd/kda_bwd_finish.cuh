@@ -46,6 +46,33 @@ __device__ __forceinline__ double strided_column_sum(const float* m, int64_t ld,
   return (a0 + a1) + (a2 + a3);
 }
 
+// Value head hv's sums over rows first_row + i row_step (i < nrows) of the gate partials: pbias's
+// K columns into bias_out[0 .. K) and pA into *A_out (either may be null), in double and in a fixed
+// order. Threads (d, grp) = (tid % K, tid / K) sum column d over every groups-th row, then the groups
+// are added in order; pA's rows go round-robin over the threads, then block_sum_fixed. Every read
+// happens before block_sum_fixed's barriers, every write after them, so the outputs may overwrite
+// the first row (the segment pass works in place).
+__device__ __forceinline__ void gate_rows_sum(const KdaBwdParams& p, int hv, int first_row, int nrows,
+                                              int row_step, float* bias_out, float* A_out) {
+  __shared__ double red[kGateParamsThreads / 32];
+  __shared__ double col[kGateParamsThreads];
+  const int HV = p.HV, K = p.K;
+  const int groups = blockDim.x / K;  // K in {64, 128} divides the block
+  const int d = threadIdx.x % K, grp = threadIdx.x / K;
+  const int64_t ld = static_cast<int64_t>(HV) * K;
+  col[threadIdx.x] = strided_column_sum(p.pbias + first_row * ld + hv * K, ld * row_step, d, grp, nrows, groups);
+  double a = 0.0;
+  for (int i = threadIdx.x; i < nrows; i += blockDim.x)
+    a += p.pA[static_cast<int64_t>(first_row + i * row_step) * HV + hv];
+  const double sa = block_sum_fixed(a, red);  // its barriers also order col[] and every read above
+  if (grp == 0 && bias_out) {
+    double s = 0.0;
+    for (int gi = 0; gi < groups; ++gi) s += col[gi * K + d];
+    bias_out[d] = static_cast<float>(s);
+  }
+  if (threadIdx.x == 0 && A_out) *A_out = static_cast<float>(sa);
+}
+
 // dA_log[hv] and ddt_bias[hv, :] from the per-chunk partials of kda_bwd_grads, in two fixed-order
 // passes (deterministic, no atomics): this one sums each segment of kGateSegChunks chunks, the
 // next (kda_bwd_gate_params_kernel) the segments. One pass of one thread per output took 0.2 ms
@@ -53,52 +80,25 @@ __device__ __forceinline__ double strided_column_sum(const float* m, int64_t ld,
 // order adds no error that shows beside the partials' own (dA_log cancels: its terms are ~1e3x
 // the result on strong decays).
 // In place: segment s's sums overwrite the partials of its first chunk (row s * kGateSegChunks of
-// pbias / pA), which only this CTA reads, after every thread of it has read them (the barrier in
-// block_sum_fixed / below). Grid (segment, value head); segments past the last chunk (varlen:
-// max_chunks bounds the device-side total) do nothing.
+// pbias / pA), which only this CTA reads (gate_rows_sum writes after all its reads). Grid
+// (segment, value head); segments past the last chunk (varlen: max_chunks bounds the device-side
+// total) do nothing.
 __global__ void __launch_bounds__(kGateParamsThreads) kda_bwd_gate_segments_kernel(const KdaBwdParams p) {
-  __shared__ double red[kGateParamsThreads / 32];
-  __shared__ double col[kGateParamsThreads];
-  const int seg = blockIdx.x, hv = blockIdx.y, HV = p.HV, K = p.K;
+  const int seg = blockIdx.x, hv = blockIdx.y;
   const int nc = dev::total_chunks(p);
   const int c0 = seg * kGateSegChunks;
   if (c0 >= nc) return;
-  const int c1 = min(nc, c0 + kGateSegChunks);
-  const int groups = blockDim.x / K;  // K in {64, 128} divides the block
-  const int d = threadIdx.x % K, grp = threadIdx.x / K;
-  const int64_t ld = static_cast<int64_t>(HV) * K;
-  col[threadIdx.x] = strided_column_sum(p.pbias + hv * K, ld, d, c0 + grp, c1, groups);
-  const double a = threadIdx.x < c1 - c0 ? p.pA[static_cast<int64_t>(c0 + threadIdx.x) * HV + hv] : 0.0;
-  const double sa = block_sum_fixed(a, red);  // its barriers also order col[] and every read above
-  if (grp == 0) {
-    double s = 0.0;
-    for (int gi = 0; gi < groups; ++gi) s += col[gi * K + d];
-    p.pbias[c0 * ld + hv * K + d] = static_cast<float>(s);
-  }
-  if (threadIdx.x == 0) p.pA[static_cast<int64_t>(c0) * HV + hv] = static_cast<float>(sa);
+  gate_rows_sum(p, hv, c0, min(nc - c0, kGateSegChunks), 1, p.pbias + (static_cast<int64_t>(c0) * p.HV + hv) * p.K,
+                p.pA + static_cast<int64_t>(c0) * p.HV + hv);
 }
 
 // The second pass: the segments' sums (rows 0, kGateSegChunks, 2 kGateSegChunks, ... of pbias /
 // pA after kda_bwd_gate_segments_kernel) in segment order. One CTA per value head.
 __global__ void __launch_bounds__(kGateParamsThreads) kda_bwd_gate_params_kernel(const KdaBwdParams p) {
-  __shared__ double red[kGateParamsThreads / 32];
-  __shared__ double col[kGateParamsThreads];
-  const int hv = blockIdx.x, HV = p.HV, K = p.K;
+  const int hv = blockIdx.x;
   const int nseg = (dev::total_chunks(p) + kGateSegChunks - 1) / kGateSegChunks;
-  const int groups = blockDim.x / K;
-  const int d = threadIdx.x % K, grp = threadIdx.x / K;
-  const int64_t ld = static_cast<int64_t>(HV) * K;
-  col[threadIdx.x] = strided_column_sum(p.pbias + hv * K, ld * kGateSegChunks, d, grp, nseg, groups);
-  double a = 0.0;
-  for (int s = threadIdx.x; s < nseg; s += blockDim.x)
-    a += p.pA[static_cast<int64_t>(s) * kGateSegChunks * HV + hv];
-  const double sa = block_sum_fixed(a, red);
-  if (grp == 0 && p.ddt_bias) {
-    double s = 0.0;
-    for (int gi = 0; gi < groups; ++gi) s += col[gi * K + d];
-    p.ddt_bias[hv * K + d] = static_cast<float>(s);
-  }
-  if (threadIdx.x == 0 && p.dA_log) p.dA_log[hv] = static_cast<float>(sa);
+  gate_rows_sum(p, hv, 0, nseg, kGateSegChunks, p.ddt_bias ? p.ddt_bias + hv * p.K : nullptr,
+                p.dA_log ? p.dA_log + hv : nullptr);
 }
 
 // GVA: dq[t, h] = l2norm_backward(q[t, h], sum over the group's value heads of dq^[t, hv]), and the
