@@ -59,17 +59,29 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 }
 
 // Until the phase of this parity has completed (try_wait may give up after a time limit: loop).
+// kCluster: a phase completed by arrivals from other CTAs (mbar_arrive_remote): acquire at cluster
+// scope, so their writes into this CTA's shared memory are visible after it.
+template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 #ifdef KF_EMU
   kf_emu::mbar_try_wait(bar, parity);
 #else
   uint32_t done;
   do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_u32addr(bar)), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+          "selp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(smem_u32addr(bar)), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(smem_u32addr(bar)), "r"(parity)
+          : "memory");
+    }
   } while (!done);
 #endif
 }
@@ -136,8 +148,8 @@ __device__ __forceinline__ void named_arrive(int id, int nthreads) {
 // cluster run on neighbouring SMs and reach each other's shared memory (distributed shared memory).
 // The handoff these serve: a producer CTA writes a stage into a consumer CTA's shared memory
 // through map_shared_rank, then arrives on the consumer's "full" mbarrier (mbar_arrive_remote);
-// the consumer waits on it locally and releases the stage by arriving on the producer's "empty"
-// barrier the same way. cluster_sync after the mbarrier inits (so no CTA arrives on a peer's
+// the consumer waits on it locally (mbar_wait<true>) and releases the stage by arriving on the
+// producer's "empty" barrier the same way. cluster_sync after the mbarrier inits (so no CTA arrives on a peer's
 // barrier before it exists) and before any CTA exits (so none writes into a peer that is gone).
 __device__ __forceinline__ uint32_t cluster_ctarank() {
 #ifdef KF_EMU
@@ -207,23 +219,5 @@ __device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t rank)
 #endif
 }
 
-
-// mbar_wait for a phase completed by arrivals from other CTAs (mbar_arrive_remote): acquire at
-// cluster scope, so their writes into this CTA's shared memory are visible after it.
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, int parity) {
-#ifdef KF_EMU
-  kf_emu::mbar_try_wait(bar, parity);
-#else
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_u32addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
 
 }  // namespace kernel_fun::dev

@@ -309,7 +309,7 @@ __global__ void cluster_handoff_kernel(int ntiles, int bug, float* out) {
     float* peer = pipe::map_shared_rank(stage, 1);
     for (int t = 0; t < ntiles; ++t) {
       const int s = t & 1, ph = (t >> 1) & 1;
-      pipe::mbar_wait_cluster(&empty[s], ph ^ 1);
+      pipe::mbar_wait<true>(&empty[s], ph ^ 1);
       peer[s * 64 + tid] = static_cast<float>(t * 100 + tid);
       pipe::mbar_arrive_remote(&full[s], 1);
     }
@@ -318,7 +318,7 @@ __global__ void cluster_handoff_kernel(int ntiles, int bug, float* out) {
     float acc = 0.f;
     for (int t = 0; t < ntiles + (bug == 3); ++t) {
       const int s = t & 1, ph = (t >> 1) & 1;
-      pipe::mbar_wait_cluster(&full[s], ph);
+      pipe::mbar_wait<true>(&full[s], ph);
       acc += stage[s * 64 + tid];
       pipe::mbar_arrive_remote(&empty[s], 0);
     }
