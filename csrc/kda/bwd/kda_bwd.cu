@@ -1,9 +1,9 @@
 // KDA backward: dispatch over (dtype, K, V-slice), the two small finishing kernels, and the
 // backward's stage sequence (kda_launch.h).
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
+#include "common/env.h"
 #include "kda/bwd/kda_bwd_finish.cuh"
 #include "kda/bwd/kda_bwd_launch.h"
 #include "kda/bwd/kda_bwd_slice.h"
@@ -34,8 +34,8 @@ void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream) {
 }
 
 bool kda_bwd_pair_scans(const KdaBwdParams& p) {
-  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS");  // tests / benchmarking: 0 or 1
-  if (env && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
+  const int forced = env_int("KERNEL_FUN_KDA_BWD_PAIR_SCANS", -1);  // tests / benchmarking: 0 or 1
+  if (forced == 0 || forced == 1) return forced == 1;
   return bwd_pair_scans(p, kda_fwd_scan_bv(p));
 }
 
@@ -47,8 +47,8 @@ void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream) {
 
 void kda_bwd_grads(const KdaBwdParams& p_in, cudaStream_t stream) {
   KdaBwdParams p = p_in;
-  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_BALANCE");  // benchmarking: 0..3 (kda_problem.h)
-  if (env && env[0] >= '0' && env[0] <= '3' && env[1] == '\0') p.balance = env[0] - '0';
+  const int forced = env_int("KERNEL_FUN_KDA_BWD_BALANCE", -1);  // benchmarking: 0..3 (kda_problem.h)
+  if (forced >= 0 && forced <= 3) p.balance = forced;
   dispatch_wt_k(p.dtype, p.K, "kda_bwd_grads", [&](auto wt, auto k) {
     launch_grads<typename decltype(wt)::type, decltype(k)::value>(p, stream);
   });
@@ -65,8 +65,7 @@ void kda_bwd_group_sums(const KdaBwdParams& p, cudaStream_t stream) {
 }
 
 int kda_bwd_slice_batches(const KdaProblem& p) {
-  const char* env = std::getenv("KERNEL_FUN_KDA_BWD_SLICE");  // tests / benchmarking
-  const int forced = env && !p.cu_seqlens ? std::atoi(env) : 0;
+  const int forced = p.cu_seqlens ? 0 : env_int("KERNEL_FUN_KDA_BWD_SLICE", 0);  // tests / benchmarking
   if (forced >= 1) return forced < p.B ? forced : p.B;
   return bwd_slice_batches(p);
 }

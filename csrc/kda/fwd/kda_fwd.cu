@@ -3,10 +3,10 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
+#include "common/env.h"
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
 #include "kda/kda_dispatch.h"
@@ -61,8 +61,7 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
-  const char* env = std::getenv("KERNEL_FUN_KDA_SCAN_BV");  // benchmarking override: 64 or 128
-  const int forced = env ? std::atoi(env) : 0;
+  const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: 64 or 128
   if ((forced == 64 || forced == 128) && p.V % forced == 0) return forced;
   return scan_choice(p).bv;
 }
@@ -75,10 +74,10 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 bool kda_fwd_fused_wanted(const KdaFwdParams& p) {
-  const char* env = std::getenv("KERNEL_FUN_KDA_FWD_FUSED");  // timing only: 1 opts in
-  // Version 0 writes o and the final state only: not where the forward saves its factors for the
-  // backward (M set), nor the per-chunk states; value slices of 128.
-  return env && env[0] == '1' && env[1] == '\0' && !p.M && !p.h_states && p.V % 128 == 0;
+  // KERNEL_FUN_KDA_FWD_FUSED=1 opts in (timing only). Version 0 writes o and the final state only:
+  // not where the forward saves its factors for the backward (M set), nor the per-chunk states;
+  // value slices of 128.
+  return env_int("KERNEL_FUN_KDA_FWD_FUSED", 0) == 1 && !p.M && !p.h_states && p.V % 128 == 0;
 }
 
 void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
