@@ -15,14 +15,9 @@ shift
 runs=${AB_RUNS:-2}
 for alt in "${alts[@]}"; do
   # a build made here (scripts/prebuild.sh ALT) when it matches the alt tree's sources and loads
-  if [ -f "$alt/.prebuilt/_C.abi3.so.xz" ] && [ "$(cat "$alt/.prebuilt/SOURCES")" = "$(bash scripts/source_hash.sh "$alt")" ]; then
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      "$alt/.prebuilt/_C.abi3.so.xz" "$alt/src/kernel_fun/_C.abi3.so"
-    if PYTHONPATH="$PWD/$alt/src" python3 -c "import sys, kernel_fun._ext as e; sys.exit(0 if e.status()[0] else 1)"; then
-      echo "ab_probe: $alt uses its prebuilt extension"
-      continue
-    fi
-    rm -f "$alt/src/kernel_fun/_C.abi3.so"
+  if why=$(bash scripts/use_prebuilt.sh "$alt" 2>&1); then
+    echo "ab_probe: $alt: $(echo "$why" | tail -1)"
+    continue
   fi
   if ! (cd "$alt" && MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "/tmp/ab_build_$alt.log" 2>&1); then
     tail -20 "/tmp/ab_build_$alt.log"

@@ -53,20 +53,13 @@ export FLA_TILELANG=0  # fla 0.5.2's Triton backward, not its optional TileLang 
 export FLA_FLASH_KDA=0  # fla stays on its own forward when flash_kda is importable (KF_FLASHKDA)
 
 if [ "${KF_PREBUILT:-0}" = "1" ] && [ "${KF_NO_BUILD:-0}" != "1" ]; then
-  if [ -f .prebuilt/_C.abi3.so.xz ] && [ "$(cat .prebuilt/SOURCES 2>/dev/null)" = "$(bash scripts/source_hash.sh)" ]; then
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      .prebuilt/_C.abi3.so.xz src/kernel_fun/_C.abi3.so
-    if python3 -c "import sys, kernel_fun._ext as e; ok, why = e.status(); print(why); sys.exit(0 if ok else 1)" \
-        >> "$out/env.txt" 2>&1; then
-      stamp "using the prebuilt extension (.prebuilt/, sources $(cat .prebuilt/SOURCES))"
-      KF_NO_BUILD=1
-    else
-      stamp "the prebuilt extension does not load here (env.txt): building"
-      rm -f src/kernel_fun/_C*.so
-    fi
+  if why=$(bash scripts/use_prebuilt.sh 2>&1); then
+    stamp "$(echo "$why" | tail -1)"
+    KF_NO_BUILD=1
   else
-    stamp "KF_PREBUILT=1 but .prebuilt/ is missing or was built from other sources: building"
+    stamp "KF_PREBUILT=1, building: $(echo "$why" | tail -1)"
   fi
+  echo "$why" >> "$out/env.txt"
 fi
 if [ "${KF_NO_BUILD:-0}" != "1" ]; then
   stamp "building the extension"

@@ -3,7 +3,7 @@
 # ~85 s build: writes .prebuilt/_C.abi3.so.xz (~5 MB; the .so is ~33 MB) and .prebuilt/SOURCES, the
 # hash of what it was built from. scripts/gpu_run.sh with KF_PREBUILT=1 (carry [".whl", ".prebuilt"])
 # unpacks it only if the hash matches the tree it runs in and the extension loads there; otherwise it
-# builds as usual. The extension is abi3 on torch's stable ABI, so this machine's Python 3.11 build
+# builds as usual (scripts/use_prebuilt.sh decides). The extension is abi3 on torch's stable ABI, so this machine's Python 3.11 build
 # serves the device's 3.12 when torch and CUDA are the same versions (2.11.0+cu130, 13.0).
 # An A/B tree (ab_alt/, ab_base/: scripts/ab_probe.sh) gets its own .prebuilt/ the same way, which
 # ab_probe.sh then unpacks instead of building that tree on the device.
