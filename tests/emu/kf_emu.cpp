@@ -1162,19 +1162,22 @@ void mbar_land(detail::Worker& w, void* bar, detail::Mbar& m) {
 
 // Before an arrival: if every arrival of the phase is in and it waits for copies only, they land
 // now (on the GPU they land on their own), so the arrival belongs to the next phase.
-detail::Mbar& mbar_for_arrival(detail::Worker& w, void* bar, const char* what) {
-  detail::Mbar& m = mbar_state(w, bar, what);
+// (remote: the barrier may be in any CTA of the cluster, mbarrier.arrive.shared::cluster)
+detail::Mbar& mbar_for_arrival(detail::Worker& w, void* bar, const char* what, bool remote = false) {
+  detail::Mbar& m = mbar_state(w, bar, what, remote);
   if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);
   return m;
 }
-}  // namespace
 
-void mbar_arrive(void* bar) {
-  detail::Worker& w = need_fiber("mbarrier.arrive");
-  detail::Mbar& m = mbar_for_arrival(w, bar, "mbarrier.arrive");
-  if (--m.pending < 0) failf("mbarrier.arrive: more arrivals than the barrier's count %d in one phase", m.count);
+void mbar_arrive_on(void* bar, const char* what, bool remote) {
+  detail::Worker& w = need_fiber(what);
+  detail::Mbar& m = mbar_for_arrival(w, bar, what, remote);
+  if (--m.pending < 0) failf("%s: more arrivals than the barrier's count %d in one phase", what, m.count);
   mbar_try_complete(w, bar, m);
 }
+}  // namespace
+
+void mbar_arrive(void* bar) { mbar_arrive_on(bar, "mbarrier.arrive", false); }
 
 void mbar_expect_tx(void* bar, uint32_t bytes) {
   detail::Worker& w = need_fiber("mbarrier.expect_tx");
@@ -1351,13 +1354,6 @@ void cluster_wait() {
   f.cl_arrived = 0;
 }
 
-void mbar_arrive_cluster(void* bar) {
-  detail::Worker& w = need_fiber("mbarrier.arrive.shared::cluster");
-  detail::Mbar& m = mbar_state(w, bar, "mbarrier.arrive.shared::cluster", true);
-  if (m.pending == 0 && !m.copies.empty()) mbar_land(w, bar, m);
-  if (--m.pending < 0)
-    failf("mbarrier.arrive.shared::cluster: more arrivals than the barrier's count %d in one phase", m.count);
-  mbar_try_complete(w, bar, m);
-}
+void mbar_arrive_cluster(void* bar) { mbar_arrive_on(bar, "mbarrier.arrive.shared::cluster", true); }
 
 }  // namespace kf_emu
