@@ -274,7 +274,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   if (a.pair_scans < 0 || a.pair_scans > 2) throw std::invalid_argument("kda_emu: pair_scans must be 0, 1 or 2");
   if (a.balance < -1 || a.balance > 3) throw std::invalid_argument("kda_emu: balance must be -1 or 0..3");
   kda::KdaBwdParams p = make_params(a);
-  if (a.balance >= 0) p.balance = static_cast<int>(a.balance);
+  if (bwd && a.balance >= 0) p.balance = static_cast<int>(a.balance);  // the forward's args leave it 0
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
   if (bv > 0 && p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
   const int64_t pr = a.pair_scans;
