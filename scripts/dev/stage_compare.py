@@ -12,6 +12,12 @@ much closer to the reference than we are is where the difference lives.
 
     PYTHONPATH=/tmp/site:src python3 scripts/dev/stage_compare.py strong_bounded_T200 --seed 0 --out $OUT
 
+Without a GPU, the same comparison on the CPU: ours on the host emulator, fla through Triton's
+interpreter (scripts/dev/fla_interp.py), on freshly drawn inputs or on a GPU run's saved ones:
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/dev/stage_compare.py strong_bounded_T200 --emu \
+        [--from stages_strong_bounded_T200_s0.pt]
+
 Fixed-length cases only (no cu_seqlens), state_v_first off.
 """
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 import torch
 
@@ -64,7 +71,6 @@ def _ours_stages(inputs, kw, seeds, scale, emu=False):
                                   "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "A_log",
                                   "dt_bias")}
     if emu:
-        import sys
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "emu"))
         import kda_emu
 
@@ -94,13 +100,27 @@ def main() -> None:
     ap.add_argument("case")
     ap.add_argument("--seed", type=int, default=None, help="default: the case's own")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--emu", action="store_true", help="no GPU: ours on the host emulator, no fla, no end-to-end rows")
+    ap.add_argument("--from", dest="inputs_from", default=None,
+                    help="the inputs saved by an earlier run (OUT/stages_<case>_s<seed>.pt) instead of drawing them")
+    ap.add_argument("--emu", action="store_true",
+                    help="no GPU: ours on the host emulator; fla only under TRITON_INTERPRET=1 (Triton's CPU "
+                         "interpreter, which needs bf16 arithmetic and tl.dot patched: see scripts/dev/README.md)")
     a = ap.parse_args()
     case = acc.BY_NAME[a.case]
     if a.seed is not None:
         case = dataclasses.replace(case, seed=a.seed)
     assert case.cu is None and not case.state_v_first, "fixed-length, K-first states only"
-    inputs, kw, seeds = acc.make_inputs(case, device="cpu" if a.emu else "cuda")
+    if a.inputs_from:  # the very inputs of an earlier run (a GPU run's, say), moved to this device
+        dev = "cpu" if a.emu else "cuda"
+        saved = torch.load(a.inputs_from)
+        inputs = [x.to(dev) for x in saved["inputs"]]
+        kw = {n_: (x.to(dev) if torch.is_tensor(x) and n_ != "cu_seqlens_cpu" else x) for n_, x in saved["kw"].items()}
+        seeds = {n_: (x.to(dev) if x is not None else None) for n_, x in saved["seeds"].items()}
+        if saved.get("e2e"):
+            print("the saved run's end-to-end errors:", {i: {k_: f"{e_:.2e}" for k_, e_ in e.items()}
+                                                        for i, e in saved["e2e"].items() if e})
+    else:
+        inputs, kw, seeds = acc.make_inputs(case, device="cpu" if a.emu else "cuda")
     q, k, v, g, beta = inputs
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -120,7 +140,13 @@ def main() -> None:
     e2e, rec = {}, None
     if not a.emu:
         e2e["ours"] = acc.errors(acc.reference(inputs, kw, seeds), acc.ours(inputs, kw, seeds))
+    if not a.emu or os.environ.get("TRITON_INTERPRET") == "1":  # on the CPU: fla through Triton's interpreter
         try:
+            if a.emu:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                import fla_interp
+
+                fla_interp.enable()
             import fla.ops.kda.chunk_bwd as fb
         except ImportError as e:
             print(f"fla not importable ({e}): ours only")
@@ -137,6 +163,9 @@ def main() -> None:
 
     # ---- ours: the backward's intermediates (the training path: from the forward's saved factors)
     ours_grads, ours_st = _ours_stages(inputs, kw, seeds, scale, emu=a.emu)
+    if a.emu:  # the emulator's gradients end to end, as the GPU rows (o and ht are not returned here)
+        e2e["ours"] = {k_: e_ for k_, e_ in acc.errors(acc.reference(inputs, kw, seeds), ours_grads).items()
+                       if ours_grads.get(k_) is not None}
 
     # ---- the reference stages in each implementation's layout
     M = rst["M"]                                   # [B, T, HV, 64]
@@ -245,7 +274,9 @@ def main() -> None:
                               for kwd, out in calls] for n, calls in (rec or {}).items()},
             "e2e": e2e}
     torch.save(keep, path)
-    print(f"\nwrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
+    small = os.path.join(a.out, f"inputs_{case.name}_s{case.seed}.pt")  # what --from needs, small enough to fetch
+    torch.save({n: keep[n] for n in ("inputs", "kw", "seeds", "e2e")}, small)
+    print(f"\nwrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB) and {small}")
 
 
 if __name__ == "__main__":
