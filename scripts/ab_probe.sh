@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of this tree's build against other commits', inside one device call: each other commit's
 # tree is built beside this one, then every build's per-kernel stage times are printed in turn
-# (AB_RUNS rounds, default 2, so that drift shows) and kda_bwd_grads' phase cycles of each.
+# (AB_RUNS rounds, default 2, so that drift shows) and kda_fwd_intra's / kda_bwd_grads' phase cycles
+# of each (scripts/kda_phases.py).
 # ALTS: one folder, or several joined by commas (ab_alt,ab_base).
 # Machines differ by ~5% (docs/notes/gpu-sessions.md): compare builds within one call only.
 #
@@ -34,9 +35,11 @@ for i in $(seq "$runs"); do
     PYTHONPATH="$PWD/$alt/src:${PYTHONPATH:-}" python3 "$alt/scripts/kda_stage_times.py" --pass fwd+bwd "$@" 2>&1 | quiet
   done
 done
-echo "== this tree: kda_bwd_grads phases"
-python3 scripts/kda_bwd_phases.py "$@"
+echo "== this tree: kda_fwd_intra and kda_bwd_grads phases"
+python3 scripts/kda_phases.py "$@"
 for alt in "${alts[@]}"; do
-  echo "== $alt: kda_bwd_grads phases"
-  PYTHONPATH="$PWD/$alt/src:${PYTHONPATH:-}" python3 "$alt/scripts/kda_bwd_phases.py" "$@"
+  # trees before 2026-12-02 afternoon have only the grads stamps (scripts/kda_bwd_phases.py)
+  if [ -f "$alt/scripts/kda_phases.py" ]; then phases="$alt/scripts/kda_phases.py"; else phases="$alt/scripts/kda_bwd_phases.py"; fi
+  echo "== $alt: phases ($phases)"
+  PYTHONPATH="$PWD/$alt/src:${PYTHONPATH:-}" python3 "$phases" "$@"
 done

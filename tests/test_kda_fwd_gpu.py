@@ -512,3 +512,24 @@ def test_fused_forward_opt_in_is_bitwise_the_two_kernels(monkeypatch, name):
     assert "kda_fwd_fused_kernel" in names and "kda_fwd_intra_kernel" not in names, names
     o_ref, ht_ref = reference(inputs, kw)
     assert rel_rms(o_ref, o1) <= KDA_TOL["o"]
+
+
+def test_intra_phase_clocks_are_ordered_and_change_nothing():
+    """forward_stages(profile=True) (scripts/kda_phases.py): every CTA of kda_fwd_intra stamps its
+    phase boundaries in order, each warp's end of P2 lies between P2's start and the barrier after
+    the qg / kg queue, empty chunk slots stay 0, and the outputs are bit for bit the unprofiled ones."""
+    inputs, kw = make_case(B=1, T=400, H=2, gate="bounded", h0=True, cu=[0, 70, 70, 400])
+    o0, ht0, _, ws0 = run_ours(inputs, kw)
+    o1, ht1, _, ws1 = run_ours(inputs, kw, profile=True)
+    assert torch.equal(o0, o1) and torch.equal(ht0, ht1)
+    for n in ("Aqk", "Akk", "M", "w", "qg", "kg"):  # token rows, all written (gdecay has empty slots)
+        assert torch.equal(ws0[n], ws1[n]), n
+    clk = ws1["clock"]
+    assert clk.shape == (2 * (400 // 64 + 3), 16)  # HV x the chunk slots the grid addresses
+    ran = clk[:, 0] != 0
+    assert int(ran.sum()) == 2 * 8  # HV x the chunks of the three documents: 2 (70) + 0 + 6 (330)
+    c = clk[ran]
+    assert (c[:, 1:7] >= c[:, 0:6]).all(), "phase stamps out of order"
+    warp_p2 = c[:, 8:16]
+    assert ((warp_p2 >= c[:, 2:3]) & (warp_p2 <= c[:, 3:4])).all(), "a warp's P2 end outside P2"
+    assert (clk[~ran] == 0).all()

@@ -312,13 +312,17 @@ std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const
 
 std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor& o, const OptT& final_state,
                             const OptT& h_states, const OptT& Aqk, const OptT& Akk, const OptT& M,
-                            bool poison_ws = false) {
+                            bool poison_ws = false, bool profile = false) {
   KdaBwdParams p;  // forward fields only; the rest stay null
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(fwd_outputs(p, q, o, final_state, h_states));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(outputs saved for the backward)"));
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
   if (poison_ws) poison(ws);
+  if (profile) {  // kda_fwd_intra's phase clocks, [max_chunks * HV][16] int64, appended last
+    ws.push_back(torch::stable::new_zeros(q, {int64_t{p.max_chunks} * p.HV * 16}, ScalarType::Long));
+    p.dbg_intra_clock = static_cast<long long*>(ws.back().data_ptr());
+  }
   count_call(OpId::kKdaFwd);
   kda::kda_forward(p, current_stream(q));
   return ws;
@@ -346,9 +350,10 @@ void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_
   run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M);
 }
 
-// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets]
+// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, then with profile
+//  kda_fwd_intra's phase clocks ([max_chunks * HV][16] int64)]
 std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_final_state, OptT h_states,
-                                   bool poison_outputs) {
+                                   bool poison_outputs, bool profile) {
   KdaOptions opt;
   {
     const std::string e = kda::parse_options(options, opt);
@@ -370,7 +375,8 @@ std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_f
     if (h_states) outs.push_back(*h_states);
     poison(outs);
   }
-  std::vector<Tensor> ws = run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, poison_outputs);
+  std::vector<Tensor> ws =
+      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, poison_outputs, profile);
   std::vector<Tensor> out = {o, ht, Aqk, Akk, M};
   for (auto& t : ws) out.push_back(t);
   return out;
@@ -508,7 +514,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
   m.def(
       "kda_fwd_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, bool output_final_state, Tensor(a!)? h_states, "
-      "bool poison) -> Tensor[]");
+      "bool poison, bool profile) -> Tensor[]");
   m.def(
       "kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dht, Tensor? Aqk, Tensor? Akk, Tensor? M, "

@@ -84,6 +84,8 @@ struct KdaFwdParams : KdaProblem {
   void* M = nullptr;         // [B*T, HV, 64]  (I + L)^-1 (backward only), or null
   float* gdecay = nullptr;   // [max_chunks, HV, K]  exp2(G) per chunk (G = g2 of its last valid row)
   void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk (backward re-scan), or null
+  long long* dbg_intra_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_fwd_intra
+                                         // (profiling, the forward stages op only)
 };
 
 // Backward: gradients, the reverse scan's checkpoints and the per-chunk partial sums.

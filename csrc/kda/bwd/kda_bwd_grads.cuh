@@ -131,17 +131,12 @@ struct GradsSmem {
   } u;
 };
 
-// Profiling (tests / scripts only): thread 0 of every CTA stamps clock64() at the phase boundaries
-// into p.dbg_clock[cta][16] when it is set (null in production: one uniform branch per phase).
-#ifdef KF_EMU
-#define KF_GRADS_PHASE(i) ((void)0)
-#else
-#define KF_GRADS_PHASE(i)                                                                              \
-  do {                                                                                                 \
-    if (c.p.dbg_clock && threadIdx.x == 0)                                                             \
-      c.p.dbg_clock[(static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 16 + (i)] = clock64(); \
+// Profiling (scripts/kda_phases.py): thread 0 of every CTA stamps its phase boundaries into
+// p.dbg_clock[cta][16] when it is set (dev::stamp_clock).
+#define KF_GRADS_PHASE(i)                                                   \
+  do {                                                                      \
+    if (threadIdx.x == 0) dev::stamp_clock(dev::cta_clock_row(c.p.dbg_clock), (i)); \
   } while (0)
-#endif
 
 // Everything a phase needs: the params, this CTA's chunk, the thread's place, the smem buffers.
 template <typename WT, int K>

@@ -17,6 +17,22 @@
 
 namespace kernel_fun::kda::dev {
 
+// ---------------------------------------------------------------- profiling (scripts/kda_phases.py)
+// A kernel launched with a clock buffer ([grid.x * grid.y][16] int64) stamps clock64() at its phase
+// boundaries into its CTA's row; null in production (one uniform branch per stamp). Grids of at
+// most two dimensions (the per-chunk kernels). The host emulator has no cycles: no-op there.
+__device__ __forceinline__ long long* cta_clock_row(long long* buf) {
+  return buf ? buf + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 16 : nullptr;
+}
+__device__ __forceinline__ void stamp_clock(long long* row, int slot) {
+#ifndef KF_EMU
+  if (row) row[slot] = clock64();
+#else
+  (void)row;
+  (void)slot;
+#endif
+}
+
 // ---------------------------------------------------------------- element types
 template <typename T> struct Elem;
 template <> struct Elem<__nv_bfloat16> {

@@ -108,9 +108,19 @@ struct IntraCtx : dev::ChunkPlace {
 
   const KdaFwdParams& p;
   S* st;
+  long long* clk;  // this CTA's row of phase clocks (kda_phases.py), or null (production, fused kernel)
 
-  __device__ __forceinline__ IntraCtx(const KdaFwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_)
-      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), st(reinterpret_cast<S*>(sm_)) {}
+  __device__ __forceinline__ IntraCtx(const KdaFwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_,
+                                      long long* clk_ = nullptr)
+      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), st(reinterpret_cast<S*>(sm_)), clk(clk_) {}
+  // Phase boundary `slot` as thread 0 sees it (after the phase's barrier); slots 8 + warp: when each
+  // warp finishes its own P2 tiles (before the shared qg / kg queue).
+  __device__ __forceinline__ void stamp(int slot) const {
+    if (tid == 0) dev::stamp_clock(clk, slot);
+  }
+  __device__ __forceinline__ void stamp_warp_p2() const {
+    if (lane == 0) dev::stamp_clock(clk, 8 + warp);
+  }
   __device__ __forceinline__ float* sG() const { return &st->g[0][0]; }
   __device__ __forceinline__ WT* sQ() const { return &st->qx.q[0][0]; }
   __device__ __forceinline__ WT* sK() const { return &st->k[0][0]; }
@@ -720,19 +730,25 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
 // threads of the CTA; the outputs go to `out` (the workspace, or a scan stage).
 template <typename WT, int K, typename Out>
 __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out& out) {
+  c.stamp(0);
   intra_load_gate(c);      // P0 + P1                                      |
+  c.stamp(1);
   intra_block_factors(c);  // block offsets, l2norm row factors             |
+  c.stamp(2);
   if (c.warp < 2) {        // P2, three kinds of tiles
     intra_p2_diag_simt(c);
   } else {
     if (c.warp < 5) intra_p2_below_diag(c);
     intra_p2_diag_tc(c);
   }
+  c.stamp_warp_p2();
   intra_store_gated(c, out);  // P4a, first part: qg, kg from a shared queue
   __syncthreads();
+  c.stamp(3);
   if (c.tid < 64) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
   else intra_kexp_aqk_gdecay(c, out);
   __syncthreads();
+  c.stamp(4);
   // P3 merge steps; while warps < bi merge row block bi, warps 4-7 already produce w and Akk for
   // row block bi - 1 (final since the previous step), a quarter of K each, instead of waiting at
   // the step's barrier.
@@ -745,9 +761,14 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
     }
     __syncthreads();
   }
+  c.stamp(5);
   // P4b, last row block (all warps)
   intra_w_tile(c, out, 3, c.warp * (K / 8), K / 64);
   intra_store_akk_rows(c, out, 3, 0, kIntraThreads);
+  if (c.clk) {  // profiling only (clk is uniform over the CTA): the end of the slowest warp
+    __syncthreads();
+    c.stamp(6);
+  }
 }
 
 template <typename WT, int K>
@@ -756,7 +777,8 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   const int hv = blockIdx.y;
   int n, ch;
   if (!dev::chunk_of(p, blockIdx.x, n, ch)) return;
-  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv);
+  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
+                          dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk(c, IntraToWorkspace<WT, K>{});
 }
 

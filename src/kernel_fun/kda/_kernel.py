@@ -209,20 +209,24 @@ def _forward_with_states(q, k, v, g, beta, opts, initial_state, output_final_sta
 
 
 def forward_stages(q, k, v, g, beta, *, opts: KdaOptions, initial_state=None, output_final_state=False,
-                   cu_seqlens=None, A_log=None, dt_bias=None, return_intermediate_states=False, poison=False):
+                   cu_seqlens=None, A_log=None, dt_bias=None, return_intermediate_states=False, poison=False,
+                   profile=False):
     """The forward plus its workspace, for per-stage tests: (o, final_state, h_states, ws) with
     ws = {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 64]; gdecay: [max_chunks, HV, K] fp32;
     chunk_offsets: [N+1] int32}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta); M = (I + L)^-1
     (the three factors a training forward saves). With poison, every output and workspace buffer
-    starts as NaN."""
+    starts as NaN. With profile also ws["clock"]: kda_fwd_intra's clock64() at its phase boundaries,
+    [CTAs, 16] (scripts/kda_phases.py)."""
     A, D = gate_params(opts, A_log, dt_bias)
     hs, total = (_state_buffer(q, v, opts, cu_seqlens, None) if return_intermediate_states else (None, 0))
     out = _ext.ops().kda_fwd_stages(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D,
                                     None if initial_state is None else initial_state.contiguous(), cu_seqlens,
-                                    opts.encode(), bool(output_final_state), hs, bool(poison))
+                                    opts.encode(), bool(output_final_state), hs, bool(poison), bool(profile))
     names = ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay", "chunk_offsets")
-    return (out[0], (out[1] if output_final_state else None), (hs[:, :total] if hs is not None else None),
-            dict(zip(names, out[2:])))
+    ws = dict(zip(names, out[2:]))
+    if profile:
+        ws["clock"] = out[-1].view(-1, 16)
+    return (out[0], (out[1] if output_final_state else None), (hs[:, :total] if hs is not None else None), ws)
 
 
 _BWD_WS = ("w", "qg", "kg", "Aqk", "Akk", "gdecay", "chunk_offsets", "M", "h_ckpt", "dh_ckpt")
