@@ -9,8 +9,11 @@ case_name=$1; shift
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 for kern in "$@"; do
+  # ComputeWorkloadAnalysis: the pipes' utilisation (XU = the SFU's exp2 / lg2 / conversions, against
+  # FMA, ALU and the tensor pipe); InstructionStats: the executed instruction mix.
   ncu --clock-control none -k "regex:$kern" -c 1 --section WarpStateStats --section SourceCounters \
-      --section SpeedOfLight --section Occupancy -o "/tmp/ncu_$kern" -f \
+      --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis --section InstructionStats \
+      -o "/tmp/ncu_$kern" -f \
       python3 scripts/kda_stage_times.py --iters 1 --pass fwd+bwd "$case_name" > "/tmp/ncu_${kern}_run.log" 2>&1 || tail -5 "/tmp/ncu_${kern}_run.log"
   ncu --import "/tmp/ncu_$kern.ncu-rep" --page details > "$out/ncu_${kern}_details.txt" 2>&1
   ncu --import "/tmp/ncu_$kern.ncu-rep" --page source --csv --print-source sass | gzip > "$out/ncu_${kern}_sass.csv.gz"
