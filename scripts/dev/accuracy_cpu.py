@@ -1,0 +1,112 @@
+"""The gradient-accuracy matrix's option mixes on the CPU: ours on the host emulator (tests/emu, our
+CUDA kernels unmodified) and fla 0.5.2 through Triton's interpreter (scripts/dev/fla_interp.py), both
+against the fp64 recurrence on the same inputs, over several seeds per mix. A model of the H200 matrix
+(bench/results/h200-grad-accuracy.json), not a replacement: it says where ours and fla's algorithm
+differ at the median, before device time is spent on it.
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/dev/accuracy_cpu.py [--seeds 3] [--max-t 1100] \\
+        [--cases a,b,..] --out cpu-acc.json
+
+Mixes longer than --max-t tokens are skipped (the interpreter runs fla at ~1 s per 10 tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "emu"))
+
+import fla_interp  # noqa: E402
+
+from kernel_fun.bench import accuracy as acc  # noqa: E402
+
+
+def ours_emu(inputs, kw, seeds):
+    """o, ht and every gradient from the emulator (the forward's o / ht, the backward from the
+    forward's saved factors, as a training step runs them)."""
+    import kda_emu
+
+    q = inputs[0]
+    fkw = {n: kw.get(n) for n in ("initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                  "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "A_log",
+                                  "dt_bias", "state_v_first", "cu_seqlens")}
+    scale = kw.get("scale") or q.shape[-1] ** -0.5
+    o, ht, _, ws = kda_emu.forward_stages(*inputs, scale=scale, output_final_state=True, **fkw)
+    grads, _ = kda_emu.backward_stages(*inputs, seeds["o"], seeds["ht"], scale=scale,
+                                       saved=(ws["Aqk"], ws["Akk"], ws["M"]), **fkw)
+    out = {k: v for k, v in grads.items() if v is not None}
+    if kw.get("A_log") is not None and "dA_log" in out:
+        out["dA_log"] = out["dA_log"].reshape(kw["A_log"].shape)
+    out["o"] = o
+    if kw.get("output_final_state"):
+        out["ht"] = ht
+    return out
+
+
+def run(case, seeds: int) -> dict:
+    from fla.ops.kda import chunk_kda  # noqa: F401  (fla_interp.enable() ran first)
+
+    per = {"ours": [], "fla": []}
+    why = {}
+    for s in range(seeds):
+        c = dataclasses.replace(case, seed=case.seed + s)
+        inputs, kw, sd = acc.make_inputs(c, device="cpu")
+        ref = acc.reference(inputs, kw, sd)
+        for impl, fn in (("ours", ours_emu), ("fla", acc.fla)):
+            try:
+                per[impl].append(acc.errors(ref, fn(inputs, kw, sd)))
+            except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
+                why[impl] = acc._short(e)
+    row = {"case": case.name, "label": case.label(), "seeds": seeds}
+    for impl, runs in per.items():
+        if runs:
+            keys = runs[0].keys()
+            row[impl] = {k: statistics.median(r[k] for r in runs) for k in keys}
+            row[impl + "_runs"] = runs
+        else:
+            row[impl], row[impl + "_why"] = None, why.get(impl)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--max-t", type=int, default=1100)
+    ap.add_argument("--cases", default="")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    fla_interp.enable()
+    names = a.cases.split(",") if a.cases else list(acc.CASE_NAMES)
+    rows = []
+    if os.path.exists(a.out):
+        rows = json.load(open(a.out))["rows"]
+    done = {r["case"] for r in rows}
+    for name in names:
+        case = acc.BY_NAME[name]
+        if name in done:
+            continue
+        if case.B * case.T > a.max_t:
+            rows.append({"case": name, "label": case.label(), "skipped": f"B*T = {case.B * case.T} > --max-t"})
+            continue
+        t0 = time.time()
+        row = run(case, a.seeds)
+        row["seconds"] = round(time.time() - t0, 1)
+        rows.append(row)
+        fmt = lambda e: "-" if not e else " ".join(f"{k} {v:.1e}" for k, v in e.items())  # noqa: E731
+        print(f"{name} ({row['seconds']} s)\n  ours {fmt(row['ours'])}\n  fla  {fmt(row['fla'])}", flush=True)
+        with open(a.out, "w") as f:  # after every case: a long run can be resumed
+            json.dump({"meta": {"what": __doc__.split("\n\n")[0], "seeds": a.seeds}, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
