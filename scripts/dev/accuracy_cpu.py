@@ -19,32 +19,22 @@ import statistics
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "emu"))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "emu"))
-
-import fla_interp  # noqa: E402
+import fla_interp  # noqa: E402  (beside this script)
 
 from kernel_fun.bench import accuracy as acc  # noqa: E402
 
 
 def ours_emu(inputs, kw, seeds):
-    """o, ht and every gradient from the emulator (the forward's o / ht, the backward from the
-    forward's saved factors, as a training step runs them)."""
+    """o, ht and every gradient from the emulator's training call (kda_emu.training_call)."""
     import kda_emu
 
-    q = inputs[0]
-    fkw = {n: kw.get(n) for n in ("initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                                  "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "A_log",
-                                  "dt_bias", "state_v_first", "cu_seqlens")}
-    scale = kw.get("scale") or q.shape[-1] ** -0.5
-    o, ht, _, ws = kda_emu.forward_stages(*inputs, scale=scale, output_final_state=True, **fkw)
-    grads, _ = kda_emu.backward_stages(*inputs, seeds["o"], seeds["ht"], scale=scale,
-                                       saved=(ws["Aqk"], ws["Akk"], ws["M"]), **fkw)
+    scale = kw.get("scale") or inputs[0].shape[-1] ** -0.5
+    o, ht, grads, _ = kda_emu.training_call(*inputs, seeds["o"], seeds["ht"], scale=scale,
+                                            **{n: kw.get(n) for n in kda_emu.CALL_KEYS})
     out = {k: v for k, v in grads.items() if v is not None}
-    if kw.get("A_log") is not None and "dA_log" in out:
+    if kw.get("A_log") is not None and "dA_log" in out:  # the leaf's own shape ([HV] or [1, 1, HV, 1])
         out["dA_log"] = out["dA_log"].reshape(kw["A_log"].shape)
     out["o"] = o
     if kw.get("output_final_state"):

@@ -74,9 +74,7 @@ def _ours_stages(inputs, kw, seeds, scale, emu=False):
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "emu"))
         import kda_emu
 
-        ws = kda_emu.forward_stages(*inputs, scale=scale, **fkw)[3]
-        grads, st = kda_emu.backward_stages(*inputs, seeds["o"], seeds["ht"], scale=scale,
-                                            saved=(ws["Aqk"], ws["Akk"], ws["M"]), **fkw)
+        return kda_emu.training_call(*inputs, seeds["o"], seeds["ht"], scale=scale, **fkw)[2:]
     else:
         from kernel_fun.kda import _kernel as kk
         from kernel_fun.kda._options import KdaOptions
@@ -104,7 +102,7 @@ def main() -> None:
                     help="the inputs saved by an earlier run (OUT/stages_<case>_s<seed>.pt) instead of drawing them")
     ap.add_argument("--emu", action="store_true",
                     help="no GPU: ours on the host emulator; fla only under TRITON_INTERPRET=1 (Triton's CPU "
-                         "interpreter, which needs bf16 arithmetic and tl.dot patched: see scripts/dev/README.md)")
+                         "interpreter, with the GPU's 16-bit rounding put in by scripts/dev/fla_interp.py)")
     a = ap.parse_args()
     case = acc.BY_NAME[a.case]
     if a.seed is not None:
@@ -143,8 +141,7 @@ def main() -> None:
     if not a.emu or os.environ.get("TRITON_INTERPRET") == "1":  # on the CPU: fla through Triton's interpreter
         try:
             if a.emu:
-                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-                import fla_interp
+                import fla_interp  # beside this script
 
                 fla_interp.enable()
             import fla.ops.kda.chunk_bwd as fb

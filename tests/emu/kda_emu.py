@@ -298,6 +298,22 @@ def gate_params(pbias, pA, nc, varlen=False):
     return dA_log, ddt_bias
 
 
+# chunk_kda's keyword arguments that the emulator's stages take (everything but scale and the flags of
+# the call's outputs); a caller holding chunk_kda's keyword arguments picks these.
+CALL_KEYS = ("initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+             "allow_neg_eigval", "lower_bound", "state_v_first", "cu_seqlens", "A_log", "dt_bias")
+
+
+def training_call(q, k, v, g, beta, do, dht=None, *, scale=None, **kw):
+    """One training call as chunk_kda's autograd runs it: the forward (o, final state), then the
+    backward from the factors it saved (Aqk, Akk, M: kda_bwd_prep, not the forward intra). kw: CALL_KEYS.
+    Returns (o, final_state, grads, st) with st = backward_stages' stages plus the forward's M."""
+    o, ht, _, ws = forward_stages(q, k, v, g, beta, scale=scale, output_final_state=True, **kw)
+    grads, st = backward_stages(q, k, v, g, beta, do, dht, scale=scale, saved=(ws["Aqk"], ws["Akk"], ws["M"]), **kw)
+    st["M"] = ws["M"]
+    return o, ht, grads, st
+
+
 def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
