@@ -115,9 +115,12 @@ struct KdaBwdParams : KdaFwdParams {
   float* dbg_dA = nullptr;     // optional stage dumps for tests: [B*T, HV, 64] fp32 dAqk (scaled),
   float* dbg_dL = nullptr;     //   and dL = -(M^T dM M^T) (strictly lower)
   long long* dbg_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_bwd_grads (profiling)
-  int balance = 3;             // kda_bwd_grads' load balancing, a bit mask (A/B timing with
+  int balance = 0;             // kda_bwd_grads' load balancing, a bit mask (A/B timing with
                                // KERNEL_FUN_KDA_BWD_BALANCE=0..3): 1 = I1's column side over the
-                               // warps, 2 = E1's dAkk tiles to the warps with the least dkA work
+                               // warps, 2 = E1's dAkk tiles to the warps with the least dkA work.
+                               // Off: on the H200 bit 1 made the kernel ~2% slower (its hand-over
+                               // moves the cost past I1's barrier) and bit 2 changed nothing
+                               // (docs/notes/2026-12-01-kda-backward.md, ninth session)
 };
 
 // ---------------------------------------------------------------- workspace
