@@ -6,7 +6,9 @@ benchmark's cases. Ours only.
 
 grads: kda_bwd_grads (backward_stages(profile=True)); intra: kda_fwd_intra in the forward
 (forward_stages(profile=True)), plus when each warp finishes its own P2 tiles, counted from the
-start of P2 (the work split of P2 is uneven by design: the shared qg / kg queue absorbs it).
+start of P2 (the work split of P2 is uneven by design: the shared qg / kg queue absorbs it). These
+per-warp numbers compare clocks read by different warps, which agree only to ~2k cycles on the H200
+(a warp's stamp before a barrier read up to 1.8k cycles after thread 0's stamp behind it).
 """
 from __future__ import annotations
 
