@@ -181,3 +181,9 @@ def test_combine_takes_the_last_run_and_keeps_earlier_fla_errors(tmp_path):
     assert "fla_why" not in first and first["before"] == {"dg": 9.0}
     assert set(second["ours"].values()) == {1.0} and second["ours_label"] == "old"
     assert doc["meta"]["note"] == "n" and doc["meta"]["label"] == "combined: old; new"
+    # a row fla could not run keeps its reason through a later ours-only run (which has none)
+    (a / "h.json").write_text(json.dumps({"meta": {"label": "old"}, "rows": [dict(older[0], fla=None, fla_why="asserts")]}))
+    (b / "h.json").write_text(json.dumps({"meta": {"label": "new"}, "rows": [dict(newer[0], fla_why=None)]}))
+    assert acc.main(["--combine", str(a / "h.json"), str(b / "h.json"), "--out", str(tmp_path / "out2")]) == 0
+    row = json.loads((tmp_path / "out2" / "h.json").read_text())["rows"][0]
+    assert row["fla"] is None and row["fla_why"] == "asserts" and row["ours_label"] == "new"

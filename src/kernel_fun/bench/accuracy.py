@@ -478,6 +478,8 @@ def combine(paths: list[str], out: str, note: str = "") -> str:
             if r.get("fla") is None and old is not None and old.get("fla") is not None:
                 r["fla"], r["fla_label"] = old["fla"], old["fla_label"]
                 r.pop("fla_why", None)
+            elif r.get("fla") is None and not r.get("fla_why") and old is not None and old.get("fla_why"):
+                r["fla_why"] = old["fla_why"]  # an ours-only run says nothing of why fla is missing
             if old is not None and "before" in old and "before" not in r:  # the A/B column of --merge
                 r["before"] = old["before"]
             rows[r["case"]] = r
