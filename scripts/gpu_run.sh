@@ -147,5 +147,16 @@ fi
 if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then
   tar czf "$out/triton-cache.tgz" .triton-cache && stamp "triton cache: $(du -sh "$out/triton-cache.tgz" | cut -f1)"
 fi
+# At most 8 files come back from a call (16 MiB each): when $out holds more, the small files of its
+# subfolders (under 8 MiB each: stage_compare's inputs, accuracy JSONs, ...) travel as one archive,
+# more.tgz (unpack: tar xzf more.tgz); larger files and the top-level logs stay as they are.
+if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
+  ( cd "$out" && find . -mindepth 2 -type f -size -8M -print0 > /tmp/gpu_run_more.lst
+    if [ -s /tmp/gpu_run_more.lst ]; then
+      tar czf more.tgz --null -T /tmp/gpu_run_more.lst && xargs -0 rm -f < /tmp/gpu_run_more.lst
+      find . -mindepth 1 -type d -empty -delete
+    fi )
+  [ -f "$out/more.tgz" ] && stamp "over 8 files: subfolders' small files packed into more.tgz ($(du -sh "$out/more.tgz" | cut -f1))"
+fi
 stamp "done (tests rc=$rc)"
 exit $rc
