@@ -185,5 +185,9 @@ def test_combine_takes_the_last_run_and_keeps_earlier_fla_errors(tmp_path):
     (a / "h.json").write_text(json.dumps({"meta": {"label": "old"}, "rows": [dict(older[0], fla=None, fla_why="asserts")]}))
     (b / "h.json").write_text(json.dumps({"meta": {"label": "new"}, "rows": [dict(newer[0], fla_why=None)]}))
     assert acc.main(["--combine", str(a / "h.json"), str(b / "h.json"), "--out", str(tmp_path / "out2")]) == 0
-    row = json.loads((tmp_path / "out2" / "h.json").read_text())["rows"][0]
+    doc2 = json.loads((tmp_path / "out2" / "h.json").read_text())
+    row = doc2["rows"][0]
     assert row["fla"] is None and row["fla_why"] == "asserts" and row["ours_label"] == "new"
+    # a combined file combined again lists the runs once, not "combined: combined: ..."
+    assert acc.main(["--combine", str(tmp_path / "out" / "h.json"), str(b / "h.json"), "--out", str(tmp_path / "out3")]) == 0
+    assert json.loads((tmp_path / "out3" / "h.json").read_text())["meta"]["label"] == "combined: old; new; new"

@@ -484,7 +484,8 @@ def combine(paths: list[str], out: str, note: str = "") -> str:
                 r["before"] = old["before"]
             rows[r["case"]] = r
     meta = dict(metas[-1])
-    meta["label"] = "combined: " + "; ".join(m.get("label", "") for m in metas)
+    # an earlier combined file's label lists its runs already: list them, not "combined: combined: ..."
+    meta["label"] = "combined: " + "; ".join(m.get("label", "").removeprefix("combined: ") for m in metas)
     meta["combined_from"] = [os.path.basename(os.path.dirname(os.path.abspath(p))) + "/" + os.path.basename(p)
                              for p in paths]
     if note:
