@@ -242,6 +242,21 @@ def main() -> None:
         if rec and rec.get("kda_gate_bwd"):
             print("fla dA (after its sum):", rec["kda_gate_bwd"][-1][1][1].reshape(-1).tolist()[:4])
 
+    # Which tokens carry dg's error: dA_log / ddt_bias are sums over tokens, so one token whose dgate
+    # is large (the last row of a sequence with the final state's gradient, under a strong gate) can
+    # carry the whole error (docs/notes/2026-12-02-dalog-floor.md, fifth session).
+    fla_dg = rec["kda_gate_bwd"][-1][1][0] if rec and rec.get("kda_gate_bwd") else None
+    if not kw["use_gate_in_kernel"] and rec and rec.get("chunk_local_cumsum"):
+        fla_dg = rec["chunk_local_cumsum"][-1][1]
+    for impl, got in (("ours", ours_grads.get("dg")), ("fla", fla_dg)):
+        if got is None or ref.get("dg") is None:
+            continue
+        err = (got.double().cpu() - ref["dg"].double().cpu()).reshape(B * T, -1).pow(2).sum(-1)  # per token
+        top = err.argsort(descending=True)[:3].tolist()
+        tot = err.sum().item()
+        print(f"dg error by token, {impl}: " + ", ".join(f"t={i} {err[i].item() / tot:.0%}" for i in top)
+              + f" of the squared error (rel-RMS {rel_rms(ref['dg'].reshape(-1), got.reshape(-1).double()):.2e})")
+
     print(f"\n{case.name} seed {case.seed}: {case.label()}")
     print("end to end (rel-RMS against the fp64 recurrence):")
     for impl, e in e2e.items():
