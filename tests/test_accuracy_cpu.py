@@ -164,7 +164,8 @@ def test_combine_takes_the_last_run_and_keeps_earlier_fla_errors(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    older = [dict(r, ours={k: 1.0 for k in r["ours"]}, before={"dg": 9.0}) for r in rows]
+    older = [dict(r, ours={k: 1.0 for k in r["ours"]}, before={"dg": 9.0}, draws=[{"seed": 1}], median={"dg": 3.0})
+             for r in rows]
     for r in older:
         r.pop("ours_label", None), r.pop("fla_label", None)
     newer = [dict(rows[0], ours={k: 2.0 for k in rows[0]["ours"]}, fla=None, fla_why="not measured")]
@@ -179,6 +180,8 @@ def test_combine_takes_the_last_run_and_keeps_earlier_fla_errors(tmp_path):
     assert set(first["ours"].values()) == {2.0} and first["ours_label"] == "new"  # the last run wins
     assert first["fla"] == rows[0]["fla"] and first["fla_label"] == "old"         # fla's from the older
     assert "fla_why" not in first and first["before"] == {"dg": 9.0}
+    # the extra seeds of an earlier run stay, labelled with that run
+    assert first["draws"] == [{"seed": 1}] and first["median"] == {"dg": 3.0} and first["draws_label"] == "old"
     assert set(second["ours"].values()) == {1.0} and second["ours_label"] == "old"
     assert doc["meta"]["note"] == "n" and doc["meta"]["label"] == "combined: old; new"
     # a row fla could not run keeps its reason through a later ours-only run (which has none)

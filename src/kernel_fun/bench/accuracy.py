@@ -461,7 +461,8 @@ def combine(paths: list[str], out: str, note: str = "") -> str:
     """Rows of several runs (files of this tool, measured on the same inputs: a case's inputs depend
     on its seed only) in one document. Per case the last file's row wins; each row says which run
     measured ours (ours_label) and, where fla's errors come from an earlier file because the winning
-    row lacks them, which run measured fla's (fla_label); an earlier row's 'before' is kept too."""
+    row lacks them, which run measured fla's (fla_label); an earlier row's 'before' is kept too, and
+    its 'draws' / 'median' (with draws_label, the run that measured them)."""
     rows: dict[str, dict] = {}
     metas = []
     for p in paths:
@@ -482,6 +483,9 @@ def combine(paths: list[str], out: str, note: str = "") -> str:
                 r["fla_why"] = old["fla_why"]  # an ours-only run says nothing of why fla is missing
             if old is not None and "before" in old and "before" not in r:  # the A/B column of --merge
                 r["before"] = old["before"]
+            if old is not None and "draws" in old and "draws" not in r:  # --draws: more seeds, measured by
+                r["draws"], r["median"] = old["draws"], old.get("median")  # that earlier run (draws_label)
+                r["draws_label"] = old.get("draws_label", old.get("ours_label", ""))
             rows[r["case"]] = r
     meta = dict(metas[-1])
     # an earlier combined file's label lists its runs already: list them, not "combined: combined: ..."
