@@ -6,8 +6,8 @@
 # ALTS: one folder, or several joined by commas (ab_alt,ab_base).
 # Machines differ by ~5% (docs/notes/gpu-sessions.md): compare builds within one call only.
 #
-# Here (the alt tree is ignored by git and carried explicitly):
-#   rm -rf ab_alt && mkdir ab_alt && git archive main | tar -x -C ab_alt
+# Here (the alt trees are ignored by git and carried explicitly), made and prebuilt in one command:
+#   bash scripts/ab_prepare.sh ab_base=c6a2f47 ab_alt=HEAD+scripts/dev/experiments/NAME.patch
 # The device call (carry [".whl", "ab_alt"]; ~3.5 min with the build, the probes and our tests):
 #   KF_PROBE='bash scripts/ab_probe.sh ab_alt prod8192 bounded_b16' KF_FLA_TESTS=0 bash scripts/gpu_run.sh
 set -u
