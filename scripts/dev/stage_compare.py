@@ -67,14 +67,12 @@ def _best(name, got, refs: dict):
 def _ours_stages(inputs, kw, seeds, scale, emu=False):
     """Our backward's intermediates (backward_stages: dA, dL, h_ckpt, dh_ckpt, pA, ...) plus the
     forward's saved M, through the GPU ops or, with emu, the host emulator (tests/emu/kda_emu.py)."""
-    fkw = {n: kw.get(n) for n in ("initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                                  "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "A_log",
-                                  "dt_bias")}
     if emu:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "emu"))
         import kda_emu
 
-        return kda_emu.training_call(*inputs, seeds["o"], seeds["ht"], scale=scale, **fkw)[2:]
+        return kda_emu.training_call(*inputs, seeds["o"], seeds["ht"], scale=scale,
+                                     **{n: kw.get(n) for n in kda_emu.CALL_KEYS})[2:]
     else:
         from kernel_fun.kda import _kernel as kk
         from kernel_fun.kda._options import KdaOptions
