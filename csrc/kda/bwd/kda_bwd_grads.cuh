@@ -675,7 +675,7 @@ __device__ __forceinline__ void grads_wy(const GradsCtx<WT, K>& c, float (&dqg)[
 // operands (2^-11 each, independent) would leave a residue ~2^-11 |P_rs| per pair, summed by the
 // cumsum over the chunk and by dA_log / ddt_bias over all tokens (ddt_bias lost 10x its accuracy,
 // docs/notes/2026-12-02-gate-gradients.md). So B is carried as tf32 hi + lo (dev::split_tf32, two
-// mma): products good to ~2^-22; the A elements (dA1, dL; beta on the column side's B) are rounded
+// mma): products good to ~2^-21; the A elements (dA1, dL; beta on the column side's B) are rounded
 // once, identically on both sides.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_offdiag(const GradsCtx<WT, K>& c, float (&dqh)[K / 32][4],

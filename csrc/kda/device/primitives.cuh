@@ -281,15 +281,20 @@ __device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const uint32_t (&a)
 // cleared (mma ignores them; clearing them makes the float exact whatever cvt leaves there).
 __device__ __forceinline__ float tf32_value(float x) { return __uint_as_float(to_tf32(x) & 0xffffe000u); }
 
-// An fp32 operand carried to ~2^-22 through the tf32 tensor cores: x = hi + lo, both tf32 (hi from
-// tf32_value, so the subtraction is exact). Where two products of the same pair of values, formed
-// from differently factorised operands, must cancel (kda_bwd_grads, I1).
+// An fp32 operand carried to ~2^-21 through the tf32 tensor cores: x = hi + lo. Where two products of
+// the same pair of values, formed from differently factorised operands, must cancel (kda_bwd_grads,
+// I1). hi is x truncated to tf32 (the low 13 bits cleared: exact, one logic op); lo = x - hi is exact
+// in fp32 and |lo| < 2^-10 |x|; the mma reads lo's top 11 bits (it ignores the low 13), so the pair
+// carries x to ~2^-21. No cvt: with the rounding split (cvt.rna for hi and again for lo) I1's column
+// side took 9.98k cycles per CTA against 6.36k with single tf32 B operands, and halving the lo mma
+// saved only 0.3k of that: the conversions were the cost, not the tensor core. By truncation: 7.25k,
+// kda_bwd_grads 11.18 -> 10.84 ms at prod8192 (H200, 2026-12-02, docs/notes/2026-12-01-kda-backward.md).
 struct Tf32Pair {
   uint32_t hi, lo;
 };
 __device__ __forceinline__ Tf32Pair split_tf32(float x) {
-  const float hi = tf32_value(x);
-  return {__float_as_uint(hi), to_tf32(x - hi)};
+  const uint32_t hi = __float_as_uint(x) & 0xffffe000u;
+  return {hi, __float_as_uint(x - __uint_as_float(hi))};
 }
 // c += A (B.hi + B.lo): A rounded once (its rounding is the same wherever the same A element is used).
 __device__ __forceinline__ void mma_1688_tf32_x2(float (&c)[4], const uint32_t (&a)[4], const Tf32Pair& b0,
