@@ -2,7 +2,7 @@
 # Make the A/B trees of scripts/ab_probe.sh here and prebuild each (scripts/prebuild.sh, ~8 min per
 # tree on a 2-core machine, no GPU), so the device call builds nothing. Each argument is
 # NAME=COMMIT[+PATCH...]: a fresh `git archive COMMIT` in ./NAME with the patches applied in order.
-#   bash scripts/ab_prepare.sh ab_base=c6a2f47 ab_alt=HEAD+scripts/dev/experiments/intra-p2-split.patch
+#   bash scripts/ab_prepare.sh ab_base=c6a2f47 ab_alt=HEAD+scripts/dev/experiments/NAME.patch
 #   AB_NO_BUILD=1 ... : the trees only
 # Then carry [".whl", ".prebuilt", NAME...] and run scripts/ab_probe.sh NAME,NAME2 CASES (its header).
 set -euo pipefail
