@@ -20,6 +20,10 @@
 #                Triton compile is single-threaded CPU work, so N processes compile N tests at once
 #   KF_PROBE     a shell command run on the quiet GPU after the build, before the tests (stage
 #                timings, ncu); its output goes to probe.log
+#   KF_BG        a shell command started in the background after the probe, beside the tests and the
+#                benchmark (e.g. bench.accuracy's fla rows: minutes of fla's CPU-bound compile); its
+#                output goes to bg.log, and the call waits for it (by PID) before it packs $OUT, so
+#                bound it yourself (`timeout S ...`). Its CPU load slows the tests beside it.
 #   KF_FLASHKDA  1 = also build FlashKDA (MoonshotAI/FlashKDA at 1ce47ea, forward only) from the
 #                FlashKDA source tree carried in .flashkda/ (carry [".whl", ".flashkda"]; how to prepare
 #                it: scripts/build_flashkda.sh's header) after our extension, log appended to build.log (the 8 files that come back),
@@ -94,6 +98,13 @@ if [ -n "${KF_PROBE:-}" ]; then
   echo "[probe] rc=$? (probe.log)"; tail -40 "$out/probe.log"
 fi
 
+bg_pid=""
+if [ -n "${KF_BG:-}" ]; then
+  stamp "background job (bg.log)"
+  bash -c "$KF_BG" > "$out/bg.log" 2>&1 &
+  bg_pid=$!
+fi
+
 rc=0
 # Separate pytest runs, each with its own time limit and log, so the fla-parity tests (fla's first
 # Triton compile/autotune of its KDA kernels takes minutes on a fresh machine) can never cut off
@@ -143,6 +154,11 @@ if [ "$bench_args" != "none" ]; then
   stamp "benchmark"
   # shellcheck disable=SC2086
   python3 -m kernel_fun.bench --out "$out" $bench_args 2>&1 | tee "$out/bench.log" | tail -60
+fi
+if [ -n "$bg_pid" ]; then
+  stamp "waiting for the background job"
+  bg_rc=0; wait "$bg_pid" || bg_rc=$?
+  stamp "background job done (rc=$bg_rc): $(tail -1 "$out/bg.log")"
 fi
 if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then
   tar czf "$out/triton-cache.tgz" .triton-cache && stamp "triton cache: $(du -sh "$out/triton-cache.tgz" | cut -f1)"
