@@ -1,5 +1,6 @@
-"""Our kernels on the host emulator (tests/emu), on inputs a GPU run saved: every gradient's rel-RMS
-against the fp64 recurrence, beside the errors that run recorded for ours and fla on the same inputs.
+"""Our kernels on the host emulator (tests/emu), on inputs stage_compare.py saved (on the GPU, or with
+--emu on the CPU): dA_log / dg rel-RMS against the fp64 recurrence, beside the errors that run recorded
+for ours and fla on the same inputs.
 The emulator reproduces the H200 (docs/notes/2026-12-02-dalog-floor.md, fifth session), so a kernel
 change's accuracy on the GPU's own inputs is known before device time is spent on it.
 
@@ -33,7 +34,7 @@ for f in files:
     fla = d["e2e"]["fla"] if "e2e" in d and d["e2e"].get("fla") else None
     gpu = d["e2e"]["ours"] if "e2e" in d else None
     rows.append((e["dA_log"], e["dg"], fla["dA_log"] if fla else None, gpu["dA_log"] if gpu else None))
-    print(os.path.basename(f), "emu dA_log %.2e dg %.2e | gpu(old build) dA_log %s | fla dA_log %s" % (
+    print(os.path.basename(f), "emu dA_log %.2e dg %.2e | recorded ours dA_log %s | fla dA_log %s" % (
         e["dA_log"], e["dg"], "%.2e" % rows[-1][3] if gpu else "-", "%.2e" % rows[-1][2] if fla else "-"), flush=True)
 if all(r[2] is not None for r in rows):
     over = sum(r[0] > max(3e-3, 1.25 * r[2]) for r in rows)
