@@ -27,19 +27,9 @@ from kernel_fun.bench import accuracy as acc  # noqa: E402
 
 
 def ours_emu(inputs, kw, seeds):
-    """o, ht and every gradient from the emulator's training call (kda_emu.training_call)."""
     import kda_emu
 
-    scale = kw.get("scale") or inputs[0].shape[-1] ** -0.5
-    o, ht, grads, _ = kda_emu.training_call(*inputs, seeds["o"], seeds["ht"], scale=scale,
-                                            **{n: kw.get(n) for n in kda_emu.CALL_KEYS})
-    out = {k: v for k, v in grads.items() if v is not None}
-    if kw.get("A_log") is not None and "dA_log" in out:  # the leaf's own shape ([HV] or [1, 1, HV, 1])
-        out["dA_log"] = out["dA_log"].reshape(kw["A_log"].shape)
-    out["o"] = o
-    if kw.get("output_final_state"):
-        out["ht"] = ht
-    return out
+    return kda_emu.chunk_kda_outputs(inputs, kw, seeds)
 
 
 def run(case, seeds: int) -> dict:

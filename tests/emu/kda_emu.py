@@ -314,6 +314,22 @@ def training_call(q, k, v, g, beta, do, dht=None, *, scale=None, **kw):
     return o, ht, grads, st
 
 
+def chunk_kda_outputs(inputs, kw, seeds):
+    """kernel_fun.bench.accuracy.ours on the emulator: o, ht and every gradient of one training call
+    (training_call) in that tool's format, so its errors() compares them with its reference. inputs:
+    (q, k, v, g, beta); kw: chunk_kda's keyword arguments; seeds: the output gradients {"o", "ht"}."""
+    scale = kw.get("scale") or inputs[0].shape[-1] ** -0.5
+    o, ht, grads, _ = training_call(*inputs, seeds["o"], seeds["ht"], scale=scale,
+                                    **{n: kw.get(n) for n in CALL_KEYS})
+    out = {k_: v_ for k_, v_ in grads.items() if v_ is not None}
+    if kw.get("A_log") is not None and "dA_log" in out:  # the leaf's own shape ([HV] or [1, 1, HV, 1])
+        out["dA_log"] = out["dA_log"].reshape(kw["A_log"].shape)
+    out["o"] = o
+    if kw.get("output_final_state"):
+        out["ht"] = ht
+    return out
+
+
 def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None,
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
