@@ -136,6 +136,18 @@ __device__ __forceinline__ ScanBlock scan_block() {
   return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
 }
 
+// The fp32 states h0 / ht / dht / dh0: [N, HV, K, V], or [N, HV, V, K] with state_v_first.
+// state_base: the first element of sequence n's, value head hv's state; state_offset: element (k, v)
+// within it.
+template <int K>
+__device__ __forceinline__ int64_t state_base(const KdaProblem& p, int n, int hv) {
+  return (static_cast<int64_t>(n) * p.HV + hv) * K * p.V;
+}
+template <int K>
+__device__ __forceinline__ int64_t state_offset(const KdaProblem& p, int k, int v) {
+  return p.opt.state_v_first ? static_cast<int64_t>(v) * K + k : static_cast<int64_t>(k) * p.V + v;
+}
+
 // Where a scan thread works: its CTA's item (V-slice b.vs, value head b.hv, sequence b.n), its
 // warp's 16 value columns (vw within the slice) and its fragment coordinates. A state fragment
 // sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
@@ -150,7 +162,7 @@ struct ScanPlace {
       : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3),
         hv(b.hv), v0(b.vs * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, b.n)),
         nchunks((seq.len + kChunk - 1) / kChunk),
-        sbase((static_cast<int64_t>(b.n) * p.HV + b.hv) * K * p.V) {}
+        sbase(state_base<K>(p, b.n, b.hv)) {}
 };
 
 // The operands of one landed stage (base = the stage's first element).
@@ -221,9 +233,7 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
 // Offset of state element (j, e) of this lane in a [K, V] (or, state_v_first, [V, K]) state.
 template <int K>
 __device__ __forceinline__ int64_t state_index(const KdaProblem& p, int col0, int t, int j, int e) {
-  const int k = 8 * j + 2 * t + (e & 1);
-  const int col = col0 + 8 * (e >> 1);
-  return p.opt.state_v_first ? static_cast<int64_t>(col) * K + k : static_cast<int64_t>(k) * p.V + col;
+  return state_offset<K>(p, 8 * j + 2 * t + (e & 1), col0 + 8 * (e >> 1));
 }
 
 // sT from an fp32 state (initial_state, dht) at src + base, or zeros when src is null.
