@@ -136,18 +136,6 @@ __device__ __forceinline__ ScanBlock scan_block() {
   return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
 }
 
-// The fp32 states h0 / ht / dht / dh0: [N, HV, K, V], or [N, HV, V, K] with state_v_first.
-// state_base: the first element of sequence n's, value head hv's state; state_offset: element (k, v)
-// within it.
-template <int K>
-__device__ __forceinline__ int64_t state_base(const KdaProblem& p, int n, int hv) {
-  return (static_cast<int64_t>(n) * p.HV + hv) * K * p.V;
-}
-template <int K>
-__device__ __forceinline__ int64_t state_offset(const KdaProblem& p, int k, int v) {
-  return p.opt.state_v_first ? static_cast<int64_t>(v) * K + k : static_cast<int64_t>(k) * p.V + v;
-}
-
 // Where a scan thread works: its CTA's item (V-slice b.vs, value head b.hv, sequence b.n), its
 // warp's 16 value columns (vw within the slice) and its fragment coordinates. A state fragment
 // sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).

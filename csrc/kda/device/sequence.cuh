@@ -36,6 +36,18 @@ __device__ __forceinline__ SeqInfo seq_info(const KdaProblem& p, int n) {
   return s;
 }
 
+// The fp32 states h0 / ht / dht / dh0: [N, HV, K, V], or [N, HV, V, K] with state_v_first.
+// state_base: the first element of sequence n's, value head hv's state; state_offset: element (k, v)
+// within it.
+template <int K>
+__device__ __forceinline__ int64_t state_base(const KdaProblem& p, int n, int hv) {
+  return (static_cast<int64_t>(n) * p.HV + hv) * K * p.V;
+}
+template <int K>
+__device__ __forceinline__ int64_t state_offset(const KdaProblem& p, int k, int v) {
+  return p.opt.state_v_first ? static_cast<int64_t>(v) * K + k : static_cast<int64_t>(k) * p.V + v;
+}
+
 // The (sequence n, chunk c within it) of global chunk x; false when x is past the last chunk (the
 // varlen grid is sized by an upper bound, T / 64 + N, so its tail CTAs have nothing to do).
 __device__ __forceinline__ bool chunk_of(const KdaProblem& p, int x, int& n, int& c) {
