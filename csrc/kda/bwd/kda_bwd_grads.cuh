@@ -48,6 +48,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kda/bwd/kda_bwd_launch.h"
 #include "kda/device/gate.cuh"
@@ -87,6 +88,12 @@ struct GradsSmem {
     VStage stage[2];
     WT vn[kChunk][VSP];
     WT dvn[kChunk][VSP];
+    // The last chunk of a sequence with a final-state gradient (the kernel's dht_last, bf16 only):
+    // the low halves v' - bf16(v') and dht - bf16(dht) of the current slice, so that the V2 products
+    // that feed dg's last row (kg dkg with dh = dht) see v' and dht unrounded. Fits beside the V
+    // tiles without growing the phase union (the E / I phases are larger).
+    WT vnlo[kChunk][VSP];
+    WT dhlo[kVS][KQ];
   };
   struct EPhase {
     WT m[kChunk][AP];      // over V's aqk
@@ -297,6 +304,27 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
 }
 
 // ---------------------------------------------------------------- V
+// The low half of dht for value slice s: dhlo[v][k] = dht[v0 + v][k] - dh_ckpt's bf16 copy of it (the
+// dh scan stores dh_{last} = dht rounded to nearest, which is what stage.dh holds). Only the last
+// chunk of a sequence with dht (the kernel's dht_last) runs it; plain loads (the fp32 source is read
+// once).
+template <typename WT, int K>
+__device__ __forceinline__ void grads_dht_lo(const GradsCtx<WT, K>& c, const float* dht, int s,
+                                             const WT* bDH) {
+  using S = GradsSmem<WT, K>;
+  using E = dev::Elem<WT>;
+  constexpr int KQ = S::KQ;
+  WT* lo = &c.vph().dhlo[0][0];
+  const int v0 = s * kVS;
+  dev::strided<kVS * K / 2, kGradsThreads>(c.tid, [&](int i) {
+    const int r = i / (K / 2), k2 = 2 * (i % (K / 2));
+    const float d0 = dht[dev::state_offset<K>(c.p, k2, v0 + r)];
+    const float d1 = dht[dev::state_offset<K>(c.p, k2 + 1, v0 + r)];
+    const float2 h = E::to_float2(*reinterpret_cast<const uint32_t*>(bDH + r * KQ + k2));
+    *reinterpret_cast<uint32_t*>(lo + r * KQ + k2) = E::pack2(d0 - h.x, d1 - h.y);
+  });
+}
+
 // sum_v h dh (the decay's gradient) rides on V2's B fragments: warp rb of each column quarter owns
 // k-step kv and n-pair np of every slice (two owners per column, one per 16-row half kv of a slice:
 // the NPART partial sums). At K = 64 (one n-pair) warps rb >= 2 own none.
@@ -310,8 +338,9 @@ __device__ __forceinline__ bool grads_dec_owner(int rb, int& kv, int& np) {
 
 // The contraction loop: results in the warp's register tiles (dqg, dkg, dw: [16 x K/4]; dAq, dAk:
 // [16 x 16] at columns 16 cq) and the thread's share of sum_v h dh (dec2, see grads_dec_owner).
-template <typename WT, int K>
-__device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (&dqg)[K / 32][4],
+template <typename WT, int K, bool kLo>
+__device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const float* dht_last,
+                                               float (&dqg)[K / 32][4],
                                                float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
                                                float (&dAk)[2][4], float (&dec2)[2]) {
   using S = GradsSmem<WT, K>;
@@ -345,6 +374,8 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
     const WT* bDH = &stage.dh[0][0];
     const WT* bDo = &stage.do_[0][0];
     const WT* bV = &stage.v[0][0];
+    // kLo: a separate copy of the loop for the last chunk, so the other chunks' registers stay as they were
+    if (kLo) grads_dht_lo(c, dht_last, s, bDH);  // read in V2, behind V1's barrier
 
     // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T (one tile per warp)
     {
@@ -379,8 +410,17 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = 16 * vg + 8 * j + 2 * t;
-        *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = E::pack2(acc[j][0], acc[j][1]);
-        *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = E::pack2(acc[j][2], acc[j][3]);
+        const uint32_t h0 = E::pack2(acc[j][0], acc[j][1]), h1 = E::pack2(acc[j][2], acc[j][3]);
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = h0;
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = h1;
+        if (kLo && !is_dv) {  // v' - bf16(v'): exact in fp32, rounded once more to bf16
+          const float2 f0 = E::to_float2(h0), f1 = E::to_float2(h1);
+          WT* lo = &c.vph().vnlo[0][0];
+          *reinterpret_cast<uint32_t*>(lo + (16 * rb + g) * VSP + col) =
+              E::pack2(acc[j][0] - f0.x, acc[j][1] - f0.y);
+          *reinterpret_cast<uint32_t*>(lo + (16 * rb + g + 8) * VSP + col) =
+              E::pack2(acc[j][2] - f1.x, acc[j][3] - f1.y);
+        }
       }
     }
     __syncthreads();  // sVN / sDVN complete
@@ -401,15 +441,25 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
         dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
         dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
-        if (dec_owner && kv == dec_kv && np == dec_np) {
-          // bh / bd [i]: value rows 16 kv + 2t, 2t + 1 (+8 for odd i), state column cb + 16 np + g
-          // (+8 for i >= 2): the same places in both, so h * dh is elementwise
+        const bool dec_here = dec_owner && kv == dec_kv && np == dec_np;
+        // bh / bd [i]: value rows 16 kv + 2t, 2t + 1 (+8 for odd i), state column cb + 16 np + g
+        // (+8 for i >= 2): the same places in both, so h * dh is elementwise
+        auto add_h_dh = [&](const uint32_t (&b)[4]) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const float2 hh = E::to_float2(bh[i]), dd = E::to_float2(bd[i]);
+            const float2 hh = E::to_float2(bh[i]), dd = E::to_float2(b[i]);
             dec2[i >> 1] = fmaf(hh.x, dd.x, fmaf(hh.y, dd.y, dec2[i >> 1]));
           }
+        };
+        if (kLo) {  // dkg += v'.lo dh + v' dht.lo, and h dht.lo (lo x lo: below either's rounding)
+          uint32_t avl[4], bdl[4];
+          dev::ldsm_a(avl, &c.vph().vnlo[0][0], VSP, 16 * rb, 16 * kv);
+          dev::ldsm_b_t(bdl, &c.vph().dhlo[0][0], KQ, 16 * kv, c.cb + 16 * np);
+          dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avl, bd);
+          dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bdl);
+          if (dec_here) add_h_dh(bdl);
         }
+        if (dec_here) add_h_dh(bd);
       }
       if (cq <= rb) {  // column block above the diagonal: never needed
         // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
@@ -418,6 +468,11 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, float (
         dev::ldsm_b(bv, bV, VSP, 16 * cq, 16 * kv);
         dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
         dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
+        if (kLo) {  // dAqk += do v'.lo^T
+          uint32_t bnl[4];
+          dev::ldsm_b(bnl, &c.vph().vnlo[0][0], VSP, 16 * cq, 16 * kv);
+          dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bnl);
+        }
       }
     }
   }
@@ -1278,7 +1333,27 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 #pragma unroll
     for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
   float dec2[2] = {0.f, 0.f};
-  grads_contract(c, dqg, dkg, dwc, dAq, dAk, dec2);
+  // The last chunk of a sequence with a final-state gradient (bf16, bounded gates) runs the V loop's
+  // second copy, whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
+  // dg at the sequence's last row is dG + dg^[last], which leaves sum_r kg_r dkg_r with
+  // dkg_r = v'_r dht: one product of two rounded vectors carries most of dA_log's error on short
+  // sequences with strong gates (docs/notes/2026-12-02-dalog-floor.md: on 17 inputs of
+  // strong_bounded_T200, v' and dht exact in this chunk only take dA_log's median from 2.9e-3 to
+  // 1.6e-3 and every input under the accuracy matrix's bound). fp16 keeps 8x more of each value and
+  // has no range for the low halves.
+  // Bounded gates only (kMid): in the unbounded-gate kernel the second copy of the V loop (+850 SASS
+  // instructions) made every chunk 8.5% slower on the H200 (prod8192: P and F phases +5k and +1.8k
+  // cycles: that kernel is instruction-fetch bound), while the bounded-gate kernel, 1,400
+  // instructions smaller, measured unchanged (-0.6 .. +0.9% on the four bounded training cases).
+  if constexpr (kMid && std::is_same_v<WT, __nv_bfloat16>) {
+    if (p.dht != nullptr && (ci + 1) * kChunk >= seq.len) {
+      grads_contract<WT, K, true>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk, dec2);
+    } else {
+      grads_contract<WT, K, false>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
+    }
+  } else {
+    grads_contract<WT, K, false>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
+  }
   __syncthreads();  // the V phase's buffers are dead from here on (Akk stays)
   KF_GRADS_PHASE(2);
 
