@@ -353,15 +353,20 @@ __device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
 // Warps 2-4: the blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp
 // per block row bi (warp 2: bi = 3, 3: 2, 4: 1), so the A operands are gated once for all bj < bi.
 // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
-template <typename WT, int K>
-__device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
+// The block row BI is a template parameter, so the bj loop below has no branches: with bi known only
+// at run time each bj block sat behind its own branch, a serial chain of shared loads -> exp2 ->
+// multiply -> tf32 -> mma that ptxas could not overlap with the next block's (P2 is latency-bound:
+// four warps per scheduler). Measured on the H200 (2026-12-02, seventh session): warp 2's P2 20.6k ->
+// 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.186 -> 3.150 ms at prod8192.
+template <typename WT, int K, int BI>
+__device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c) {
   constexpr int KQ = IntraCtx<WT, K>::KQ;
   const WT* sQ = c.sQ();
   const WT* sK = c.sK();
   const float* sBT = c.gs().BT;
   const int g = c.lane >> 2, t = c.lane & 3;
-  const int bi = 5 - c.warp;
-  const int f = 16 * bi;
+  constexpr int bi = BI;
+  constexpr int f = 16 * bi;
   float cq[3][2][4] = {}, ck[3][2][4] = {};
   const int ra = f + g, rb = f + g + 8;
   // MMA k-slots t and t+4 carry the ADJACENT columns c0 = 8 kk + 2t and c0 + 1 (A and B alike,
@@ -416,6 +421,13 @@ __device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
       }
     }
   }
+}
+
+template <typename WT, int K>
+__device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
+  if (c.warp == 2) intra_p2_below_diag_row<WT, K, 3>(c);
+  else if (c.warp == 3) intra_p2_below_diag_row<WT, K, 2>(c);
+  else intra_p2_below_diag_row<WT, K, 1>(c);
 }
 
 // Warps 4-7: the rest of each diagonal 16-block, on tf32 tensor cores with q and k rows STACKED in
