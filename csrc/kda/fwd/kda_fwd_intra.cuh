@@ -357,7 +357,7 @@ __device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
 // at run time each bj block sat behind its own branch, a serial chain of shared loads -> exp2 ->
 // multiply -> tf32 -> mma that ptxas could not overlap with the next block's (P2 is latency-bound:
 // four warps per scheduler). Measured on the H200 (2026-12-02, seventh session): warp 2's P2 20.6k ->
-// 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.186 -> 3.150 ms at prod8192.
+// 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.190 -> 3.152 ms at prod8192.
 template <typename WT, int K, int BI>
 __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c) {
   constexpr int KQ = IntraCtx<WT, K>::KQ;
