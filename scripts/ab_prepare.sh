@@ -4,6 +4,11 @@
 # NAME=COMMIT[+PATCH...]: a fresh `git archive COMMIT` in ./NAME with the patches applied in order.
 #   bash scripts/ab_prepare.sh ab_base=c6a2f47 ab_alt=HEAD+scripts/dev/experiments/NAME.patch
 #   AB_NO_BUILD=1 ... : the trees only
+#   AB_FAST=1 ...     : for HEAD+PATCH specs, build in THIS tree instead (its build/ is incremental: a
+#                       patch to one header rebuilds only what includes it, ~1 min instead of ~8): the
+#                       patches are applied here, scripts/prebuild.sh packs the build, the tree gets a
+#                       copy of .prebuilt/ (same sources, same hash), and this tree is restored and
+#                       prebuilt again at the end. Needs a clean csrc/ here.
 # Then carry [".whl", ".prebuilt", NAME...] and run scripts/ab_probe.sh NAME,NAME2 CASES (its header).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,8 +24,25 @@ for spec in "$@"; do
     (cd "$name" && patch -p1 -s < "$here/$patch") || { echo "ab_prepare: $patch does not apply to ${parts[0]}"; exit 1; }
   done
   echo "ab_prepare: $name = ${parts[0]}${parts[1]:+ + ${parts[*]:1}}"
-  if [ "${AB_NO_BUILD:-0}" != "1" ]; then
+  if [ "${AB_NO_BUILD:-0}" = "1" ]; then
+    continue
+  elif [ "${AB_FAST:-0}" = "1" ]; then
+    [ "$(git rev-parse "${parts[0]}")" = "$(git rev-parse HEAD)" ] \
+      || { echo "ab_prepare: AB_FAST builds HEAD+PATCH only, not ${parts[0]}"; exit 2; }
+    [ -z "$(git status --porcelain -- csrc setup.py)" ] \
+      || { echo "ab_prepare: AB_FAST needs a clean csrc/ here (git status)"; exit 2; }
+    for patch in "${parts[@]:1}"; do patch -p1 -s < "$here/$patch"; done
+    bash scripts/prebuild.sh
+    mkdir -p "$name/.prebuilt" && cp .prebuilt/* "$name/.prebuilt/"
+    git checkout -q -- csrc setup.py
+    [ "$(cat "$name/.prebuilt/SOURCES")" = "$(bash scripts/source_hash.sh "$PWD/$name")" ] \
+      || { echo "ab_prepare: $name's sources differ from the build (untracked files in csrc/?)"; exit 1; }
+    fast_built=1
+  else
     bash scripts/prebuild.sh "$name"
     rm -rf "$name/build" "$name/src/kernel_fun/"_C*.so  # the carry keeps .prebuilt/ only (64 MiB in all)
   fi
 done
+if [ "${fast_built:-0}" = "1" ]; then
+  bash scripts/prebuild.sh  # this tree's own .prebuilt/ again
+fi
