@@ -1345,12 +1345,9 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   // instructions) made every chunk 8.5% slower on the H200 (prod8192: P and F phases +5k and +1.8k
   // cycles: that kernel is instruction-fetch bound), while the bounded-gate kernel, 1,400
   // instructions smaller, measured unchanged (-0.6 .. +0.9% on the four bounded training cases).
-  if constexpr (kMid && std::is_same_v<WT, __nv_bfloat16>) {
-    if (p.dht != nullptr && (ci + 1) * kChunk >= seq.len) {
-      grads_contract<WT, K, true>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk, dec2);
-    } else {
-      grads_contract<WT, K, false>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
-    }
+  constexpr bool kLoCopy = kMid && std::is_same_v<WT, __nv_bfloat16>;  // else no second copy is compiled
+  if (kLoCopy && p.dht != nullptr && (ci + 1) * kChunk >= seq.len) {
+    grads_contract<WT, K, kLoCopy>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk, dec2);
   } else {
     grads_contract<WT, K, false>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
   }
