@@ -123,14 +123,8 @@ def _cuda_archs() -> list[str]:
     return archs
 
 
-def _extensions(archs: list[str]):
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-
-    # torch trusts CUDA_HOME as given; a value without nvcc would fail deep inside the compile.
-    if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        _refuse(_find_nvcc() or "nvcc", f"torch's CUDA_HOME ({CUDA_HOME}) has no bin/nvcc; point "
-                                        "CUDA_HOME at the toolkit")
-
+def compile_flags(archs: list[str]) -> tuple[list[str], list[str]]:
+    """(c++ flags, nvcc flags) of the extension's sources; scripts/sass_size.sh compiles with the same."""
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     # Stable ABI: compile against torch's header-only/shim surface of 2.10, so one build keeps
     # loading in later torch releases.
@@ -145,6 +139,18 @@ def _extensions(archs: list[str]):
         "--use_fast_math",
         "-DNDEBUG",
     ]
+    return common, nvcc
+
+
+def _extensions(archs: list[str]):
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+
+    # torch trusts CUDA_HOME as given; a value without nvcc would fail deep inside the compile.
+    if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        _refuse(_find_nvcc() or "nvcc", f"torch's CUDA_HOME ({CUDA_HOME}) has no bin/nvcc; point "
+                                        "CUDA_HOME at the toolkit")
+
+    common, nvcc = compile_flags(archs)
     srcs = sorted(
         glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)
         + glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)
