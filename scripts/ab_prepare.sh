@@ -7,8 +7,9 @@
 #   AB_FAST=1 ...     : for HEAD+PATCH specs, build in THIS tree instead (its build/ is incremental: a
 #                       patch to one header rebuilds only what includes it, ~1 min instead of ~8): the
 #                       patches are applied here, scripts/prebuild.sh packs the build, the tree gets a
-#                       copy of .prebuilt/ (same sources, same hash), and this tree is restored and
-#                       prebuilt again at the end. Needs a clean csrc/ here.
+#                       copy of .prebuilt/ (same sources, same hash), and this tree is restored (the
+#                       patches reversed) and prebuilt again at the end. Needs no uncommitted changes
+#                       to tracked files here.
 # Then carry [".whl", ".prebuilt", NAME...] and run scripts/ab_probe.sh NAME,NAME2 CASES (its header).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -29,12 +30,17 @@ for spec in "$@"; do
   elif [ "${AB_FAST:-0}" = "1" ]; then
     [ "$(git rev-parse "${parts[0]}")" = "$(git rev-parse HEAD)" ] \
       || { echo "ab_prepare: AB_FAST builds HEAD+PATCH only, not ${parts[0]}"; exit 2; }
-    [ -z "$(git status --porcelain -- csrc setup.py)" ] \
-      || { echo "ab_prepare: AB_FAST needs a clean csrc/ here (git status)"; exit 2; }
+    git diff --quiet HEAD -- \
+      || { echo "ab_prepare: AB_FAST needs no uncommitted changes to tracked files here (git status)"; exit 2; }
+    # the patches go on here and come off again (in reverse order) whatever the build does: a patch may
+    # touch more than csrc/ (tests/emu, say)
+    unpatch() { for ((i = ${#parts[@]} - 1; i >= 1; i--)); do patch -p1 -R -s < "$here/${parts[i]}"; done; }
     for patch in "${parts[@]:1}"; do patch -p1 -s < "$here/$patch"; done
+    trap unpatch EXIT
     bash scripts/prebuild.sh
     mkdir -p "$name/.prebuilt" && cp .prebuilt/* "$name/.prebuilt/"
-    git checkout -q -- csrc setup.py
+    trap - EXIT
+    unpatch
     [ "$(cat "$name/.prebuilt/SOURCES")" = "$(bash scripts/source_hash.sh "$PWD/$name")" ] \
       || { echo "ab_prepare: $name's sources differ from the build (untracked files in csrc/?)"; exit 1; }
     fast_built=1
