@@ -19,6 +19,10 @@ struct LaunchShape {
   int threads;  // per CTA (x only)
   size_t smem;  // dynamic shared memory, bytes
   dim3 cluster = dim3(1, 1, 1);  // thread block cluster (CTAs per cluster in each dimension; divides grid)
+  // Programmatic dependent launch: this kernel may start while the previous kernel on the stream is
+  // still running, once every CTA of that one has called dev::launch_dependents (it must not read what
+  // the previous kernel writes; the stream's next kernel still waits for both).
+  bool overlap_previous = false;
   // An empty grid launches nothing (an empty problem: no chunks, no heads, no sequences).
   bool empty() const { return grid.x == 0 || grid.y == 0 || grid.z == 0; }
 };

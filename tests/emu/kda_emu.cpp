@@ -223,7 +223,7 @@ void prep(const kda::KdaBwdParams& p) {
 
 template <typename WT, int K>
 void grads(const kda::KdaBwdParams& p) {
-  launch(kda::grads_launch<WT, K>(p), kda::grads_kernel_for<WT, K>(p), p);
+  kda::for_each_grads_launch<WT, K>(p, [&](auto kern, const kda::LaunchShape& s) { launch(s, kern, p); });
 }
 
 template <typename WT>

@@ -1292,19 +1292,17 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
 }
 
 // ---------------------------------------------------------------- the kernel
-// kMid: the diagonal blocks through their midpoint row on tensor cores (bounded gates,
-// dev::block_midpoint_ok) instead of in SIMT. Two kernels, not one with a runtime branch: each
-// launch then carries only its own I3 code (one kernel with both was 9,312 SASS instructions,
-// against 8,360 / 6,744 apart), and the grads kernel has been instruction-fetch bound before.
-template <typename WT, int K, bool kMid>
-__global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
+// The V loop's copy a CTA runs: kLoNever (the plain loop), kLoLast (the second copy when this is the
+// last chunk of a sequence with a final-state gradient, else the plain one: both copies in the kernel),
+// kLoAlways (the second copy only: kda_bwd_grads_last_kernel).
+enum GradsLo { kLoNever, kLoLast, kLoAlways };
+
+// One CTA: chunk ci of sequence n, value head blockIdx.y.
+template <typename WT, int K, bool kMid, GradsLo kLo>
+__device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int n, int ci, const dev::SeqInfo& seq) {
   using S = GradsSmem<WT, K>;
   constexpr int NTH = kGradsThreads, NTK = K / 32;
-  KF_DYN_SMEM(float4, smem_f4);
-  int n, ci;
-  if (!dev::chunk_of(p, blockIdx.x, n, ci)) return;
-  const dev::SeqInfo seq = dev::seq_info(p, n);
-  const GradsCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), seq, ci, blockIdx.y);
+  const GradsCtx<WT, K> c(p, smem, seq, ci, blockIdx.y);
   KF_GRADS_PHASE(0);
 
   // P: every load of the chunk in flight first (the gate's first rows, then the bulk copies), then
@@ -1333,21 +1331,19 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 #pragma unroll
     for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
   float dec2[2] = {0.f, 0.f};
-  // The last chunk of a sequence with a final-state gradient (bf16, bounded gates) runs the V loop's
-  // second copy, whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
+  // The last chunk of a sequence with a final-state gradient (bf16) runs the V loop's second copy,
+  // whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
   // dg at the sequence's last row is dG + dg^[last], which leaves sum_r kg_r dkg_r with
   // dkg_r = v'_r dht: one product of two rounded vectors carries most of dA_log's error on short
   // sequences with strong gates (docs/notes/2026-12-02-dalog-floor.md: on 17 inputs of
   // strong_bounded_T200, v' and dht exact in this chunk only take dA_log's median from 2.9e-3 to
   // 1.6e-3 and every input under the accuracy matrix's bound). fp16 keeps 8x more of each value and
   // has no range for the low halves.
-  // Bounded gates only (kMid): in the unbounded-gate kernel the second copy of the V loop (+850 SASS
-  // instructions) made every chunk 8.5% slower on the H200 (prod8192: P and F phases +5k and +1.8k
-  // cycles: that kernel is instruction-fetch bound), while the bounded-gate kernel, 1,400
-  // instructions smaller, measured unchanged (-0.6 .. +0.9% on the four bounded training cases).
-  constexpr bool kLoCopy = kMid && std::is_same_v<WT, __nv_bfloat16>;  // else no second copy is compiled
-  if (kLoCopy && p.dht != nullptr && (ci + 1) * kChunk >= seq.len) {
-    grads_contract<WT, K, kLoCopy>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk, dec2);
+  // kLoLast: the last chunk takes the second copy; kLoAlways: every CTA (kda_bwd_grads_last_kernel's
+  // grid is those chunks); kLoNever: no second copy is compiled.
+  if (kLo == kLoAlways || (kLo == kLoLast && p.dht != nullptr && (ci + 1) * kChunk >= seq.len)) {
+    grads_contract<WT, K, kLo != kLoNever>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk,
+                                           dec2);
   } else {
     grads_contract<WT, K, false>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
   }
@@ -1373,6 +1369,54 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   KF_GRADS_PHASE(8);
 }
 
+// kMid: the diagonal blocks through their midpoint row on tensor cores (bounded gates,
+// dev::block_midpoint_ok) instead of in SIMT. Two kernels, not one with a runtime branch: each
+// launch then carries only its own I3 code (one kernel with both was 9,312 SASS instructions,
+// against 8,360 / 6,744 apart), and the grads kernel has been instruction-fetch bound before.
+//
+// Where the last chunks of sequences with a final-state gradient run (bf16): inside the bounded-gate
+// kernel (kMid), whose second copy of the V loop measured unchanged on the H200 (-0.6 .. +0.9% on
+// the four bounded training cases); in a kernel of their own for unbounded gates, where the same copy
+// inside the kernel made every chunk 8.5% slower (prod8192: P and F phases +5k and +1.8k cycles: that
+// kernel is instruction-fetch bound). That one runs first, one CTA per (sequence, value head), and
+// lets the main kernel start beside it (LaunchShape::overlap_previous), which skips those chunks.
+template <typename WT, int K, bool kMid>
+__global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  int n, ci;
+  if (!dev::chunk_of(p, blockIdx.x, n, ci)) return;
+  if constexpr (std::is_same_v<WT, __nv_bfloat16> && !kMid) {
+    // the last chunk of a sequence with dht is kda_bwd_grads_last_kernel's (decided from the chunk
+    // map alone, before anything else is live: a test on seq.len cost 12 bytes of spills here)
+    const int nch = p.cu_seqlens ? p.chunk_offsets[n + 1] - p.chunk_offsets[n] : (p.T + kChunk - 1) / kChunk;
+    if (p.dht != nullptr && ci == nch - 1) {
+      dev::wait_previous();
+      return;
+    }
+  }
+  const dev::SeqInfo seq = dev::seq_info(p, n);
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  if constexpr (!std::is_same_v<WT, __nv_bfloat16>) {  // fp16 keeps 8x more of each value: no low halves
+    grads_cta<WT, K, kMid, kLoNever>(p, smem, n, ci, seq);
+  } else if constexpr (kMid) {
+    grads_cta<WT, K, kMid, kLoLast>(p, smem, n, ci, seq);
+  } else {
+    grads_cta<WT, K, kMid, kLoNever>(p, smem, n, ci, seq);
+    dev::wait_previous();  // not complete before kda_bwd_grads_last_kernel (the next kernel reads both)
+  }
+}
+
+// The last chunk of sequence blockIdx.x (unbounded gates, bf16, with dht), value head blockIdx.y.
+template <typename WT, int K>
+__global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(const KdaBwdParams p) {
+  dev::launch_dependents();  // the main kernel never reads what this one writes
+  KF_DYN_SMEM(float4, smem_f4);
+  const int n = blockIdx.x;
+  const dev::SeqInfo seq = dev::seq_info(p, n);
+  if (seq.len == 0) return;
+  grads_cta<WT, K, false, kLoAlways>(p, reinterpret_cast<char*>(smem_f4), n, (seq.len - 1) / kChunk, seq);
+}
+
 // The kernel a problem runs (the launcher's and the emulator's one choice).
 template <typename WT, int K>
 auto grads_kernel_for(const KdaBwdParams& p) {
@@ -1385,10 +1429,26 @@ inline LaunchShape grads_launch(const KdaProblem& p) {
   return chunk_grid(p, kGradsThreads, sizeof(GradsSmem<WT, K>));
 }
 
+// Every launch of the stage, in order, as f(kernel, shape): the launcher's and the emulator's. With
+// unbounded gates, bf16 and dht, first the last chunks (one CTA per sequence and value head), then
+// the main kernel, allowed to start beside them.
+template <typename WT, int K, typename F>
+void for_each_grads_launch(const KdaBwdParams& p, F&& f) {
+  LaunchShape shape = grads_launch<WT, K>(p);
+  if constexpr (std::is_same_v<WT, __nv_bfloat16>) {
+    if (!dev::block_midpoint_ok(p.opt) && p.dht != nullptr) {
+      f(kda_bwd_grads_last_kernel<WT, K>,
+        LaunchShape{dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV)), kGradsThreads, shape.smem});
+      shape.overlap_previous = true;
+    }
+  }
+  f(grads_kernel_for<WT, K>(p), shape);
+}
+
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_grads(const KdaBwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_kernel(grads_kernel_for<WT, K>(p), grads_launch<WT, K>(p), p, stream);
+  for_each_grads_launch<WT, K>(p, [&](auto kern, const LaunchShape& s) { dev::launch_chunk_kernel(kern, s, p, stream); });
 }
 #endif
 

@@ -93,6 +93,25 @@ __device__ __forceinline__ int total_chunks(const KdaProblem& p) {
   return p.cu_seqlens ? p.chunk_offsets[p.N] : p.N * ((p.T + kChunk - 1) / kChunk);
 }
 
+// Lets the next kernel on the stream, when launched with LaunchShape::overlap_previous, start before
+// this one ends (griddepcontrol.launch_dependents; a no-op otherwise and in the emulator, which runs
+// launches one after the other).
+__device__ __forceinline__ void launch_dependents() {
+#ifndef KF_EMU
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// In a kernel launched with LaunchShape::overlap_previous: waits until the previous kernel on the stream
+// has completed and its writes are visible (griddepcontrol.wait). A kernel that reads nothing of the
+// previous one calls it last, so that it never completes before that one (the stream's next kernel
+// then sees both).
+__device__ __forceinline__ void wait_previous() {
+#ifndef KF_EMU
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 #ifndef KF_EMU
 // Launches a kernel as its description says (kda_launch_shape.h; every KDA launcher goes through
 // here): dynamic smem opted in, nothing launched for an empty problem.
@@ -100,21 +119,31 @@ template <typename Params>
 void launch(void (*kern)(Params), const LaunchShape& s, const Params& p, cudaStream_t stream) {
   KF_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(s.smem)));
   if (s.empty()) return;
-  if (s.cluster.x * s.cluster.y * s.cluster.z == 1) {
+  const bool cluster = s.cluster.x * s.cluster.y * s.cluster.z != 1;
+  if (!cluster && !s.overlap_previous) {
     kern<<<s.grid, s.threads, s.smem, stream>>>(p);
-  } else {  // a cluster launch (distributed shared memory between the cluster's CTAs)
+  } else {  // a cluster launch (distributed shared memory between the cluster's CTAs) and / or an overlap
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = s.grid;
     cfg.blockDim = dim3(s.threads);
     cfg.dynamicSmemBytes = s.smem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = s.cluster.x;
-    attr[0].val.clusterDim.y = s.cluster.y;
-    attr[0].val.clusterDim.z = s.cluster.z;
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    if (cluster) {
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n].val.clusterDim.x = s.cluster.x;
+      attr[n].val.clusterDim.y = s.cluster.y;
+      attr[n].val.clusterDim.z = s.cluster.z;
+      ++n;
+    }
+    if (s.overlap_previous) {
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = n;
     KF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
   }
   KF_CHECK_LAUNCH();

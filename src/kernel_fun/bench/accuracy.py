@@ -495,6 +495,7 @@ def combine(paths: list[str], out: str, note: str = "") -> str:
     if note:
         meta["note"] = note
     impls = [i for i in ("ours", "fla") if any(r.get(i) for r in rows.values())]
+    meta["impls"] = impls  # the last run's may be ours only (--no-fla) while earlier rows keep fla's
     doc = _document(list(rows.values()), meta, impls)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, os.path.basename(paths[-1]))
