@@ -435,24 +435,23 @@ __device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
 // o..o+7 through the boundary e = o+7; tile (blk, 1) the two 4x4 tiles rows o+4.., columns
 // o.. (e = o+3) and rows o+12.., columns o+8.. (e = o+11), whose cross products are formed
 // and discarded (finite: every factor is <= 1). Factors exp2(g_i - g_e) (i > e) and
-// exp2(g_e - g_j) (e >= j): one-sided (docs/numerics.md). 8 tiles: warp 4 takes [0,1), 5 [1,3),
-// 6 [3,6), 7 [6,8); warps 2-3 none.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
-  constexpr int KQ = IntraCtx<WT, K>::KQ;
-  const WT* sQ = c.sQ();
-  const WT* sK = c.sK();
-  const int warp = c.warp, g = c.lane >> 2, t = c.lane & 3;
-  const int w4 = warp - 4;
-  const int t_begin = w4 <= 0 ? 0 : (w4 == 1 ? 1 : (w4 == 2 ? 3 : 6));
-  const int t_end = w4 <= 0 ? (warp == 4 ? 1 : 0) : (w4 == 1 ? 3 : (w4 == 2 ? 6 : 8));
-  for (int ti = t_begin; ti < t_end; ++ti) {
-    const int o = 16 * (ti >> 1);
-    const bool sub4 = ti & 1;
-    // per-thread rows / boundaries of the A fragment (rows g, g+8) and the B column g
-    int r0, r1, e0, e1, sb, eb;
-    bool k0, k1;
-    if (!sub4) {
+// exp2(g_e - g_j) (e >= j): one-sided (docs/numerics.md). 8 tiles (ti = 2 blk + sub4), in pairs:
+// intra_p2_diag_tc below.
+//
+// One tile's per-thread rows, boundaries and operand rows (SUB4: the tile of two 4x4 blocks) and its
+// two accumulators (even / odd kk, so consecutive MMAs do not wait on each other).
+template <typename WT, int K, bool SUB4>
+struct DiagTile {
+  static constexpr int KQ = IntraCtx<WT, K>::KQ;
+  int o, r0, r1, e0, e1, sb, eb;
+  bool k0, k1;
+  const WT* x0;
+  const WT* x1;
+  float cc[4] = {}, c1[4] = {};
+  __device__ __forceinline__ DiagTile(const IntraCtx<WT, K>& c, int ti) {
+    const int g = c.lane >> 2;
+    o = 16 * (ti >> 1);
+    if (!SUB4) {
       r0 = r1 = o + 8 + g;
       k0 = false;
       k1 = true;
@@ -467,40 +466,41 @@ __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
       sb = o + (g & 3) + 8 * (g >> 2);
       eb = o + 3 + 8 * (g >> 2);
     }
-    const WT* x0 = (k0 ? sK : sQ) + r0 * KQ;
-    const WT* x1 = (k1 ? sK : sQ) + r1 * KQ;
-    // Same adjacent-column k-slot mapping as the cross blocks; two accumulators (even / odd kk)
-    // so consecutive MMAs do not wait on each other.
-    auto step = [&](int kk, float (&acc)[4]) {
-      const int c0 = 8 * kk + 2 * t;
-      const float2 g0 = c.G2(r0, c0), ge0 = c.G2(e0, c0);
-      const float fa0 = dev::fast_exp2(g0.x - ge0.x);
-      const float fb0 = dev::fast_exp2(g0.y - ge0.y);
-      float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
-      if (sub4) {
-        const float2 g1 = c.G2(r1, c0), ge1 = c.G2(e1, c0);
-        fa1 = dev::fast_exp2(g1.x - ge1.x);
-        fb1 = dev::fast_exp2(g1.y - ge1.y);
-      }
-      const float2 v0 = c.X2(x0, c0), v1 = c.X2(x1, c0);
-      uint32_t af[4];
-      af[0] = dev::to_tf32(v0.x * fa0);
-      af[1] = dev::to_tf32(v1.x * fa1);
-      af[2] = dev::to_tf32(v0.y * fb0);
-      af[3] = dev::to_tf32(v1.y * fb1);
-      const float2 gsb = c.G2(sb, c0), geb = c.G2(eb, c0), kb = c.X2(sK + sb * KQ, c0);
-      const uint32_t b0 = dev::to_tf32(kb.x * dev::fast_exp2(geb.x - gsb.x));
-      const uint32_t b1 = dev::to_tf32(kb.y * dev::fast_exp2(geb.y - gsb.y));
-      dev::mma_1688_tf32(acc, af, b0, b1);
-    };
-    float cc[4] = {}, c1[4] = {};
-    for (int kk = 0; kk < K / 8; kk += 2) {
-      step(kk, cc);
-      step(kk + 1, c1);
+    x0 = (k0 ? c.sK() : c.sQ()) + r0 * KQ;
+    x1 = (k1 ? c.sK() : c.sQ()) + r1 * KQ;
+  }
+  __device__ __forceinline__ void step(const IntraCtx<WT, K>& c, int kk, float (&acc)[4]) const {
+    const int t = c.lane & 3;
+    const int c0 = 8 * kk + 2 * t;
+    const float2 g0 = c.G2(r0, c0), ge0 = c.G2(e0, c0);
+    const float fa0 = dev::fast_exp2(g0.x - ge0.x);
+    const float fb0 = dev::fast_exp2(g0.y - ge0.y);
+    float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
+    if (SUB4) {
+      const float2 g1 = c.G2(r1, c0), ge1 = c.G2(e1, c0);
+      fa1 = dev::fast_exp2(g1.x - ge1.x);
+      fb1 = dev::fast_exp2(g1.y - ge1.y);
     }
+    const float2 v0 = c.X2(x0, c0), v1 = c.X2(x1, c0);
+    uint32_t af[4];
+    af[0] = dev::to_tf32(v0.x * fa0);
+    af[1] = dev::to_tf32(v1.x * fa1);
+    af[2] = dev::to_tf32(v0.y * fb0);
+    af[3] = dev::to_tf32(v1.y * fb1);
+    const float2 gsb = c.G2(sb, c0), geb = c.G2(eb, c0), kb = c.X2(c.sK() + sb * KQ, c0);
+    const uint32_t b0 = dev::to_tf32(kb.x * dev::fast_exp2(geb.x - gsb.x));
+    const uint32_t b1 = dev::to_tf32(kb.y * dev::fast_exp2(geb.y - gsb.y));
+    dev::mma_1688_tf32(acc, af, b0, b1);
+  }
+  __device__ __forceinline__ void steps(const IntraCtx<WT, K>& c, int kk) {
+    step(c, kk, cc);
+    step(c, kk + 1, c1);
+  }
+  __device__ __forceinline__ void put(const IntraCtx<WT, K>& c) {
+    const int t = c.lane & 3;
 #pragma unroll
     for (int e = 0; e < 4; ++e) cc[e] += c1[e];
-    if (!sub4) {
+    if (!SUB4) {
       c.put(false, r0, o + 2 * t, cc[0]);
       c.put(false, r0, o + 2 * t + 1, cc[1]);
       c.put(true, r1, o + 2 * t, cc[2]);
@@ -513,6 +513,34 @@ __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
       c.put(k1, r1, o + 4 + 2 * t + 1, cc[3]);
     }
   }
+};
+
+// Two tiles in one k loop, a 4x4 pair (odd ti) beside a quadrant (even ti): their chains are
+// independent, so each hides the other's latency. Each tile's sum runs in the same order as alone.
+// One instantiation only: this kernel sits at an instruction-cache cliff (more code in P2 slows
+// every other phase; docs/notes/2026-12-02-fused-forward-groundwork.md, seventh session).
+template <typename WT, int K>
+__device__ __forceinline__ void intra_diag_tile_pair(const IntraCtx<WT, K>& c, int t4, int tq) {
+  DiagTile<WT, K, true> a(c, t4);
+  DiagTile<WT, K, false> b(c, tq);
+  for (int kk = 0; kk < K / 8; kk += 2) {
+    a.steps(c, kk);
+    b.steps(c, kk);
+  }
+  a.put(c);
+  b.put(c);
+}
+
+// The 8 tiles as four pairs: warp 4 (after its block row below the diagonal) takes tiles 5 and 0,
+// warps 5-7 the pairs (1, 2), (3, 4), (7, 6). On the H200 (2026-12-03) this took the diagonal warps'
+// P2 from 11.9k / 18.8k / 13.7k cycles (warps 5-7, one to three tiles each in turn) to 8.6k / 9.0k /
+// 10.4k, and kda_fwd_intra from 3.14 to 3.06 ms at prod8192; warps 2 and 4 (16.4k / 16.8k) are now
+// P2's critical path.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
+  if (c.warp < 4) return;
+  const int w = c.warp - 4;
+  intra_diag_tile_pair(c, w == 0 ? 5 : (w == 3 ? 7 : 2 * w - 1), 2 * w);
 }
 
 // ---- P4a, first part: qg and kg -> workspace. It reads only what P1 wrote (sG, sQ, sK, the block
