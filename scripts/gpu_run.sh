@@ -165,9 +165,15 @@ if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then
 fi
 # At most 8 files come back from a call (16 MiB each): when $out holds more, the small files of its
 # subfolders (under 8 MiB each: stage_compare's inputs, accuracy JSONs, ...) travel as one archive,
-# more.tgz (unpack: tar xzf more.tgz); larger files and the top-level logs stay as they are.
+# more.tgz (unpack: tar xzf more.tgz); larger files and the summary's logs stay as they are.
 if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
+  # (with KF_BG's own logs the top level alone can pass 8: then its small files go too, but for the
+  # logs this script's summary names)
   ( cd "$out" && find . -mindepth 2 -type f -size -8M -print0 > /tmp/gpu_run_more.lst
+    if [ "$(find . -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
+      find . -maxdepth 1 -type f -size -8M ! -name tests.log ! -name tests_fla.log ! -name probe.log \
+        ! -name bench.log ! -name bg.log -print0 >> /tmp/gpu_run_more.lst
+    fi
     if [ -s /tmp/gpu_run_more.lst ]; then
       tar czf more.tgz --null -T /tmp/gpu_run_more.lst && xargs -0 rm -f < /tmp/gpu_run_more.lst
       find . -mindepth 1 -type d -empty -delete
