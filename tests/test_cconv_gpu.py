@@ -516,9 +516,10 @@ def test_fallback_is_bitwise_fla(monkeypatch):
     assert not ok and "KERNEL_FUN_CCONV_DISABLE" in why
     got, _ = _cc().causal_conv1d(inp["x"], inp["weight"], inp["bias"], activation="silu")
     assert torch.equal(ref, got)
-    monkeypatch.delenv("KERNEL_FUN_CCONV_DISABLE")
-    got2, _ = _cc().causal_conv1d(inp["x"], inp["weight"], inp["bias"], activation="silu", some_new_flag=1)
-    assert torch.equal(ref, got2)  # unknown kwargs go to fla untouched
+    # a keyword fla's function does not read is a TypeError on the fallback path too (fla's **kwargs
+    # would swallow it: a misspelt `activaton` would silently drop the activation)
+    with pytest.raises(TypeError, match="'some_new_flag'"):
+        _cc().causal_conv1d(inp["x"], inp["weight"], inp["bias"], activation="silu", some_new_flag=1)
 
 
 @pytest.mark.fla
