@@ -49,10 +49,10 @@ if [ "${KF_FLA06:-0}" = "1" ]; then
     --target /tmp/site06 .whl/fla06/*.whl >> "$out/env.txt" 2>&1 || { echo "fla 0.6.0 wheel install failed"; exit 1; }
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-# fla's Triton kernels: compiled kernels and autotune results (FLA_CACHE_RESULTS=1) land in
-# .triton-cache/ in the tree; KF_SAVE_TRITON_CACHE=1 brings them back as triton-cache.tgz, which a
-# later call can carry (unpacked to .triton-cache/) to skip fla's minutes of compile and autotune.
+# fla's Triton kernels compile into .triton-cache/ in the tree; KF_SAVE_TRITON_CACHE=1 brings it
+# back in parts, and a carried .triton-carry/ is unpacked here first (scripts/triton_cache.sh).
 export TRITON_CACHE_DIR=$PWD/.triton-cache
+why=$(bash scripts/triton_cache.sh restore) && [ -n "$why" ] && stamp "$why"
 export FLA_TILELANG=0  # fla 0.5.2's Triton backward, not its optional TileLang one (docs/benchmark.md)
 export FLA_FLASH_KDA=0  # fla stays on its own forward when flash_kda is importable (KF_FLASHKDA)
 
@@ -160,8 +160,8 @@ if [ -n "$bg_pid" ]; then
   bg_rc=0; wait "$bg_pid" || bg_rc=$?
   stamp "background job done (rc=$bg_rc): $(tail -1 "$out/bg.log")"
 fi
-if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then
-  tar czf "$out/triton-cache.tgz" .triton-cache && stamp "triton cache: $(du -sh "$out/triton-cache.tgz" | cut -f1)"
+if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ]; then
+  stamp "$(bash scripts/triton_cache.sh save "$out")"
 fi
 # At most 8 files come back from a call (16 MiB each): when $out holds more, the small files of its
 # subfolders (under 8 MiB each: stage_compare's inputs, accuracy JSONs, ...) travel as one archive,
@@ -172,7 +172,7 @@ if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
   ( cd "$out" && find . -mindepth 2 -type f -size -8M -print0 > /tmp/gpu_run_more.lst
     if [ "$(find . -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
       find . -maxdepth 1 -type f -size -8M ! -name tests.log ! -name tests_fla.log ! -name probe.log \
-        ! -name bench.log ! -name bg.log -print0 >> /tmp/gpu_run_more.lst
+        ! -name bench.log ! -name bg.log ! -name 'triton-cache.tar.xz.part*' -print0 >> /tmp/gpu_run_more.lst
     fi
     if [ -s /tmp/gpu_run_more.lst ]; then
       tar czf more.tgz --null -T /tmp/gpu_run_more.lst && xargs -0 rm -f < /tmp/gpu_run_more.lst

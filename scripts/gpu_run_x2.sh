@@ -6,13 +6,14 @@
 # Each benchmark writes its own JSON (b0.json, b1.json in $OUT); merge them here with
 #   python -m kernel_fun.bench --merge bench/results/h200.json b0.json b1.json --out bench/results
 # Up to 8 files come back: env.txt, tests.log, tests_fla.log, bench0.log, bench1.log, b0.json, b1.json,
-# and triton-cache.tgz with KF_SAVE_TRITON_CACHE=1. See docs/gpu-workflow.md.
+# and the Triton cache in parts with KF_SAVE_TRITON_CACHE=1 (scripts/triton_cache.sh). See docs/gpu-workflow.md.
 set -u
 out="${1:-${OUT:-$PWD/gpu-out}}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 FLA_TILELANG=0 TRITON_CACHE_DIR=$PWD/.triton-cache
 t0=$(date +%s)
 stamp() { echo "[gpu_run_x2 +$(( $(date +%s) - t0 ))s] $*"; }
+why=$(bash scripts/triton_cache.sh restore) && [ -n "$why" ] && stamp "$why"
 { nvidia-smi; python3 -c "import torch;print(torch.__version__, torch.cuda.device_count())"; } > "$out/env.txt" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >> "$out/env.txt" 2>&1 || { echo "wheel install failed"; exit 1; }
@@ -45,4 +46,4 @@ stamp "done"
 echo "[tests] $(grep -E "passed|failed" "$out/tests.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$out/tests.log" | head
 echo "[fla tests] $(grep -E "passed|failed" "$out/tests_fla.log" | tail -1)"; grep -E "^(FAILED|ERROR)|rel-RMS \(ours" "$out/tests_fla.log" | head -12
 for f in bench0 bench1; do echo "== $f"; grep -vE "^\s*$|Warning|warn" "$out/$f.log" | tail -16; done
-if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ] && [ -d .triton-cache ]; then tar czf "$out/triton-cache.tgz" .triton-cache; fi
+if [ "${KF_SAVE_TRITON_CACHE:-0}" = "1" ]; then stamp "$(bash scripts/triton_cache.sh save "$out")"; fi
