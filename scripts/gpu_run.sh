@@ -24,9 +24,10 @@
 #                benchmark (e.g. bench.accuracy's fla rows: minutes of fla's CPU-bound compile); its
 #                output goes to bg.log, and the call waits for it (by PID) before it packs $OUT, so
 #                bound it yourself (`timeout S ...`). Its CPU load slows the tests beside it.
-#   KF_FLASHKDA  1 = also build FlashKDA (MoonshotAI/FlashKDA at 1ce47ea, forward only) from the
-#                FlashKDA source tree carried in .flashkda/ (carry [".whl", ".flashkda"]; how to prepare
-#                it: scripts/build_flashkda.sh's header) after our extension, log appended to build.log (the 8 files that come back),
+#   KF_FLASHKDA  1 = also time FlashKDA (MoonshotAI/FlashKDA at 1ce47ea, forward only): a build carried
+#                in .flashkda/ (scripts/prebuild_flashkda.sh, here) if it imports, else build it from the
+#                source tree carried there (carry [".whl", ".flashkda"]; scripts/build_flashkda.sh's header)
+#                after our extension, log appended to build.log (the 8 files that come back),
 #                and put it on PYTHONPATH, so the benchmark times it too (its "flashkda" rows:
 #                docs/benchmark.md). A failed build is reported and the run goes on without it.
 set -u
@@ -77,7 +78,10 @@ python3 -c "import kernel_fun, json; print(json.dumps(kernel_fun.versions()))" |
 stamp "extension ready"
 
 if [ "${KF_FLASHKDA:-0}" = "1" ]; then
-  if [ -f .flashkda/setup.py ]; then
+  if [ -f .flashkda/setup.py ] && PYTHONPATH=$PWD/.flashkda:$PYTHONPATH python3 -c "import flash_kda; flash_kda.fwd" 2> /dev/null; then
+    export PYTHONPATH=$PWD/.flashkda:$PYTHONPATH  # built before the call (scripts/prebuild_flashkda.sh)
+    stamp "FlashKDA: the carried build imports, on PYTHONPATH"
+  elif [ -f .flashkda/setup.py ]; then
     stamp "building FlashKDA (.flashkda/, log appended to build.log)"
     echo "==== FlashKDA (scripts/build_flashkda.sh)" >> "$out/build.log"
     if bash scripts/build_flashkda.sh .flashkda >> "$out/build.log" 2>&1; then
