@@ -35,4 +35,4 @@ def run(seed, round_h, T=1, K=64, V=64):
 for T in (1, 8):
   for rh in (True,False):
     e=[run(s,rh,T=T) for s in range(40)]
-    print(f"T={T} round_h={rh}: median {statistics.median(e):.2e} max {max(e):.2e} (B2 H2-sized draws: 40 seeds)")
+    print(f"T={T} round_h={rh}: median {statistics.median(e):.2e} max {max(e):.2e} (40 seeds, one head)")
