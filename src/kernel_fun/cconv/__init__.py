@@ -17,6 +17,8 @@ Routing, per call (``causal_conv1d`` takes fla 0.5.2's exact arguments):
 2. CPU tensors run the torch reference (``kernel_fun.ref.cconv``), forward and backward by autograd.
 3. CUDA tensors run our kernels when the call is supported (``is_supported``), else fla with the
    caller's original arguments (reason logged once at WARNING), else a clear RuntimeError.
+4. ``cp_context`` (fla's context parallelism) goes to fla, or with ``KERNEL_FUN_CCONV_CP=1`` to ours
+   on any device: one ordinary call per rank around an exchange of W - 1 tokens (``_cp.py``).
 
 Gradients are the exact ones (what autograd of the reference gives), including the gradient of
 ``final_state``: every slot w flows to x[T_n - W + w] (or to initial_state when T_n < W).
@@ -37,6 +39,7 @@ import time
 import torch
 
 from kernel_fun import _dispatch, _env, _ext
+from kernel_fun.cconv import _cp
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "is_supported", "warmup"]
 
@@ -177,6 +180,14 @@ def is_supported(x, weight=None, bias=None, residual=None, initial_state=None, o
                  chunk_indices=None, cp_context=None, **kwargs) -> tuple[bool, str | None]:
     """(True, None) when ``causal_conv1d`` with these arguments runs our CUDA kernels, else
     (False, reason). Never raises: invalid input comes back as (False, 'invalid: ...')."""
+    if cp_context is not None and _env.flag(_cp.ENV):  # one ordinary call per rank (cconv/_cp.py)
+        try:
+            _dispatch.reject_unknown_kwargs("kernel_fun.cconv.causal_conv1d", kwargs, _KNOWN_KWARGS)
+            _cp.validate(x, weight, residual, initial_state, output_final_state, cp_context)
+        except (TypeError, ValueError) as e:
+            return False, f"invalid: {e}"
+        return is_supported(x, weight, bias, residual, None, False, activation, backend, cp_context.cu_seqlens,
+                            getattr(cp_context, "cu_seqlens_cpu", None))
     try:
         _dispatch.reject_unknown_kwargs("kernel_fun.cconv.causal_conv1d", kwargs, _KNOWN_KWARGS)
         _, _, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
@@ -230,6 +241,8 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     ``seq_idx`` (a keyword fla reads for its 'mix' and 'cuda' backends) goes to fla with those
     backends and is ignored with 'triton', as fla ignores it."""
     _dispatch.reject_unknown_kwargs("kernel_fun.cconv.causal_conv1d", kwargs, _KNOWN_KWARGS)
+    if cp_context is not None and _env.flag(_cp.ENV):
+        return _cp_call(x, weight, bias, residual, initial_state, output_final_state, activation, cp_context)
     xf, rf, why = _prepare(x, weight, bias, residual, initial_state, output_final_state, activation,
                            backend, cu_seqlens, cu_seqlens_cpu)
     # Meta tensors (shape inference) take our ops' fakes when the extension is there, exactly the
@@ -241,8 +254,9 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
                  f"seq_idx with backend={backend!r}" if kwargs.get("seq_idx") is not None and backend != "triton"
                  else None)
         if extra:
+            hint = "; KERNEL_FUN_CCONV_CP=1 runs it on ours" if cp_context is not None else ""
             raise RuntimeError(f"kernel_fun.cconv.causal_conv1d: {extra} is not supported on CPU "
-                               f"(the torch reference serves CPU tensors; fla is CUDA-only)")
+                               f"(the torch reference serves CPU tensors; fla is CUDA-only{hint})")
         if weight is None:
             _fail("causal_conv1d", ValueError, "weight is required on CPU (fla has no weight-free path)")
         from kernel_fun.ref.cconv import causal_conv1d_ref
@@ -266,6 +280,17 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
         _dispatch.log_engaged(FAMILY, f"B={B} T={T} D={D} W={weight.shape[1]} dtype={str(x.dtype)[6:]} "
                                       f"activation={activation} varlen={cu_seqlens is not None}")
     return y.view(x.shape), ht
+
+
+def _cp_call(x, weight, bias, residual, initial_state, output_final_state, activation, cp_context):
+    """fla's context-parallel conv on ours (cconv/_cp.py): one call of causal_conv1d per rank with the
+    previous rank's tails as document 0's initial state, the gradients exchanged in the backward."""
+    _cp.validate(x, weight, residual, initial_state, output_final_state, cp_context)
+
+    def conv(xs, w, b, r, h0, act, cu, cu_cpu):
+        return causal_conv1d(xs, w, b, r, h0, False, act, "triton", cu, cu_cpu)
+
+    return _cp.ConvCP.apply(x, weight, bias, residual, conv, activation, cp_context), None
 
 
 def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activation=None):
