@@ -5,6 +5,7 @@ KERNEL_FUN_DISABLE=1         every family goes to fla
 KERNEL_FUN_KDA_DISABLE=1     chunk_kda goes to fla
 KERNEL_FUN_CCONV_DISABLE=1   causal_conv1d goes to fla
 KERNEL_FUN_CCONV_CP=1        causal_conv1d with cp_context runs on ours (cconv/_cp.py), not fla's
+KERNEL_FUN_KDA_CP=1          chunk_kda with cp_context runs on ours (kda/_cp.py), not fla's
 """
 
 from __future__ import annotations

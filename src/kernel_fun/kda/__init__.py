@@ -22,7 +22,8 @@ import warnings
 
 import torch
 
-from kernel_fun import _dispatch, _ext
+from kernel_fun import _dispatch, _env, _ext
+from kernel_fun.kda import _cp
 from kernel_fun.kda._options import KdaOptions
 
 __all__ = ["chunk_kda", "is_supported", "warmup"]
@@ -362,6 +363,21 @@ def chunk_kda(
     )
     kwargs = dict(kwargs)
     state_v_first = _take_kwargs(kwargs, state_v_first)
+    if cp_context is not None and _env.flag(_cp.ENV):
+        _cp.validate(q, initial_state, output_final_state, return_intermediate_states, cp_context)
+        opts = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                    safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+                    **{n: x for n, x in kwargs.items() if n not in ("A_log", "dt_bias")})
+
+        def call(q_, k_, v_, g_, beta_, A_log_, dt_bias_, **kw):
+            extra = {**opts, **kw, **({"A_log": A_log_} if A_log_ is not None else {}),
+                     **({"dt_bias": dt_bias_} if dt_bias_ is not None else {})}
+            return chunk_kda(q_, k_, v_, g_, beta_, **extra)
+
+        o = _cp.KdaCP.apply(call, cp_context, state_v_first, q, k, v, g, beta, kwargs.get("A_log"),
+                            kwargs.get("dt_bias"))
+        return o, None
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,
                         kwargs, use_graph=bool(use_graph), max_num_seqs=max_num_seqs,
@@ -371,7 +387,7 @@ def chunk_kda(
 
     if q.device.type == "cpu":
         if cp_context is not None:
-            _fail(ValueError, "cp_context is not supported on CPU tensors")
+            _fail(ValueError, "cp_context is not supported on CPU tensors (KERNEL_FUN_KDA_CP=1 runs it on ours)")
         return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)

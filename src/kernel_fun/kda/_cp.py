@@ -1,0 +1,132 @@
+"""chunk_kda under fla's ``cp_context`` (context parallelism) on our chunk_kda.
+
+Each rank holds a contiguous slice of one packed sequence ([1, T_rank, ...]) and the context of
+``fla.ops.cp.build_cp_context`` (fields used: ``group``, ``cu_seqlens`` (local), ``cu_seqlens_cpu``,
+``is_first_rank``, ``is_last_rank``, ``pre_num_ranks``). Over a slice of one document the state
+evolves affinely, ``S_out = Phi S_in + E`` (S: [K, V] per value head; Phi: [K, K], the product of
+the tokens' transitions; E: the slice's final state from a zero state), so:
+
+1. a rank whose last document goes on to the next rank computes that document's E and Phi on its
+   slice: E by one call of ours from a zero state, Phi by one call with v = 0 and the identity as
+   the initial state (its final state is Phi), both in fp32;
+2. every rank all-gathers [E | Phi] (HV x K x (V + K) fp32 each);
+3. a rank whose first document began earlier chains the earlier ranks' maps in rank order
+   (h = Phi_j h + E_j, fp32) into that document's initial state;
+4. one ordinary call of ours on the rank's slice with the local cu_seqlens and that initial state.
+
+The backward is autograd through the same calls: the gradient of the gathered [E | Phi] is summed
+over the ranks (one all-reduce every rank joins) and each rank takes its own slot back through
+step 1. Both passes run inside one autograd function, so that no rank skips a collective the
+others wait in.
+
+Costs beyond the ordinary call: two more calls on the last document's tokens (the Phi call's values
+are K wide), an all-gather and an all-reduce of world x HV x K x (V + K) fp32. As in fla,
+``initial_state`` and ``output_final_state`` are not allowed and the context's cu_seqlens is used.
+
+Opt-in (``KERNEL_FUN_KDA_CP=1``) until its multi-GPU test has run: by default a ``cp_context`` call
+goes to fla, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ENV = "KERNEL_FUN_KDA_CP"
+_FIELDS = ("group", "cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks")
+
+
+def validate(q, initial_state, output_final_state, return_intermediate_states, cp_context) -> None:
+    for field in _FIELDS:
+        if not hasattr(cp_context, field):
+            raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context has no '{field}' (fla's build_cp_context "
+                             f"makes one)")
+    if initial_state is not None:
+        raise ValueError("kernel_fun.kda.chunk_kda: initial_state is not allowed with cp_context (the earlier "
+                         "ranks' states are the initial state)")
+    if output_final_state:
+        raise ValueError("kernel_fun.kda.chunk_kda: output_final_state is not allowed with cp_context")
+    if return_intermediate_states:
+        raise ValueError("kernel_fun.kda.chunk_kda: return_intermediate_states is not allowed with cp_context")
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"kernel_fun.kda.chunk_kda: q must be [1, T, H, K] with cp_context (one packed "
+                         f"sequence per rank), got {list(q.shape)}")
+    if cp_context.cu_seqlens is None:
+        raise ValueError("kernel_fun.kda.chunk_kda: cp_context.cu_seqlens is None")
+
+
+def _host_cu(cp_context) -> list[int]:
+    cu = getattr(cp_context, "cu_seqlens_cpu", None)
+    return (cu if cu is not None else cp_context.cu_seqlens.cpu()).tolist()
+
+
+class KdaCP(torch.autograd.Function):
+    """One context-parallel chunk_kda call. ``call(q, k, v, g, beta, A_log, dt_bias, **kw)`` is our
+    chunk_kda with the caller's options; ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last
+    two None when not given."""
+
+    @staticmethod
+    def forward(ctx, call, cp_context, state_v_first, *tensors):
+        import torch.distributed as dist
+
+        group = cp_context.group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        q, v = tensors[0], tensors[2]
+        K, HV, V = q.shape[-1], v.shape[2], v.shape[-1]
+        cu = _host_cu(cp_context)
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            # 1. [E | Phi] of the last document's part on this rank (zeros where it ends here)
+            if not cp_context.is_last_rank:
+                s0, s1 = cu[-2], cu[-1]
+                part = [None if t is None or t.dim() < 2 else t[:, s0:s1] for t in leaves]
+                part[5:] = leaves[5:]  # A_log, dt_bias: per head, not per token
+                _, E = call(*part, output_final_state=True)
+                eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K).contiguous()
+                zeros_v = part[2].new_zeros(part[2].shape[:-1] + (K,))
+                _, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye, output_final_state=True)
+                hm = torch.cat([E[0], Phi[0]], dim=-1).float()  # [HV, K, V + K], fp32 on every path
+            else:
+                hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
+        # 2. every rank's [E | Phi]
+        slots = [torch.empty_like(hm) for _ in range(world)]
+        dist.all_gather(slots, hm.detach().contiguous(), group=group)
+        gathered = torch.stack(slots).requires_grad_(True)
+        with torch.enable_grad():
+            # 3. the first document's initial state from the earlier ranks' maps, in rank order
+            init = None
+            if not cp_context.is_first_rank:
+                h = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
+                for j in range(rank - int(cp_context.pre_num_ranks), rank):
+                    h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
+                N = len(cu) - 1
+                first = h.transpose(-1, -2) if state_v_first else h
+                init = torch.cat([first[None], first.new_zeros((N - 1,) + first.shape)]) if N > 1 else first[None]
+            # 4. the rank's own call
+            o, _ = call(*leaves, initial_state=init, output_final_state=False, cu_seqlens=cp_context.cu_seqlens,
+                        cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None), state_v_first=state_v_first)
+        ctx.graph = (o, hm, gathered, leaves)
+        ctx.group = group
+        return o.detach()
+
+    @staticmethod
+    def backward(ctx, do):
+        import torch.distributed as dist
+
+        o, hm, gathered, leaves = ctx.graph
+        ctx.graph = None
+        want = [t for t in leaves if t is not None and t.requires_grad]
+        got = torch.autograd.grad(o, want + [gathered], do, allow_unused=True)
+        d_own, d_gathered = list(got[:-1]), got[-1]
+        if d_gathered is None:
+            d_gathered = torch.zeros_like(gathered)
+        # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every rank
+        # joins, whatever it needs)
+        d_gathered = d_gathered.contiguous()
+        dist.all_reduce(d_gathered, group=ctx.group)
+        d_hm = d_gathered[dist.get_rank(ctx.group)]
+        if hm.requires_grad and want:
+            more = torch.autograd.grad(hm, want, d_hm, allow_unused=True)
+            d_own = [a if b is None else (b if a is None else a + b) for a, b in zip(d_own, more)]
+        it = iter(d_own)
+        grads = [next(it) if t is not None and t.requires_grad else None for t in leaves]
+        return (None, None, None, *grads)
