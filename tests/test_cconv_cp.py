@@ -57,14 +57,20 @@ def _run(x, w, b, r, dy, act, **kw):
     return y.detach(), x.grad, w.grad, b.grad
 
 
-def _worker(rank, world, path, case, out, device="cpu"):
-    os.environ["KERNEL_FUN_CCONV_CP"] = "1"
-    if os.path.exists("/sys/class/net/lo"):  # gloo over loopback: no dependence on the host name resolving
+def join_group(rank: int, world: int, path: str, device: str, switch: str) -> None:
+    """A spawned rank's setup: the opt-in switch, gloo (CPU) or NCCL (one GPU per rank) through a
+    rendezvous file, gloo over loopback (no dependence on the host name resolving)."""
+    os.environ[switch] = "1"
+    if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{path}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+
+
+def _worker(rank, world, path, case, out, device="cpu"):
+    join_group(rank, world, path, device, "KERNEL_FUN_CCONV_CP")
     try:
         x, w, b, r, dy = (None if t is None else _on(t, device) for t in _inputs(case))
         part = case["cu"][-1] // world
@@ -163,7 +169,7 @@ def test_context_parallel_conv_is_opt_in_and_checks_its_arguments(monkeypatch):
         causal_conv1d(x, w, initial_state=torch.zeros(1, 4, 4), cp_context=ctx)
     with pytest.raises(ValueError, match="output_final_state is not allowed with cp_context"):
         causal_conv1d(x, w, output_final_state=True, cp_context=ctx)
-    with pytest.raises(ValueError, match=r"x must be \[1, T, D\] with cp_context"):
+    with pytest.raises(ValueError, match=r"x must be \[1, T, \.\.\.\] \(3 dimensions\) with cp_context"):
         causal_conv1d(torch.randn(2, 8, 4), w, cp_context=ctx)
     with pytest.raises(ValueError, match="each rank needs at least W - 1 = 3"):
         causal_conv1d(torch.randn(1, 2, 4), w, cp_context=ctx)

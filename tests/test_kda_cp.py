@@ -7,16 +7,13 @@ many GPUs as ranks and skips otherwise."""
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernel_fun.kda import chunk_kda
-from test_cconv_cp import _context
+from test_cconv_cp import _context, join_group
 
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
@@ -50,13 +47,7 @@ def _run(t, sl, state_v_first, **kw):
 
 
 def _worker(rank, world, path, case, out, device):
-    os.environ["KERNEL_FUN_KDA_CP"] = "1"
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{path}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    join_group(rank, world, path, device, "KERNEL_FUN_KDA_CP")
     try:
         t = _inputs(case, device)
         part = case["cu"][-1] // world

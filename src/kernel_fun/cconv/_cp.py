@@ -56,26 +56,16 @@ def _neighbour(t: torch.Tensor, group, step: int) -> torch.Tensor:
 
 def validate(x, weight, residual, initial_state, output_final_state, cp_context) -> None:
     """What our context-parallel conv needs beyond the ordinary checks (ValueError naming it)."""
-    for field in ("group", "cu_seqlens", "is_first_rank", "pre_num_conv_tokens"):
-        if not hasattr(cp_context, field):
-            raise ValueError(f"kernel_fun.cconv.causal_conv1d: cp_context has no '{field}' (fla's "
-                             f"build_cp_context makes one)")
-    if initial_state is not None:
-        raise ValueError("kernel_fun.cconv.causal_conv1d: initial_state is not allowed with cp_context "
-                         "(the previous rank's tokens are the initial state)")
-    if output_final_state:
-        raise ValueError("kernel_fun.cconv.causal_conv1d: output_final_state is not allowed with cp_context")
+    from kernel_fun._dispatch import check_cp_call
+
+    check_cp_call("kernel_fun.cconv.causal_conv1d", cp_context, ("group", "is_first_rank", "pre_num_conv_tokens"),
+                  initial_state, output_final_state, x, "x", 3)
     if weight is None:
         raise ValueError("kernel_fun.cconv.causal_conv1d: weight is required with cp_context")
-    if x.dim() != 3 or x.shape[0] != 1:
-        raise ValueError(f"kernel_fun.cconv.causal_conv1d: x must be [1, T, D] with cp_context (one packed "
-                         f"sequence per rank), got {list(x.shape)}")
     W = weight.shape[-1]
     if W > 1 and x.shape[1] < W - 1:
         raise ValueError(f"kernel_fun.cconv.causal_conv1d: x holds {x.shape[1]} tokens on this rank; with "
                          f"cp_context each rank needs at least W - 1 = {W - 1}")
-    if cp_context.cu_seqlens is None:
-        raise ValueError("kernel_fun.cconv.causal_conv1d: cp_context.cu_seqlens is None")
 
 
 class ConvCP(torch.autograd.Function):

@@ -32,26 +32,15 @@ from __future__ import annotations
 import torch
 
 ENV = "KERNEL_FUN_KDA_CP"
-_FIELDS = ("group", "cu_seqlens", "is_first_rank", "is_last_rank", "pre_num_ranks")
+_FIELDS = ("group", "is_first_rank", "is_last_rank", "pre_num_ranks")
 
 
 def validate(q, initial_state, output_final_state, return_intermediate_states, cp_context) -> None:
-    for field in _FIELDS:
-        if not hasattr(cp_context, field):
-            raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context has no '{field}' (fla's build_cp_context "
-                             f"makes one)")
-    if initial_state is not None:
-        raise ValueError("kernel_fun.kda.chunk_kda: initial_state is not allowed with cp_context (the earlier "
-                         "ranks' states are the initial state)")
-    if output_final_state:
-        raise ValueError("kernel_fun.kda.chunk_kda: output_final_state is not allowed with cp_context")
+    from kernel_fun._dispatch import check_cp_call
+
+    check_cp_call("kernel_fun.kda.chunk_kda", cp_context, _FIELDS, initial_state, output_final_state, q, "q", 4)
     if return_intermediate_states:
         raise ValueError("kernel_fun.kda.chunk_kda: return_intermediate_states is not allowed with cp_context")
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"kernel_fun.kda.chunk_kda: q must be [1, T, H, K] with cp_context (one packed "
-                         f"sequence per rank), got {list(q.shape)}")
-    if cp_context.cu_seqlens is None:
-        raise ValueError("kernel_fun.kda.chunk_kda: cp_context.cu_seqlens is None")
 
 
 def _host_cu(cp_context) -> list[int]:
