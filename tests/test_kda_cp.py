@@ -26,7 +26,8 @@ def _inputs(case, device):
         "q": torch.randn(1, T, H, K, generator=gen), "k": torch.randn(1, T, H, K, generator=gen),
         "v": torch.randn(1, T, HV, V, generator=gen), "g": torch.randn(1, T, HV, K, generator=gen),
         "beta": torch.randn(1, T, HV, generator=gen),
-        "A_log": torch.log(torch.empty(HV).uniform_(1, 8, generator=gen)),
+        # weak decays (case "weak"): the state, and so the transition Phi, outlives a rank's slice
+        "A_log": torch.log(torch.empty(HV).uniform_(1, 8, generator=gen) * (0.003 if case.get("weak") else 1.0)),
         "dt_bias": 0.5 * torch.randn(HV * K, generator=gen),
         "do": torch.randn(1, T, HV, V, generator=gen),
     }
@@ -48,6 +49,10 @@ def _run(t, sl, state_v_first, **kw):
 
 def _worker(rank, world, path, case, out, device):
     join_group(rank, world, path, device, "KERNEL_FUN_KDA_CP")
+    if case.get("two_calls"):
+        import kernel_fun.kda._cp as cp
+
+        cp._MAX_V = 0
     try:
         t = _inputs(case, device)
         part = case["cu"][-1] // world
@@ -75,10 +80,13 @@ def _worker(rank, world, path, case, out, device):
 CASES = {
     # a document across the rank boundary, one ending inside each slice
     "cross": (dict(cu=[0, 13, 70, 96], H=2, HV=2, K=16, V=16, seed=1), 2),
-    # one document over three ranks (rank 1 holds only its middle), GVA, the state [V, K]
-    "three_ranks_gva_vfirst": (dict(cu=[0, 5, 90], H=1, HV=2, K=16, V=32, seed=2, svf=True), 3),
+    # one document over three ranks (rank 1 holds only its middle), GVA, the state [V, K]; weak
+    # decays, so rank 2's initial state depends on rank 1's transition
+    "three_ranks_gva_vfirst": (dict(cu=[0, 5, 90], H=1, HV=2, K=16, V=32, seed=2, svf=True, weak=True), 3),
     # a document boundary exactly on the rank boundary: nothing crosses
     "boundary_at_rank": (dict(cu=[0, 48, 96], H=2, HV=2, K=16, V=16, seed=3), 2),
+    # [E | Phi] by two calls (the form for V + K wider than our kernels' values), forced here
+    "two_calls": (dict(cu=[0, 13, 90], H=2, HV=2, K=16, V=16, seed=4, two_calls=True, weak=True), 3),
 }
 
 

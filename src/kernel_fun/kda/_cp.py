@@ -6,9 +6,9 @@ Each rank holds a contiguous slice of one packed sequence ([1, T_rank, ...]) and
 evolves affinely, ``S_out = Phi S_in + E`` (S: [K, V] per value head; Phi: [K, K], the product of
 the tokens' transitions; E: the slice's final state from a zero state), so:
 
-1. a rank whose last document goes on to the next rank computes that document's E and Phi on its
-   slice: E by one call of ours from a zero state, Phi by one call with v = 0 and the identity as
-   the initial state (its final state is Phi), both in fp32;
+1. a rank whose last document goes on to the next rank computes that document's [E | Phi] on its
+   slice by one call of ours over the values [v | 0] from the initial state [0 | I] (the state's
+   columns never mix, so its final state is E beside Phi; two calls where V + K > 512), in fp32;
 2. every rank all-gathers [E | Phi] (HV x K x (V + K) fp32 each);
 3. a rank whose first document began earlier chains the earlier ranks' maps in rank order
    (h = Phi_j h + E_j, fp32) into that document's initial state;
@@ -19,8 +19,8 @@ over the ranks (one all-reduce every rank joins) and each rank takes its own slo
 step 1. Both passes run inside one autograd function, so that no rank skips a collective the
 others wait in.
 
-Costs beyond the ordinary call: two more calls on the last document's tokens (the Phi call's values
-are K wide), an all-gather and an all-reduce of world x HV x K x (V + K) fp32. As in fla,
+Costs beyond the ordinary call: one more call on the last document's tokens with V + K value
+columns, an all-gather and an all-reduce of world x HV x K x (V + K) fp32. As in fla,
 ``initial_state`` and ``output_final_state`` are not allowed and the context's cu_seqlens is used.
 
 Opt-in (``KERNEL_FUN_KDA_CP=1``) until its multi-GPU test has run: by default a ``cp_context`` call
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 ENV = "KERNEL_FUN_KDA_CP"
+_MAX_V = 512  # our kernels' widest value head (docs/contract.md)
 _FIELDS = ("group", "is_first_rank", "is_last_rank", "pre_num_ranks")
 
 
@@ -69,11 +70,20 @@ class KdaCP(torch.autograd.Function):
                 s0, s1 = cu[-2], cu[-1]
                 part = [None if t is None or t.dim() < 2 else t[:, s0:s1] for t in leaves]
                 part[5:] = leaves[5:]  # A_log, dt_bias: per head, not per token
-                _, E = call(*part, output_final_state=True)
-                eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K).contiguous()
+                eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K)
                 zeros_v = part[2].new_zeros(part[2].shape[:-1] + (K,))
-                _, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye, output_final_state=True)
-                hm = torch.cat([E[0], Phi[0]], dim=-1).float()  # [HV, K, V + K], fp32 on every path
+                if V + K <= _MAX_V:
+                    # one call over the values [v | 0] from the initial state [0 | I]: its final state
+                    # is [E | Phi] (the columns never mix), and the chunks' intra work is done once
+                    v_ext = torch.cat([part[2], zeros_v], dim=-1)
+                    init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
+                    _, EP = call(*part[:2], v_ext, *part[3:], initial_state=init, output_final_state=True)
+                    hm = EP[0].float()  # [HV, K, V + K], fp32 on every path
+                else:  # wider than our kernels' values: two calls
+                    _, E = call(*part, output_final_state=True)
+                    _, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye.contiguous(),
+                                  output_final_state=True)
+                    hm = torch.cat([E[0], Phi[0]], dim=-1).float()
             else:
                 hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
         # 2. every rank's [E | Phi]
