@@ -1388,7 +1388,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   if constexpr (std::is_same_v<WT, __nv_bfloat16> && !kMid) {
     // the last chunk of a sequence with dht is kda_bwd_grads_last_kernel's (decided from the chunk
     // map alone, before anything else is live: a test on seq.len cost 12 bytes of spills here)
-    const int nch = p.cu_seqlens ? p.chunk_offsets[n + 1] - p.chunk_offsets[n] : (p.T + kChunk - 1) / kChunk;
+    const int nch = dev::seq_chunks(p, n);
     if (p.dht != nullptr && ci == nch - 1) {
       dev::wait_previous();
       return;

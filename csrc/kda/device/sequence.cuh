@@ -48,6 +48,11 @@ __device__ __forceinline__ int64_t state_offset(const KdaProblem& p, int k, int 
   return p.opt.state_v_first ? static_cast<int64_t>(v) * K + k : static_cast<int64_t>(k) * p.V + v;
 }
 
+// The number of chunks of sequence n (from the chunk map: no sequence lengths read).
+__device__ __forceinline__ int seq_chunks(const KdaProblem& p, int n) {
+  return p.cu_seqlens ? p.chunk_offsets[n + 1] - p.chunk_offsets[n] : (p.T + kChunk - 1) / kChunk;
+}
+
 // The (sequence n, chunk c within it) of global chunk x; false when x is past the last chunk (the
 // varlen grid is sized by an upper bound, T / 64 + N, so its tail CTAs have nothing to do).
 __device__ __forceinline__ bool chunk_of(const KdaProblem& p, int x, int& n, int& c) {
