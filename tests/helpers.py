@@ -151,3 +151,40 @@ def kda_bwd_reference(inputs, kw: dict, do: torch.Tensor, dht: torch.Tensor | No
     return chunk_kda_bwd_reference(*(x.double() for x in inputs), do.double(),
                                    None if dht is None else dht.double(), **rk, return_stages=True)
 
+
+
+def cp_context(cu: list[int], rank: int, world: int, group, W: int | None = None):
+    """The fields fla's build_cp_context gives rank `rank` of `world` for the packed documents `cu`
+    (fla.ops.cp.context's semantics, written here so that the tests run without fla): equal slices
+    of total // world tokens, the local document boundaries, and where the rank's first and last
+    documents begin and end."""
+    import types
+
+    part = cu[-1] // world
+    lo, hi = rank * part, (rank + 1) * part
+    local = torch.tensor([0] + [c - lo for c in cu if lo < c < hi] + [hi - lo], dtype=torch.int32)
+    first_start = max(c for c in cu[:-1] if c <= lo)
+    last_end = min(c for c in cu[1:] if c >= hi)
+    return types.SimpleNamespace(
+        group=group, cu_seqlens=local, cu_seqlens_cpu=local.clone(), pre_num_conv_tokens=lo - first_start,
+        is_first_rank=first_start // part == rank, pre_num_ranks=rank - first_start // part,
+        is_last_rank=(last_end - 1) // part == rank, post_num_ranks=(last_end - 1) // part - rank,
+        conv1d_kernel_size=W)
+
+
+def join_cp_group(rank: int, world: int, path: str, device: str, switch: str) -> None:
+    """A spawned rank's setup for the context-parallel tests: the opt-in switch, gloo (CPU) or NCCL
+    (one GPU per rank) through a rendezvous file, gloo over loopback (no dependence on the host name
+    resolving)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ[switch] = "1"
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{path}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))

@@ -4,13 +4,11 @@ process running the whole sequence. The exchange around the conv is device-agnos
 W - 1 rows); underneath runs the CPU reference here and our kernels on CUDA (the same front).
 
 The contexts are made the way fla's build_cp_context makes them (equal slices of total // world
-tokens; document 0's tokens on earlier ranks), by `_context` below; with fla importable the test
+tokens; document 0's tokens on earlier ranks), by helpers.cp_context; with fla importable the test
 also checks that fla's own contexts give the same results."""
 
 from __future__ import annotations
 
-import datetime
-import os
 import types
 
 import pytest
@@ -18,19 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import cp_context, join_cp_group
 from kernel_fun.cconv import causal_conv1d, is_supported
-
-
-def _context(cu: list[int], rank: int, world: int, group, W: int):
-    """fla's context fields for this rank (fla.ops.cp.context's semantics, written here)."""
-    part = cu[-1] // world
-    lo, hi = rank * part, (rank + 1) * part
-    local = [0] + [c - lo for c in cu if lo < c < hi] + [hi - lo]
-    first_doc_start = max(c for c in cu[:-1] if c <= lo)
-    pre = lo - first_doc_start
-    t = torch.tensor(local, dtype=torch.int32)
-    return types.SimpleNamespace(group=group, cu_seqlens=t, cu_seqlens_cpu=t.clone(), is_first_rank=pre == 0,
-                                 pre_num_conv_tokens=pre, conv1d_kernel_size=W)
 
 
 def _inputs(case):
@@ -57,25 +44,13 @@ def _run(x, w, b, r, dy, act, **kw):
     return y.detach(), x.grad, w.grad, b.grad
 
 
-def join_group(rank: int, world: int, path: str, device: str, switch: str) -> None:
-    """A spawned rank's setup: the opt-in switch, gloo (CPU) or NCCL (one GPU per rank) through a
-    rendezvous file, gloo over loopback (no dependence on the host name resolving)."""
-    os.environ[switch] = "1"
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{path}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
-
-
 def _worker(rank, world, path, case, out, device="cpu"):
-    join_group(rank, world, path, device, "KERNEL_FUN_CCONV_CP")
+    join_cp_group(rank, world, path, device, "KERNEL_FUN_CCONV_CP")
     try:
         x, w, b, r, dy = (None if t is None else _on(t, device) for t in _inputs(case))
         part = case["cu"][-1] // world
         sl = slice(rank * part, (rank + 1) * part)
-        ctxs = [_context(case["cu"], rank, world, dist.group.WORLD, case["W"])]
+        ctxs = [cp_context(case["cu"], rank, world, dist.group.WORLD, case["W"])]
         try:
             from fla.ops.cp import build_cp_context
 

@@ -1,7 +1,7 @@
 """chunk_kda under fla's cp_context on our front (kernel_fun/kda/_cp.py): 2-3 processes joined by
 gloo on the CPU (the torch reference underneath), each holding its slice of one packed sequence,
 against one process on the whole sequence: o and every gradient (q, k, v, g, beta, A_log, dt_bias).
-The contexts are fla's build_cp_context fields, made here (tests/test_cconv_cp.py's `_context`);
+The contexts are fla's build_cp_context fields, made by helpers.cp_context;
 with fla importable, fla's own contexts are run too. The GPU variant (NCCL, our kernels) needs as
 many GPUs as ranks and skips otherwise."""
 
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import cp_context, join_cp_group
 from kernel_fun.kda import chunk_kda
-from test_cconv_cp import _context, join_group
 
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
@@ -48,7 +48,7 @@ def _run(t, sl, state_v_first, **kw):
 
 
 def _worker(rank, world, path, case, out, device):
-    join_group(rank, world, path, device, "KERNEL_FUN_KDA_CP")
+    join_cp_group(rank, world, path, device, "KERNEL_FUN_KDA_CP")
     if case.get("two_calls"):
         import kernel_fun.kda._cp as cp
 
@@ -57,13 +57,8 @@ def _worker(rank, world, path, case, out, device):
         t = _inputs(case, device)
         part = case["cu"][-1] // world
         sl = slice(rank * part, (rank + 1) * part)
-        ctx = _context(case["cu"], rank, world, dist.group.WORLD, 4)
+        ctx = cp_context(case["cu"], rank, world, dist.group.WORLD)
         ctx.cu_seqlens = ctx.cu_seqlens.to(device)
-        # the fields of fla's context that the conv does not read
-        first = max(c for c in case["cu"][:-1] if c <= rank * part)
-        last_end = min(c for c in case["cu"][1:] if c >= (rank + 1) * part)
-        ctx.pre_num_ranks = rank - first // part
-        ctx.is_last_rank = (last_end - 1) // part == rank
         ctxs = [ctx]
         try:
             from fla.ops.cp import build_cp_context

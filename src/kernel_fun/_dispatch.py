@@ -65,27 +65,6 @@ def reject_unknown_kwargs(qualname: str, kwargs: dict, known: frozenset) -> None
         raise TypeError(f"{qualname}() got unexpected keyword argument(s): {', '.join(repr(u) for u in unknown)}")
 
 
-def check_cp_call(qualname: str, cp_context, fields: tuple, initial_state, output_final_state, x,
-                  x_name: str, x_dims: int) -> None:
-    """The checks both families' context-parallel paths share (ValueError naming the argument): the
-    context has the fields of fla's build_cp_context that the path reads (and a cu_seqlens), no
-    initial_state / output_final_state (the earlier ranks' tokens are the initial state; fla
-    asserts both off), and x is one packed sequence [1, T, ...] of x_dims dimensions."""
-    for field in fields + ("cu_seqlens",):
-        if not hasattr(cp_context, field):
-            raise ValueError(f"{qualname}: cp_context has no '{field}' (fla's build_cp_context makes one)")
-    if cp_context.cu_seqlens is None:
-        raise ValueError(f"{qualname}: cp_context.cu_seqlens is None (the rank's local documents are needed)")
-    if initial_state is not None:
-        raise ValueError(f"{qualname}: initial_state is not allowed with cp_context (the earlier ranks' "
-                         f"tokens are the initial state)")
-    if output_final_state:
-        raise ValueError(f"{qualname}: output_final_state is not allowed with cp_context")
-    if x.dim() != x_dims or x.shape[0] != 1:
-        raise ValueError(f"{qualname}: {x_name} must be [1, T, ...] ({x_dims} dimensions) with cp_context (one "
-                         f"packed sequence per rank), got {list(x.shape)}")
-
-
 def common_reason(family: str, cp_context) -> str | None:
     """The routing reasons every family shares, in order: the environment switches off the
     family, context parallelism (fla's). None when none applies. (An unknown keyword is no

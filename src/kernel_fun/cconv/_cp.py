@@ -29,36 +29,14 @@ from __future__ import annotations
 
 import torch
 
+from kernel_fun import _cp
+
 ENV = "KERNEL_FUN_CCONV_CP"
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-def _gather_rows(t: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's t (same shape everywhere), in rank order."""
-    dist = _dist()
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return out
-
-
-def _neighbour(t: torch.Tensor, group, step: int) -> torch.Tensor:
-    """The t of rank + step (zeros where there is none), by one all-gather every rank joins."""
-    dist = _dist()
-    rows = _gather_rows(t, group)
-    r = dist.get_rank(group) + step
-    return rows[r].clone() if 0 <= r < len(rows) else torch.zeros_like(t)
 
 
 def validate(x, weight, residual, initial_state, output_final_state, cp_context) -> None:
     """What our context-parallel conv needs beyond the ordinary checks (ValueError naming it)."""
-    from kernel_fun._dispatch import check_cp_call
-
-    check_cp_call("kernel_fun.cconv.causal_conv1d", cp_context, ("group", "is_first_rank", "pre_num_conv_tokens"),
+    _cp.check_call("kernel_fun.cconv.causal_conv1d", cp_context, ("group", "is_first_rank", "pre_num_conv_tokens"),
                   initial_state, output_final_state, x, "x", 3)
     if weight is None:
         raise ValueError("kernel_fun.cconv.causal_conv1d: weight is required with cp_context")
@@ -82,13 +60,12 @@ class ConvCP(torch.autograd.Function):
         valid = 0 if cp_context.is_first_rank else min(W - 1, int(cp_context.pre_num_conv_tokens))
         init = None
         if W > 1:
-            heads = _neighbour(x[0, x.shape[1] - (W - 1):], group, -1)  # the previous rank's tails
+            heads = _cp.neighbour(x[0, x.shape[1] - (W - 1):], group, -1)  # the previous rank's tails
             if valid > 0:
                 init = torch.zeros(N, D, W, dtype=x.dtype, device=x.device)
                 init[0, :, W - valid:] = heads[W - 1 - valid:].transpose(0, 1)
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad or t is init) if t is not None else None
-                      for t in (x, weight, bias, residual, init)]
+            leaves = _cp.leaves((x, weight, bias, residual, init), force=(init,))
             y, _ = conv(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], activation, cu,
                         getattr(cp_context, "cu_seqlens_cpu", None))
         ctx.graph = (y, leaves)
@@ -99,11 +76,8 @@ class ConvCP(torch.autograd.Function):
     def backward(ctx, dy):
         y, leaves = ctx.graph
         group, W, valid = ctx.exchange
-        want = [t for t in leaves if t is not None and t.requires_grad]
-        got = iter(torch.autograd.grad(y, want, dy, allow_unused=True))
-        grads = [next(got) if t is not None and t.requires_grad else None for t in leaves]
         ctx.graph = None
-        dx, dw, db, dres, dinit = grads
+        (dx, dw, db, dres, dinit), _ = _cp.grads(y, dy, leaves)
         if W > 1:  # every rank joins this all-gather, whatever it needs
             x = leaves[0]
             D = x.shape[-1]
@@ -111,7 +85,7 @@ class ConvCP(torch.autograd.Function):
             dtails = torch.zeros(W - 1, D, dtype=x.dtype, device=x.device)
             if valid > 0 and dinit is not None:
                 dtails[W - 1 - valid:] = dinit[0, :, W - valid:].transpose(0, 1)
-            from_next = _neighbour(dtails, group, +1)  # the next rank's, for this rank's own tails
+            from_next = _cp.neighbour(dtails, group, +1)  # the next rank's, for this rank's own tails
             if ctx.needs_input_grad[0]:
                 dx = dx.clone()
                 dx[0, x.shape[1] - (W - 1):] += from_next

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import torch
 
+from kernel_fun import _cp
+
 ENV = "KERNEL_FUN_KDA_CP"
 _MAX_V = 512  # our kernels' widest value head (docs/contract.md)
 _FIELDS = ("group", "is_first_rank", "is_last_rank", "pre_num_ranks")
 
 
 def validate(q, initial_state, output_final_state, return_intermediate_states, cp_context) -> None:
-    from kernel_fun._dispatch import check_cp_call
-
-    check_cp_call("kernel_fun.kda.chunk_kda", cp_context, _FIELDS, initial_state, output_final_state, q, "q", 4)
+    _cp.check_call("kernel_fun.kda.chunk_kda", cp_context, _FIELDS, initial_state, output_final_state, q, "q", 4)
     if return_intermediate_states:
         raise ValueError("kernel_fun.kda.chunk_kda: return_intermediate_states is not allowed with cp_context")
 
@@ -59,12 +59,12 @@ class KdaCP(torch.autograd.Function):
         import torch.distributed as dist
 
         group = cp_context.group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank = dist.get_rank(group)
         q, v = tensors[0], tensors[2]
         K, HV, V = q.shape[-1], v.shape[2], v.shape[-1]
         cu = _host_cu(cp_context)
         with torch.enable_grad():
-            leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            leaves = _cp.leaves(tensors)
             # 1. [E | Phi] of the last document's part on this rank (zeros where it ends here)
             if not cp_context.is_last_rank:
                 s0, s1 = cu[-2], cu[-1]
@@ -87,9 +87,7 @@ class KdaCP(torch.autograd.Function):
             else:
                 hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
         # 2. every rank's [E | Phi]
-        slots = [torch.empty_like(hm) for _ in range(world)]
-        dist.all_gather(slots, hm.detach().contiguous(), group=group)
-        gathered = torch.stack(slots).requires_grad_(True)
+        gathered = torch.stack(_cp.gather(hm.detach(), group)).requires_grad_(True)
         with torch.enable_grad():
             # 3. the first document's initial state from the earlier ranks' maps, in rank order
             init = None
@@ -113,19 +111,12 @@ class KdaCP(torch.autograd.Function):
 
         o, hm, gathered, leaves = ctx.graph
         ctx.graph = None
-        want = [t for t in leaves if t is not None and t.requires_grad]
-        got = torch.autograd.grad(o, want + [gathered], do, allow_unused=True)
-        d_own, d_gathered = list(got[:-1]), got[-1]
-        if d_gathered is None:
-            d_gathered = torch.zeros_like(gathered)
+        d_own, (d_gathered,) = _cp.grads(o, do, leaves, extra=(gathered,))
         # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every rank
         # joins, whatever it needs)
         d_gathered = d_gathered.contiguous()
         dist.all_reduce(d_gathered, group=ctx.group)
-        d_hm = d_gathered[dist.get_rank(ctx.group)]
-        if hm.requires_grad and want:
-            more = torch.autograd.grad(hm, want, d_hm, allow_unused=True)
-            d_own = [a if b is None else (b if a is None else a + b) for a, b in zip(d_own, more)]
-        it = iter(d_own)
-        grads = [next(it) if t is not None and t.requires_grad else None for t in leaves]
-        return (None, None, None, *grads)
+        if hm.requires_grad:  # this rank's [E | Phi] came from its own tensors
+            d_map, _ = _cp.grads(hm, d_gathered[dist.get_rank(ctx.group)], leaves)
+            d_own = [a if b is None else (b if a is None else a + b) for a, b in zip(d_own, d_map)]
+        return (None, None, None, *d_own)
