@@ -8,6 +8,7 @@
 // tile per chunk (v forward, do backward) through a double-buffered shared-memory stage.
 #pragma once
 
+#include <cstddef>
 #include <type_traits>
 
 #include "kda/device/primitives.cuh"
@@ -28,14 +29,28 @@ struct ScanStage {
   static constexpr int AP = kChunk + 8;
   static constexpr int VP = BV + 8;
   static constexpr int kTile = kChunk * K;  // one swizzled [64][K] tile
-  static constexpr int kW = 0;
-  static constexpr int kQg = kW + kTile;
-  static constexpr int kKg = kQg + kTile;
-  static constexpr int kAqk = kKg + kTile;
-  static constexpr int kAkk = kAqk + kChunk * AP;
-  static constexpr int kVal = kAkk + kChunk * AP;
-  static constexpr int kDec = kVal + kChunk * VP;  // fp32 [K] (offset in WT units)
-  static constexpr int kStageElems = (kDec + 2 * K + 511) / 512 * 512;
+  // The stage as a type (a view of the dynamic shared memory; nothing is constructed). alignas(1024)
+  // pads its size to a multiple of 1024 bytes, so the second stage starts swizzle-aligned as well.
+  struct alignas(1024) Layout {
+    WT w[kTile];
+    WT qg[kTile];
+    WT kg[kTile];
+    WT aqk[kChunk][AP];
+    WT akk[kChunk][AP];
+    WT val[kChunk][VP];
+    float dec[K];
+  };
+  // Element offsets of the members (in WT units), for the code that addresses a stage by offset.
+  static constexpr int kW = offsetof(Layout, w) / sizeof(WT);
+  static constexpr int kQg = offsetof(Layout, qg) / sizeof(WT);
+  static constexpr int kKg = offsetof(Layout, kg) / sizeof(WT);
+  static constexpr int kAqk = offsetof(Layout, aqk) / sizeof(WT);
+  static constexpr int kAkk = offsetof(Layout, akk) / sizeof(WT);
+  static constexpr int kVal = offsetof(Layout, val) / sizeof(WT);
+  static constexpr int kDec = offsetof(Layout, dec) / sizeof(WT);  // fp32 [K]
+  static constexpr int kStageElems = sizeof(Layout) / sizeof(WT);
+  static_assert(offsetof(Layout, w) % 1024 == 0 && offsetof(Layout, qg) % 1024 == 0 && offsetof(Layout, kg) % 1024 == 0,
+                "the swizzled tiles start on 1024-byte boundaries");
   static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems + 1024;  // + the base's alignment slack
   // Element index of (row r, column c) in one swizzled [64][K] tile (w, qg, kg): K / 64 blocks of
   // [64 rows][64 columns] with 128-byte rows (sw128_offset).
