@@ -124,6 +124,9 @@ CASES = {
     "extreme-1000": dict(T=130, gate="precomputed", extreme=0.5, h0=True),
     "weak-decay-K128": dict(T=128, K=128, gate="precomputed_weak", h0=True),  # every block pair counts
     "bounded-weak": dict(T=128, gate="bounded_weak", h0=True),
+    # nearly every step at lower_bound: the bounded gate's strongest decays (the backward's midpoint
+    # factors reach ~2^+-50 there); unit q, k without the kernel's l2norm; partial chunks
+    "bounded16-nol2-K128-varlen": dict(T=130, K=128, gate="bounded16", l2norm=False, cu=[0, 1, 70, 130], h0=True),
     "l2norm-eps-tiny-qk": dict(T=100, qk_scale=1e-4, h0=True),  # the kernels' l2norm epsilon (gate.cuh)
     "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
     "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,

@@ -68,7 +68,7 @@ struct IntraSmem {
   static constexpr int KP = K + 8;
   static constexpr int KQ = K + 8;
   static constexpr int AP = 68;
-  float g[kChunk][KP];    // block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2) (.. P4b)
+  float g[kChunk][KP];    // block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2) as tf32 (.. P4b)
   union {
     WT q[kChunk][KQ];     // raw q (P0 .. qg)
     float x[kChunk][AP];  // X = (I + L)^-1 (P3 .. P4b): q is dead once qg is written
@@ -80,9 +80,12 @@ struct IntraSmem {
   int work[4];            // [0]: the next unit of the shared qg / kg work queue (P2 .. P4a)
 };
 
-// 3xTF32 m16n8k8: D += A B with A, B split into tf32 hi + lo parts (hi*lo + lo*hi + hi*hi), about
+// 3xTF32 m16n8k8: D += A B with A, B split into tf32 hi + lo parts (hi*hi + hi*lo + lo*hi), about
 // fp32 accuracy on tensor cores. a: {(g, t), (g+8, t), (g, t+4), (g+8, t+4)}; b0 = B(t, g), b1 = B(t+4, g).
-__device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)[4], float b0, float b1) {
+// hi*hi goes to `big`, the two corrections to `small` (the caller adds them at the end): two
+// dependency chains instead of one (merge step 3 on warp 0: 6 + 12 dependent MMAs instead of 18).
+__device__ __forceinline__ void intra_mma_3xtf32(float (&big)[4], float (&small)[4], const float (&a)[4], float b0,
+                                                 float b1) {
   uint32_t ah[4], al[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -91,9 +94,9 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&c)[4], const float (&a)
   }
   const uint32_t bh0 = dev::to_tf32(b0), bh1 = dev::to_tf32(b1);
   const uint32_t bl0 = dev::to_tf32(b0 - __uint_as_float(bh0)), bl1 = dev::to_tf32(b1 - __uint_as_float(bh1));
-  dev::mma_1688_tf32(c, ah, bl0, bl1);
-  dev::mma_1688_tf32(c, al, bh0, bh1);
-  dev::mma_1688_tf32(c, ah, bh0, bh1);
+  dev::mma_1688_tf32(small, ah, bl0, bl1);
+  dev::mma_1688_tf32(big, ah, bh0, bh1);
+  dev::mma_1688_tf32(small, al, bh0, bh1);
 }
 
 // Everything the phases of one CTA share: the params, its chunk (sequence, first token, length),
@@ -627,6 +630,10 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, 
       kx[2 * e] = fk * kv.x * dev::fast_exp2(ov[2 * e] + lv[2 * e]);
       kx[2 * e + 1] = fk * kv.y * dev::fast_exp2(ov[2 * e + 1] + lv[2 * e + 1]);
     }
+    // stored rounded to tf32 (its only use is w's B operand): each element is rounded once here,
+    // not once per m-tile and warp in intra_w_tile (the MMA sees the same 19 bits)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) kx[e] = dev::tf32_value(kx[e]);
     // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
     dev::st8(sKexp + r * KP + d0, kx);
   }
@@ -697,7 +704,7 @@ __device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, const Out
     for (int nt = 0; nt < kNtMax; ++nt) {
       if (nt < ntc) {
         const int col = col0 + 8 * nt + g;
-        dev::mma_1688_tf32(acc[nt], a, dev::to_tf32(sKexp[ca * KP + col]), dev::to_tf32(sKexp[cb * KP + col]));
+        dev::mma_1688_tf32(acc[nt], a, __float_as_uint(sKexp[ca * KP + col]), __float_as_uint(sKexp[cb * KP + col]));
       }
     }
   }
@@ -722,7 +729,7 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
   float* sX = c.sX();
   const int g = c.lane >> 2, t = c.lane & 3;
   const int j = c.warp;
-  float cy[2][4] = {};
+  float cy[2][4] = {}, sy[2][4] = {};  // hi*hi and the corrections (intra_mma_3xtf32)
   for (int m = j; m < bi; ++m) {
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
@@ -731,10 +738,14 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int kb = 16 * m + 8 * ks + t, col = 16 * j + 8 * nt + g;
-        intra_mma_3xtf32(cy[nt], a, sX[kb * AP + col], sX[(kb + 4) * AP + col]);
+        intra_mma_3xtf32(cy[nt], sy[nt], a, sX[kb * AP + col], sX[(kb + 4) * AP + col]);
       }
     }
   }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cy[nt][e] += sy[nt][e];
   float* y = c.sY() + 16 * j * AP;  // rows 16j .. 16j+15 of the scratch: this warp's own
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
@@ -744,7 +755,7 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
     y[(g + 8) * AP + 8 * nt + 2 * t + 1] = cy[nt][3];
   }
   __syncwarp();
-  float cx[2][4] = {};
+  float cx[2][4] = {}, sx[2][4] = {};
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks) {
     const int ra = 16 * bi + g, ca = 16 * bi + 8 * ks + t;
@@ -752,11 +763,13 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int kb = 8 * ks + t, col = 8 * nt + g;
-      intra_mma_3xtf32(cx[nt], a, y[kb * AP + col], y[(kb + 4) * AP + col]);
+      intra_mma_3xtf32(cx[nt], sx[nt], a, y[kb * AP + col], y[(kb + 4) * AP + col]);
     }
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cx[nt][e] += sx[nt][e];
     const int ra = 16 * bi + g, col = 16 * j + 8 * nt + 2 * t;
     sX[ra * AP + col] = -cx[nt][0];
     sX[ra * AP + col + 1] = -cx[nt][1];
