@@ -9,7 +9,7 @@ import torch
 
 
 def check_call(qualname: str, cp_context, fields: tuple, initial_state, output_final_state, x,
-                  x_name: str, x_dims: int) -> None:
+               x_name: str, x_dims: int) -> None:
     """The checks both families' context-parallel paths share (ValueError naming the argument): the
     context has the fields of fla's build_cp_context that the path reads (and a cu_seqlens), no
     initial_state / output_final_state (the earlier ranks' tokens are the initial state; fla
@@ -39,12 +39,13 @@ def gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def neighbour(t: torch.Tensor, group, step: int) -> torch.Tensor:
-    """The t of rank + step (zeros where there is none), by one all-gather."""
+    """The t of rank + step (zeros where there is none), by one all-gather (its rows are buffers of
+    their own, so the row is returned as it is)."""
     import torch.distributed as dist
 
     rows = gather(t, group)
     r = dist.get_rank(group) + step
-    return rows[r].clone() if 0 <= r < len(rows) else torch.zeros_like(t)
+    return rows[r] if 0 <= r < len(rows) else torch.zeros_like(t)
 
 
 def leaves(tensors, force=()) -> list:

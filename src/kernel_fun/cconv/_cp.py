@@ -37,7 +37,7 @@ ENV = "KERNEL_FUN_CCONV_CP"
 def validate(x, weight, residual, initial_state, output_final_state, cp_context) -> None:
     """What our context-parallel conv needs beyond the ordinary checks (ValueError naming it)."""
     _cp.check_call("kernel_fun.cconv.causal_conv1d", cp_context, ("group", "is_first_rank", "pre_num_conv_tokens"),
-                  initial_state, output_final_state, x, "x", 3)
+                   initial_state, output_final_state, x, "x", 3)
     if weight is None:
         raise ValueError("kernel_fun.cconv.causal_conv1d: weight is required with cp_context")
     W = weight.shape[-1]
