@@ -101,6 +101,16 @@ def as_stored_fp32(ref: torch.Tensor) -> torch.Tensor:
     return torch.where(ref.abs() < 2.0 ** -126, torch.zeros_like(ref), ref.float().double())
 
 
+def chunk_map_want(cu: list[int]) -> list[int]:
+    """The varlen chunk map the kernels build (kda_chunk_map): the N + 1 chunk offsets, then the N
+    sequences by chunk count, longest first, ties in index order (the scans' grid order)."""
+    counts = [-(-(e - s) // 64) for s, e in zip(cu[:-1], cu[1:])]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    return offsets + sorted(range(len(counts)), key=lambda n: (-counts[n], n))
+
+
 def load_module(name: str, path: Path):
     """Import a file of this tree by path (the emulator's build and bindings, the tree's reference)."""
     spec = importlib.util.spec_from_file_location(name, path)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import as_stored_fp32, emu_module, emu_skip_reason, kda_reference, load_module, rel_rms
+from helpers import as_stored_fp32, chunk_map_want, emu_module, emu_skip_reason, kda_reference, load_module, rel_rms
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -164,11 +164,7 @@ def test_forward_and_stages_match_fp64_reference(name, emu, ref):
         "exp2(G)": (as_stored_fp32(torch.exp2(flat(st["g2"])[rows])), ws["gdecay"][: len(rows)]),
     }
     if case.get("cu") is not None:
-        cu = case["cu"]
-        want = [0]
-        for s, e in zip(cu[:-1], cu[1:]):
-            want.append(want[-1] + -(-(e - s) // 64))
-        assert ws["chunk_offsets"].tolist() == want
+        assert ws["chunk_offsets"].tolist() == chunk_map_want(case["cu"])
     bad = {}
     for key, (r, got) in checks.items():
         if r.numel() == 0:

@@ -5,12 +5,13 @@ extreme gates, bad inputs, opcheck, the chunk_kda front, and parity with fla."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from helpers import as_stored_fp32, KDA_TOL, kda_reference, our_launches, rel_rms
+from helpers import as_stored_fp32, chunk_map_want, KDA_TOL, kda_reference, our_launches, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -217,6 +218,22 @@ def test_stages_match_chunked_reference(name):
         if not err <= STAGE_TOL:
             bad[key] = err
     assert not bad, f"stages off the reference: {bad}"
+
+
+@pytest.mark.parametrize("cu", [[0, 15, 100, 300, 1200, 2000], [0, 0, 1, 65, 130, 130, 700], [0, 64, 128, 192],
+                                [0, *itertools.accumulate((37 * i) % 200 for i in range(5000))]],
+                         ids=["fla", "empty-onetoken", "ties", "5000-docs"])
+def test_chunk_map_orders_sequences_longest_first(cu):
+    """kda_chunk_map (cub scan + radix sort on the device): the offsets, then the sequences longest
+    first for the scans' grid. Past 4096 sequences the order is the identity (the last case)."""
+    inputs, kw = make_case(T=cu[-1], cu=cu, H=1)
+    _, _, _, ws = run_ours(inputs, kw)
+    got = ws["chunk_offsets"].tolist()
+    want = chunk_map_want(cu)
+    N = len(cu) - 1
+    if N > 4096:
+        want = want[: N + 1] + list(range(N))
+    assert got == want
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ struct KdaProblem {
 
   const void* cu_seqlens = nullptr;  // [N + 1] int32 or int64 on the device, or null (fixed length)
   bool cu_int64 = false;
-  int* chunk_offsets = nullptr;      // [N + 1] first global chunk of each sequence (built on the device)
+  int* chunk_offsets = nullptr;      // [2N + 1]: first global chunk of each sequence, then the sequences
+                                     // longest first (built on the device, kda_chunk_map)
 
   DType dtype = DType::kBFloat16;  // q, k, v, o and the 16-bit workspace (WT)
   DType g_dtype = DType::kFloat32;
@@ -163,7 +164,8 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
   }
   b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
-  b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {int64_t{p.N} + 1}, f32, true});
+  // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)
+  b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, f32, true});
   if (!backward) return b;
   if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
   b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});

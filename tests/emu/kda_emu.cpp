@@ -6,8 +6,10 @@
 // the GPU) is computed here on the host; the scans' V-slice width is the caller's (`bv`) or, with 0, kda_policy.h's choice.
 #include "kf_emu.h"  // first: the CUDA surface the kernels compile against
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -74,7 +76,7 @@ struct KdaEmuArgs {
   void* Akk;
   void* M;
   float* gdecay;
-  int32_t* chunk_offsets;  // [N+1], filled here
+  int32_t* chunk_offsets;  // [2N+1], filled here
   void* h_ckpt;
   void* dh_ckpt;
   float* dqhat;
@@ -236,15 +238,22 @@ void group_sums(const kda::KdaBwdParams& p) {
   launch(kda::group_sum_launch(p), kda::kda_bwd_group_sum_kernel<WT>, p);
 }
 
-// kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64) (the GPU's is a cub scan)
+// kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64), then the sequences by chunk
+// count, longest first, ties in index order (the GPU's are a cub scan and a stable radix sort; past
+// 4096 sequences the GPU's order is the identity)
 void chunk_map(const kda::KdaProblem& p, bool cu_int64) {
   if (!p.cu_seqlens) return;
+  std::vector<int> nc(p.N);
   p.chunk_offsets[0] = 0;
   for (int n = 0; n < p.N; ++n) {
     const int64_t len = cu_int64 ? static_cast<const int64_t*>(p.cu_seqlens)[n + 1] - static_cast<const int64_t*>(p.cu_seqlens)[n]
                                  : static_cast<const int32_t*>(p.cu_seqlens)[n + 1] - static_cast<const int32_t*>(p.cu_seqlens)[n];
-    p.chunk_offsets[n + 1] = p.chunk_offsets[n] + static_cast<int>((len + kda::kChunk - 1) / kda::kChunk);
+    nc[n] = static_cast<int>((len + kda::kChunk - 1) / kda::kChunk);
+    p.chunk_offsets[n + 1] = p.chunk_offsets[n] + nc[n];
   }
+  int* order = p.chunk_offsets + p.N + 1;
+  std::iota(order, order + p.N, 0);
+  if (p.N <= 4096) std::stable_sort(order, order + p.N, [&](int a, int b) { return nc[a] > nc[b]; });
 }
 
 // The stages for kda_sequence.h's forward_sequence / backward_sequence: the GPU's sequence, each
@@ -380,7 +389,7 @@ int kda_emu_gate_params(float* pbias, float* pA, float* dA_log, float* ddt_bias,
                         int64_t max_chunks, int64_t varlen) {
   return guarded([&] {
     kda::KdaBwdParams p;
-    int offsets[2] = {0, static_cast<int>(nc)};
+    int offsets[3] = {0, static_cast<int>(nc), 0};  // the chunk map of one sequence: offsets, order
     const int64_t cu[2] = {0, nc * kda::kChunk};
     p.B = p.N = 1;
     p.H = p.HV = static_cast<int>(HV);

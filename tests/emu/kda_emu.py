@@ -169,7 +169,7 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
         "qg": gz.alloc("qg", (B * T, HV, K), dt),
         "kg": gz.alloc("kg", (B * T, HV, K), dt),
         "gdecay": gz.alloc("gdecay", (max_chunks, HV, K), torch.float32),
-        "chunk_offsets": gz.alloc("chunk_offsets", (N + 1,), torch.int32, fill=0),
+        "chunk_offsets": gz.alloc("chunk_offsets", (2 * N + 1,), torch.int32, fill=0),  # offsets, then the order
     }
     if saved is not None:  # the forward's factors, as inputs
         for name, t in zip(("Aqk", "Akk", "M"), saved):

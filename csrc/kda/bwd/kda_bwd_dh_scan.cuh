@@ -156,7 +156,7 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_kernel(const KdaBwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  dh_scan_cta<WT, K, BV>(p, dev::scan_block(), dev::scan_smem_base<WT>(smem_f4));
+  dh_scan_cta<WT, K, BV>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
 }
 
 // The launch (kda_launch_shape.h): one CTA per (V-slice, value head, sequence); launch_dh_scan's

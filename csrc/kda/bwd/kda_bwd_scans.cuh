@@ -25,9 +25,9 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_scans_kern
   KF_DYN_SMEM(float4, smem_f4);
   WT* sm = dev::scan_smem_base<WT>(smem_f4);
   const int nvs = p.V / BV;
-  const int x = static_cast<int>(blockIdx.x), hv = static_cast<int>(blockIdx.y), n = static_cast<int>(blockIdx.z);
-  if (x < nvs) fwd_scan_cta<WT, K, BV>(p, dev::ScanBlock{x, hv, n}, sm);
-  else dh_scan_cta<WT, K, BV>(p, dev::ScanBlock{x - nvs, hv, n}, sm);
+  const dev::ScanBlock b = dev::scan_block(p);
+  if (b.vs < nvs) fwd_scan_cta<WT, K, BV>(p, b, sm);
+  else dh_scan_cta<WT, K, BV>(p, dev::ScanBlock{b.vs - nvs, b.hv, b.n}, sm);
 }
 
 // The launch (kda_launch_shape.h): both scans' CTAs side by side, x in [0, V / BV) the re-scan's

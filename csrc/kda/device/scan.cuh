@@ -143,12 +143,13 @@ __device__ __forceinline__ ScanSources<WT> scan_sources(const KdaFwdParams& p, c
 }
 
 // A scan CTA's work item: (V-slice, value head, sequence). A plain launch takes it from blockIdx
-// (x, y, z); kda_bwd_scans' paired launch maps its doubled x range onto two scans' items.
+// (x, y, z), z through the longest-first sequence order (scan_sequence); kda_bwd_scans' paired
+// launch maps its doubled x range onto two scans' items.
 struct ScanBlock {
   int vs, hv, n;
 };
-__device__ __forceinline__ ScanBlock scan_block() {
-  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+__device__ __forceinline__ ScanBlock scan_block(const KdaProblem& p) {
+  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), scan_sequence(p, static_cast<int>(blockIdx.z))};
 }
 
 // Where a scan thread works: its CTA's item (V-slice b.vs, value head b.hv, sequence b.n), its

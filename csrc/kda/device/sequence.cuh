@@ -48,6 +48,17 @@ __device__ __forceinline__ int64_t state_offset(const KdaProblem& p, int k, int 
   return p.opt.state_v_first ? static_cast<int64_t>(v) * K + k : static_cast<int64_t>(k) * p.V + v;
 }
 
+// The sequence a serial scan CTA (one per V-slice, value head and sequence) works on: the z-th
+// longest. With cu_seqlens the chunk map lists the sequences by chunk count, longest first, after
+// the offsets (chunk_offsets[N + 1 + z], see kda_chunk_map), so the longest documents' chains are
+// in the grid's first wave instead of wherever the packing put them: the scan's time is the
+// makespan of chains of unequal length, and the block scheduler starts CTAs in grid order (the
+// bench's varlen case, 6 documents on 132 SMs: 89 -> 67 chunk steps in a list-schedule model). Only
+// the schedule changes: every CTA's result is the same whichever blockIdx runs it.
+__device__ __forceinline__ int scan_sequence(const KdaProblem& p, int z) {
+  return p.cu_seqlens ? p.chunk_offsets[p.N + 1 + z] : z;
+}
+
 // The number of chunks of sequence n (from the chunk map: no sequence lengths read).
 __device__ __forceinline__ int seq_chunks(const KdaProblem& p, int n) {
   return p.cu_seqlens ? p.chunk_offsets[n + 1] - p.chunk_offsets[n] : (p.T + kChunk - 1) / kChunk;

@@ -1,5 +1,6 @@
 // KDA forward: dispatch over (dtype, K, V-slice), the varlen chunk map, and the forward's stage
 // sequence.
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -19,24 +20,36 @@ namespace kernel_fun::kda {
 namespace {
 
 constexpr int kMapThreads = 1024;
+// Sequences the map orders longest first in its one CTA (kOrderItems per thread); past that many the
+// order is the identity (thousands of sequences make thousands of short scan chains per head, where
+// the order hardly moves the makespan).
+constexpr int kOrderItems = 4;
+constexpr int kOrderMax = kMapThreads * kOrderItems;
 
-// chunk_offsets[n] = sum_{m < n} ceil(len_m / 64): the first global chunk of sequence n. One CTA,
-// so no host round trip is ever needed (cu_seqlens stays on the device, int32 or int64).
+__device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
+  return static_cast<int>((dev::load_cu(p, n + 1) - dev::load_cu(p, n) + kChunk - 1) / kChunk);
+}
+
+// The varlen chunk map, one CTA, so no host round trip is ever needed (cu_seqlens stays on the
+// device, int32 or int64). chunk_offsets holds 2N + 1 ints:
+//   [0, N]      chunk_offsets[n] = sum_{m < n} ceil(len_m / 64): the first global chunk of sequence n;
+//   [N+1, 2N]   the sequences by chunk count, longest first (ties in index order), for the scans'
+//               grid (dev::scan_sequence): a schedule only, no result depends on it.
 __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
   using Scan = cub::BlockScan<int, kMapThreads>;
-  __shared__ typename Scan::TempStorage tmp;
+  using Sort = cub::BlockRadixSort<int, kMapThreads, kOrderItems, int>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Sort::TempStorage sort;
+  } tmp;
   __shared__ int carry;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int base = 0; base < p.N; base += kMapThreads) {
     const int n = base + threadIdx.x;
-    int nc = 0;
-    if (n < p.N) {
-      const int64_t len = dev::load_cu(p, n + 1) - dev::load_cu(p, n);
-      nc = static_cast<int>((len + kChunk - 1) / kChunk);
-    }
+    const int nc = n < p.N ? seq_len_chunks(p, n) : 0;
     int excl, total;
-    Scan(tmp).ExclusiveSum(nc, excl, total);
+    Scan(tmp.scan).ExclusiveSum(nc, excl, total);
     const int c0 = carry;
     if (n < p.N) p.chunk_offsets[n] = c0 + excl;
     __syncthreads();
@@ -44,6 +57,26 @@ __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaPro
     __syncthreads();
   }
   if (threadIdx.x == 0) p.chunk_offsets[p.N] = carry;
+  int* order = p.chunk_offsets + p.N + 1;
+  if (p.N > kOrderMax) {
+    for (int n = threadIdx.x; n < p.N; n += kMapThreads) order[n] = n;
+    return;
+  }
+  // Blocked arrangement: thread t holds sequences [t * kOrderItems, (t + 1) * kOrderItems); the
+  // padding keys (-1) sort behind every real sequence (chunk counts are >= 0), and the radix sort
+  // keeps equal keys in arrangement order, so ties stay in index order.
+  int key[kOrderItems], val[kOrderItems];
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int n = threadIdx.x * kOrderItems + i;
+    key[i] = n < p.N ? seq_len_chunks(p, n) : -1;
+    val[i] = n;
+  }
+  __syncthreads();  // tmp's scan storage is reused by the sort
+  Sort(tmp.sort).SortDescending(key, val);
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int r = threadIdx.x * kOrderItems + i;
+    if (r < p.N) order[r] = val[i];
+  }
 }
 
 }  // namespace

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const K
   KF_DYN_SMEM(float4, smem_f4);
   auto* sm = reinterpret_cast<FusedSmem<WT, K, BV>*>(dev::scan_smem_base<WT>(smem_f4));
   WT* stage = sm->stage;
-  const dev::ScanPlace<K, BV> pl(p, dev::scan_block());
+  const dev::ScanPlace<K, BV> pl(p, dev::scan_block(p));
   const bool state_warp = threadIdx.x < dev::scan_threads<BV>();
   const bool with_o = p.o != nullptr;
   float hT[K / 8][4];

@@ -178,7 +178,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  fwd_scan_cta<WT, K, BV>(p, dev::scan_block(), dev::scan_smem_base<WT>(smem_f4));
+  fwd_scan_cta<WT, K, BV>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
 }
 
 // The launch (kda_launch_shape.h): one CTA per (V-slice, value head, sequence); launch_scan's and

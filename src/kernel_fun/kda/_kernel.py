@@ -213,7 +213,7 @@ def forward_stages(q, k, v, g, beta, *, opts: KdaOptions, initial_state=None, ou
                    profile=False):
     """The forward plus its workspace, for per-stage tests: (o, final_state, h_states, ws) with
     ws = {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 64]; gdecay: [max_chunks, HV, K] fp32;
-    chunk_offsets: [N+1] int32}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta); M = (I + L)^-1
+    chunk_offsets: [2N+1] int32, the chunk offsets then the sequences longest first}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta); M = (I + L)^-1
     (the three factors a training forward saves). With poison, every output and workspace buffer
     starts as NaN. With profile also ws["clock"]: kda_fwd_intra's clock64() at its phase boundaries,
     [CTAs, 16] (scripts/kda_phases.py)."""
