@@ -164,22 +164,10 @@ def kda_bwd_reference(inputs, kw: dict, do: torch.Tensor, dht: torch.Tensor | No
 
 
 def cp_context(cu: list[int], rank: int, world: int, group, W: int | None = None):
-    """The fields fla's build_cp_context gives rank `rank` of `world` for the packed documents `cu`
-    (fla.ops.cp.context's semantics, written here so that the tests run without fla): equal slices
-    of total // world tokens, the local document boundaries, and where the rank's first and last
-    documents begin and end."""
-    import types
+    """fla's build_cp_context fields for rank `rank` of `world` (kernel_fun._cp.local_context)."""
+    from kernel_fun._cp import local_context
 
-    part = cu[-1] // world
-    lo, hi = rank * part, (rank + 1) * part
-    local = torch.tensor([0] + [c - lo for c in cu if lo < c < hi] + [hi - lo], dtype=torch.int32)
-    first_start = max(c for c in cu[:-1] if c <= lo)
-    last_end = min(c for c in cu[1:] if c >= hi)
-    return types.SimpleNamespace(
-        group=group, cu_seqlens=local, cu_seqlens_cpu=local.clone(), pre_num_conv_tokens=lo - first_start,
-        is_first_rank=first_start // part == rank, pre_num_ranks=rank - first_start // part,
-        is_last_rank=(last_end - 1) // part == rank, post_num_ranks=(last_end - 1) // part - rank,
-        conv1d_kernel_size=W)
+    return local_context(cu, rank, world, group, W)
 
 
 def join_cp_group(rank: int, world: int, path: str, device: str, switch: str) -> None:

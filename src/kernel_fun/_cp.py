@@ -64,3 +64,23 @@ def grads(output: torch.Tensor, grad_output: torch.Tensor, of: list, extra=()) -
     per_leaf = [next(it) if t is not None and t.requires_grad else None for t in of]
     more = [torch.zeros_like(e) if g is None else g for e, g in zip(extra, got[len(want):])]
     return per_leaf, more
+
+
+def local_context(cu: list[int], rank: int, world: int, group, conv1d_kernel_size: int | None = None):
+    """The fields fla's ``build_cp_context`` gives rank ``rank`` of ``world`` for the packed
+    documents ``cu`` (host offsets over the whole sequence), with fla.ops.cp.context's semantics and
+    without fla: equal slices of ``cu[-1] // world`` tokens, the local document boundaries (int32,
+    on the CPU: move ``cu_seqlens`` to the device before a call), and where the rank's first and
+    last documents begin and end. For the tests and the context-parallel benchmark."""
+    import types
+
+    part = cu[-1] // world
+    lo, hi = rank * part, (rank + 1) * part
+    local = torch.tensor([0] + [c - lo for c in cu if lo < c < hi] + [hi - lo], dtype=torch.int32)
+    first_start = max(c for c in cu[:-1] if c <= lo)
+    last_end = min(c for c in cu[1:] if c >= hi)
+    return types.SimpleNamespace(
+        group=group, cu_seqlens=local, cu_seqlens_cpu=local.clone(), pre_num_conv_tokens=lo - first_start,
+        is_first_rank=first_start // part == rank, pre_num_ranks=rank - first_start // part,
+        is_last_rank=(last_end - 1) // part == rank, post_num_ranks=(last_end - 1) // part - rank,
+        conv1d_kernel_size=conv1d_kernel_size)
