@@ -138,27 +138,9 @@ def run_rank(case: KdaCase, *, passes=("fwd", "fwd+bwd"), impls=IMPLS, iters: in
             except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
                 res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             mine.append(res)
-    everyone = _gather_json(mine, device)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
     return _rows(case, world, everyone, iters, warmup, device) if rank == 0 else None
-
-
-def _gather_json(obj, device: str) -> list:
-    """Every rank's obj (JSON-able), in rank order: two all-gathers of tensors (lengths, then the
-    padded bytes) on the ranks' own device."""
-    import json
-
-    import torch
-    import torch.distributed as dist
-
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    n = max(int(x.item()) for x in sizes)
-    padded = torch.zeros(n, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    out = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(out, padded)
-    return [json.loads(bytes(o[: int(k.item())].tolist()).decode()) for o, k in zip(out, sizes)]
 
 
 class _nothing:
