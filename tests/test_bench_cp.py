@@ -5,14 +5,13 @@ timed rows on GPUs (cp2_b1_t128k) need the 2-GPU machine."""
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import join_cp_group
+from helpers import join_cp_group, leave_cp_group
 from kernel_fun.bench import cp
 from kernel_fun.bench.cases import CASES, KdaCase
 
@@ -22,6 +21,7 @@ SMALL = KdaCase("long_small", B=1, T=128, H=1, HV=1, K=16, V=16, lower_bound=-5.
 
 def _worker(rank, world, path, out):
     join_cp_group(rank, world, path, "cpu", "KERNEL_FUN_KDA_CP")
+    done = False
     try:
         rows = cp.run_rank(SMALL, iters=2, warmup=1, device="cpu")
         if rank == 0:
@@ -29,14 +29,9 @@ def _worker(rank, world, path, out):
                 json.dump(rows, f)
         else:
             assert rows is None
+        done = True
     finally:
-        # Garbage cycles that still reference the process group (autograd nodes of the timed
-        # calls keep the context) would destroy it during interpreter shutdown, where gloo's
-        # threads can abort the process (SIGABRT after a clean run, ~7% of runs here): free them
-        # while the group is torn down on purpose, with both ranks past their last collective.
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_cp_group(done)
 
 
 def test_cp_bench_rows_on_two_cpu_ranks(tmp_path):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import cp_context, join_cp_group
+from helpers import cp_context, join_cp_group, leave_cp_group
 from kernel_fun.cconv import causal_conv1d, is_supported
 
 
@@ -46,6 +46,7 @@ def _run(x, w, b, r, dy, act, **kw):
 
 def _worker(rank, world, path, case, out, device="cpu"):
     join_cp_group(rank, world, path, device, "KERNEL_FUN_CCONV_CP")
+    done = False
     try:
         x, w, b, r, dy = (None if t is None else _on(t, device) for t in _inputs(case))
         part = case["cu"][-1] // world
@@ -70,8 +71,9 @@ def _worker(rank, world, path, case, out, device="cpu"):
             res.append([t.cpu() for t in _run(x[:, sl], w, b, r[:, sl] if r is not None else None, dy[:, sl],
                                                case["act"], cp_context=ctx)])
         torch.save(res, f"{out}.{rank}")
+        done = True
     finally:
-        dist.destroy_process_group()
+        leave_cp_group(done)
 
 
 CASES = {

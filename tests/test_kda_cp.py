@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import cp_context, join_cp_group
+from helpers import cp_context, join_cp_group, leave_cp_group
 from kernel_fun.kda import chunk_kda
 
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -53,6 +53,7 @@ def _worker(rank, world, path, case, out, device):
         import kernel_fun.kda._cp as cp
 
         cp._MAX_V = 0
+    done = False
     try:
         t = _inputs(case, device)
         part = case["cu"][-1] // world
@@ -68,8 +69,9 @@ def _worker(rank, world, path, case, out, device):
         except ImportError:
             pass
         torch.save([_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs], f"{out}.{rank}")
+        done = True
     finally:
-        dist.destroy_process_group()
+        leave_cp_group(done)
 
 
 CASES = {

@@ -205,6 +205,7 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    done = False
     try:
         (case,) = select("kda", [args.case])
         passes = ("fwd", "fwd+bwd") if args.pass_ == "all" else (args.pass_,)
@@ -221,12 +222,14 @@ def main(argv=None) -> int:
                 print(f"{r['case']:16s} {r['pass']:8s} {r['impl']:11s} {r['status']:8s} "
                       f"{'' if r['ms'] is None else format(r['ms'], '.3f') + ' ms':>12s}  {r['note'] or ''}")
             print(f"wrote {path}")
+        done = True
     finally:
-        # Free garbage cycles that may still reference the process group and leave together: a
-        # group destroyed during interpreter shutdown can abort the process from gloo's threads
-        # (seen in the CPU test, tests/test_bench_cp.py).
+        # Free garbage cycles that may still reference the process group, and leave together when
+        # every rank got here (not after an error: the others may be inside a collective): a group
+        # first freed by the interpreter's shutdown can abort the process from gloo's threads.
         gc.collect()
-        dist.barrier()
+        if done:
+            dist.barrier()
         dist.destroy_process_group()
     return 0
 
