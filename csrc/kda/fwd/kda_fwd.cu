@@ -37,7 +37,7 @@ __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
 //               grid (dev::scan_sequence): a schedule only, no result depends on it.
 __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
   using Scan = cub::BlockScan<int, kMapThreads>;
-  using Sort = cub::BlockRadixSort<int, kMapThreads, kOrderItems, int>;
+  using Sort = cub::BlockRadixSort<unsigned, kMapThreads, kOrderItems, int>;
   __shared__ union {
     typename Scan::TempStorage scan;
     typename Sort::TempStorage sort;
@@ -62,17 +62,21 @@ __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaPro
     for (int n = threadIdx.x; n < p.N; n += kMapThreads) order[n] = n;
     return;
   }
-  // Blocked arrangement: thread t holds sequences [t * kOrderItems, (t + 1) * kOrderItems); the
-  // padding keys (-1) sort behind every real sequence (chunk counts are >= 0), and the radix sort
-  // keeps equal keys in arrangement order, so ties stay in index order.
-  int key[kOrderItems], val[kOrderItems];
+  // Blocked arrangement: thread t holds sequences [t * kOrderItems, (t + 1) * kOrderItems), keyed by
+  // chunk count + 1, the padding by 0 (sorted behind every real sequence); the radix sort keeps
+  // equal keys in arrangement order, so ties stay in index order. It sorts only the bits a key can
+  // have (no count exceeds the total, `carry`): 2 passes of 4 bits for the bench's varlen case
+  // instead of 8.
+  unsigned key[kOrderItems];
+  int val[kOrderItems];
   for (int i = 0; i < kOrderItems; ++i) {
     const int n = threadIdx.x * kOrderItems + i;
-    key[i] = n < p.N ? seq_len_chunks(p, n) : -1;
+    key[i] = n < p.N ? static_cast<unsigned>(seq_len_chunks(p, n)) + 1u : 0u;
     val[i] = n;
   }
+  const int end_bit = 32 - __clz(static_cast<unsigned>(carry) + 1u);
   __syncthreads();  // tmp's scan storage is reused by the sort
-  Sort(tmp.sort).SortDescending(key, val);
+  Sort(tmp.sort).SortDescending(key, val, 0, end_bit);
   for (int i = 0; i < kOrderItems; ++i) {
     const int r = threadIdx.x * kOrderItems + i;
     if (r < p.N) order[r] = val[i];
