@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kernel_fun._cp import local_context as cp_context  # noqa: F401 - fla's context fields, for the tests
+
 HERE = Path(__file__).resolve().parent
 
 # rel-RMS tolerances against the fp64 reference.
@@ -161,13 +163,6 @@ def kda_bwd_reference(inputs, kw: dict, do: torch.Tensor, dht: torch.Tensor | No
     return chunk_kda_bwd_reference(*(x.double() for x in inputs), do.double(),
                                    None if dht is None else dht.double(), **rk, return_stages=True)
 
-
-
-def cp_context(cu: list[int], rank: int, world: int, group, W: int | None = None):
-    """fla's build_cp_context fields for rank `rank` of `world` (kernel_fun._cp.local_context)."""
-    from kernel_fun._cp import local_context
-
-    return local_context(cu, rank, world, group, W)
 
 
 def join_cp_group(rank: int, world: int, path: str, device: str, switch: str) -> None:

@@ -17,6 +17,9 @@
 namespace kernel_fun::kda {
 
 constexpr int kChunk = 64;  // BT: tokens per chunk (fla's default chunk_size)
+// The varlen chunk map orders up to this many sequences longest first for the scans' grid
+// (kda_chunk_map, dev::scan_sequence); past it the order is the identity.
+constexpr int kMaxOrderedSequences = 4096;
 
 // How the per-step log-decay is obtained from g (docs/contract.md, "The gate").
 enum class GateMode : int {

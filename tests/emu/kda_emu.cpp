@@ -240,7 +240,7 @@ void group_sums(const kda::KdaBwdParams& p) {
 
 // kda_chunk_map on the host: offsets[n] = sum_{m<n} ceil(len_m / 64), then the sequences by chunk
 // count, longest first, ties in index order (the GPU's are a cub scan and a stable radix sort; past
-// 4096 sequences the GPU's order is the identity)
+// kMaxOrderedSequences the order is the identity)
 void chunk_map(const kda::KdaProblem& p, bool cu_int64) {
   if (!p.cu_seqlens) return;
   std::vector<int> nc(p.N);
@@ -253,7 +253,7 @@ void chunk_map(const kda::KdaProblem& p, bool cu_int64) {
   }
   int* order = p.chunk_offsets + p.N + 1;
   std::iota(order, order + p.N, 0);
-  if (p.N <= 4096) std::stable_sort(order, order + p.N, [&](int a, int b) { return nc[a] > nc[b]; });
+  if (p.N <= kda::kMaxOrderedSequences) std::stable_sort(order, order + p.N, [&](int a, int b) { return nc[a] > nc[b]; });
 }
 
 // The stages for kda_sequence.h's forward_sequence / backward_sequence: the GPU's sequence, each

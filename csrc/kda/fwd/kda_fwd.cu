@@ -20,11 +20,11 @@ namespace kernel_fun::kda {
 namespace {
 
 constexpr int kMapThreads = 1024;
-// Sequences the map orders longest first in its one CTA (kOrderItems per thread); past that many the
-// order is the identity (thousands of sequences make thousands of short scan chains per head, where
-// the order hardly moves the makespan).
-constexpr int kOrderItems = 4;
-constexpr int kOrderMax = kMapThreads * kOrderItems;
+// The map orders up to kMaxOrderedSequences in its one CTA, kOrderItems per thread; past that many
+// the order is the identity (thousands of sequences make thousands of short scan chains per head,
+// where the order hardly moves the makespan).
+constexpr int kOrderItems = kMaxOrderedSequences / kMapThreads;
+static_assert(kOrderItems * kMapThreads == kMaxOrderedSequences, "whole items per thread");
 
 __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
   return static_cast<int>((dev::load_cu(p, n + 1) - dev::load_cu(p, n) + kChunk - 1) / kChunk);
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaPro
   }
   if (threadIdx.x == 0) p.chunk_offsets[p.N] = carry;
   int* order = p.chunk_offsets + p.N + 1;
-  if (p.N > kOrderMax) {
+  if (p.N > kMaxOrderedSequences) {
     for (int n = threadIdx.x; n < p.N; n += kMapThreads) order[n] = n;
     return;
   }

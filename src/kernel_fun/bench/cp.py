@@ -22,6 +22,7 @@ not for numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -100,7 +101,8 @@ def run_rank(case: KdaCase, *, passes=("fwd", "fwd+bwd"), impls=IMPLS, iters: in
     import torch.distributed as dist
 
     import kernel_fun
-    from kernel_fun.bench.run import make_inputs
+    from kernel_fun.bench.run import _short, make_inputs
+    from kernel_fun.kda._cp import ENV
 
     world, rank = dist.get_world_size(), dist.get_rank()
     check_case(case, world)
@@ -108,7 +110,7 @@ def run_rank(case: KdaCase, *, passes=("fwd", "fwd+bwd"), impls=IMPLS, iters: in
     inputs = make_inputs(local, torch, device, seed + rank)
     args, kwargs = inputs["args"], dict(inputs["kwargs"])
     do = torch.randn(inputs["out_shape"], dtype=args[2].dtype, device=device)
-    os.environ["KERNEL_FUN_KDA_CP"] = "1"
+    os.environ[ENV] = "1"  # our context-parallel path is opt-in
     mine = []
     for impl in impls:
         fn, ctx = _impl(impl, case, dist.group.WORLD, device)
@@ -132,23 +134,15 @@ def run_rank(case: KdaCase, *, passes=("fwd", "fwd+bwd"), impls=IMPLS, iters: in
                     t.grad = None
 
             try:
-                guard = kernel_fun.strict() if impl == "kernel_fun" else _nothing()
+                guard = kernel_fun.strict() if impl == "kernel_fun" else contextlib.nullcontext()
                 with guard, (torch.enable_grad() if grad else torch.no_grad()):
                     res.update(_time(torch, step, device, warmup, iters, reset))
             except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
-                res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                res["error"] = _short(e)
             mine.append(res)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return _rows(case, world, everyone, iters, warmup, device) if rank == 0 else None
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _rows(case: KdaCase, world: int, per_rank: list[list[dict]], iters: int, warmup: int, device: str) -> list[dict]:
