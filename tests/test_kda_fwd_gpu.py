@@ -553,3 +553,99 @@ def test_intra_phase_clocks_are_ordered_and_change_nothing():
     # barrier after that one (P3's diagonal phase, ~4k cycles later).
     assert ((warp_p2 >= c[:, 2:3]) & (warp_p2 <= c[:, 4:5])).all(), "a warp's P2 end outside P2"
     assert (clk[~ran] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# the streamed forward (kda_policy.h's fwd_stream_choice): the scan resident first, kda_fwd_intra
+# beside it, chunk flags in between; fixed length only
+STREAMED_CASES = {
+    "B2-K128-V128-h0": dict(B=2, T=300, V=128, h0=True),
+    "K64-V256-fp16": dict(T=200, K=64, V=256, dtype=torch.float16),
+    "state-v-first": dict(T=190, V=128, h0=True, state_v_first=True),
+    "gva-bounded16": dict(T=260, H=1, HV=2, V=128, gate="bounded16", h0=True),
+    # 256 chunks x 4 heads against 8 scan CTAs: the chains really wait on the intra here
+    "B1-T16384-H4": dict(T=16384, H=4, V=128, h0=True),
+}
+
+
+def _stages(inputs, kw, monkeypatch, streamed):
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
+    return run_ours(inputs, kw, return_intermediate_states=True)
+
+
+@pytest.mark.parametrize("name", list(STREAMED_CASES))
+def test_streamed_forward_is_bitwise_the_two_kernels(monkeypatch, name):
+    """KERNEL_FUN_KDA_FWD_STREAMED=1 (wherever safe): o, the final state, the per-chunk states and
+    the saved factors bit for bit as the two kernels one after the other, over 5 calls (a flag read
+    before its chunk's rows landed would show as a difference in some call); the flags prove the
+    streamed path ran: every (chunk, head) published once, the done counter = the intra's CTAs."""
+    inputs, kw = make_case(**STREAMED_CASES[name])
+    o2, ht2, hs2, ws2 = _stages(inputs, kw, monkeypatch, False)
+    for _ in range(5):
+        o1, ht1, hs1, ws1 = _stages(inputs, kw, monkeypatch, True)
+        ready = ws1["chunk_ready"]
+        assert bool((ready[:-1] == 1).all()), "not every chunk published: the streamed path did not run"
+        assert int(ready[-1]) == ready.numel() - 1
+        assert torch.equal(o1, o2), "o: streamed != two kernels"
+        assert torch.equal(ht1, ht2), "final state: streamed != two kernels"
+        assert torch.equal(hs1, hs2), "per-chunk states: streamed != two kernels"
+        for key in ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay"):
+            assert torch.equal(ws1[key], ws2[key]), key
+    o_ref, ht_ref = reference(inputs, kw)
+    assert rel_rms(o_ref, o1) <= KDA_TOL["o"]
+
+
+def test_streamed_forward_is_the_default_for_one_long_sequence(monkeypatch):
+    """Without the override the policy streams B1 T8192 H16 K=V=128 (bench's bounded_b1: 32 scan
+    chains on 132 SMs) and keeps the two kernels for B4 T4096 H16 (128 chains: the intra would lose
+    too many SMs); the training call (fwd+bwd through chunk_kda) gives the same gradients either way."""
+    monkeypatch.delenv("KERNEL_FUN_KDA_FWD_STREAMED", raising=False)
+    if torch.cuda.get_device_properties(0).multi_processor_count < 100:
+        pytest.skip("the policy's examples assume an H100 / H200-sized GPU")
+    inputs, kw = make_case(T=8192, H=16, V=128, gate="bounded16")
+    ready = run_ours(inputs, kw)[3]["chunk_ready"]
+    assert bool((ready[:-1] == 1).all()) and int(ready[-1]) == ready.numel() - 1, "B1 T8192 H16 did not stream"
+    small, skw = make_case(B=4, T=4096, H=16, V=128)
+    ready = run_ours(small, skw, poison=True)[3]["chunk_ready"]  # int32 buffers poisoned with -1
+    assert bool((ready == -1).all()), "B4 T4096 H16 streamed"
+
+    from kernel_fun.kda import chunk_kda
+
+    def grads(streamed):
+        monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        call = {n: x for n, x in kw.items() if x is not None}
+        with our_launches(kda_fwd=1, kda_bwd=1):
+            o, ht = chunk_kda(*leaves, **call)
+            (o.float().square().sum() + ht.square().sum()).backward()
+        return [o.detach()] + [x.grad for x in leaves]
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)
+
+
+def test_streamed_forward_under_cuda_graph_replay(monkeypatch):
+    """The streamed forward's memset, scan and programmatically launched intra, captured in a CUDA
+    graph and replayed on new inputs: the same results as eager calls (the flags are zeroed inside
+    the graph every replay)."""
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1")
+    inputs, kw = make_case(T=4096, H=4, V=128, h0=True)
+    static = [x.clone() for x in inputs]
+    args = dict(kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_ours(static, args)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_ours(static, args)
+    for seed in (1, 2):
+        new, _ = make_case(T=4096, H=4, V=128, h0=True, seed=seed)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        want = run_ours(new, kw)
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+        assert bool((out[3]["chunk_ready"][:-1] == 1).all())

@@ -236,6 +236,7 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kDkhat: p.dkhat = static_cast<float*>(ptr); break;
       case WorkBuffer::kPbias: p.pbias = static_cast<float*>(ptr); break;
       case WorkBuffer::kPA: p.pA = static_cast<float*>(ptr); break;
+      case WorkBuffer::kChunkReady: p.chunk_ready = static_cast<int*>(ptr); break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));
@@ -244,11 +245,14 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
 }
 
 // Tests: NaN in every floating-point buffer the stage ops allocate, so an element a kernel never
-// writes shows up (workspace buffers included).
+// writes shows up (workspace buffers included); -1 in the int32 ones.
 void poison(std::vector<Tensor>& ts) {
-  for (Tensor& t : ts)
+  for (Tensor& t : ts) {
     if (t.numel() > 0 && (t.scalar_type() == ScalarType::Float || is_half_like(t.scalar_type())))
       torch::stable::fill_(t, std::numeric_limits<double>::quiet_NaN());
+    else if (t.numel() > 0 && t.scalar_type() == ScalarType::Int)  // chunk_offsets, chunk_ready
+      torch::stable::fill_(t, -1.0);
+  }
 }
 
 void raise_if(const std::string& err) {
@@ -350,7 +354,7 @@ void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_
   run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M);
 }
 
-// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, then with profile
+// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, chunk_ready, then with profile
 //  kda_fwd_intra's phase clocks ([max_chunks * HV][16] int64)]
 std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_final_state, OptT h_states,
                                    bool poison_outputs, bool profile) {

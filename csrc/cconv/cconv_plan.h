@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "cconv/cconv.h"
+#include "common/device_info.h"
 
 #ifndef KF_CCONV_WAVES
 #define KF_CCONV_WAVES 1  // grid = this many GPU-fulls of CTAs (-D override: tuning harness only)
@@ -39,23 +40,6 @@ struct Plan {
   int64_t rows = 1;          // CTAs along tokens (gridDim.y used by the token walk)
   int64_t chunk = 0;         // L: tokens per chunk; thread (row, ty) walks chunks row*TY + ty + k*rows*TY
 };
-
-inline int num_sms() {
-  int dev = 0;
-  KF_CUDA_CHECK(cudaGetDevice(&dev));
-  static int cached[64] = {0};
-  if (dev < 0 || dev >= 64) {
-    int n = 0;
-    KF_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }
-  if (cached[dev] == 0) {
-    int n = 0;
-    KF_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev] = n;
-  }
-  return cached[dev];
-}
 
 // blocks_per_sm: from cudaOccupancyMaxActiveBlocksPerMultiprocessor for the kernel that will run.
 // min_chunk keeps tiny problems from being cut into chunks shorter than the halo is worth.

@@ -2,7 +2,8 @@
 // launch failure. Kernels never validate: csrc/api checks every argument before a launch.
 //
 // Stage table (docs/kda.md maps each to its math, its fp64 reference and its tests):
-//   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan (or kda_fwd_fused: opt-in, for timing)
+//   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan (or kda_fwd_fused: opt-in, for timing;
+//             or streamed: kda_fwd_scan with kda_fwd_intra beside it, few chains, kda_policy.h)
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
 //             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
@@ -25,6 +26,12 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
 // The V-slice width the scan uses for this problem (64 or 128): kda_policy.h's scan_choice, or
 // KERNEL_FUN_KDA_SCAN_BV.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
+// The streamed forward (kda_policy.h's fwd_stream_choice): the scan, then kda_fwd_intra beside it
+// through p.chunk_ready's flags. kda_fwd_stream_bv: its V-slice width for p, or 0 where the forward
+// does not stream (no chunk_ready, unsafe, or slower by the model; KERNEL_FUN_KDA_FWD_STREAMED=0|1
+// overrides the model). kda_forward keeps p.chunk_ready only where it streams.
+int kda_fwd_stream_bv(const KdaFwdParams& p);
+void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream);
 // Version 0 of the fused forward (fwd/kda_fwd_fused.cuh): intra and scan in one kernel, no
 // workspace. Not the default: forward_sequence (kda_sequence.h) takes it only with
 // KERNEL_FUN_KDA_FWD_FUSED=1 (timing), where the factors are not saved and V is a multiple of 128.
@@ -57,6 +64,7 @@ struct StreamStages {
   void chunk_map(const KdaProblem& p) { kda_chunk_map(p, stream); }
   bool fused(const KdaFwdParams& p) { return kda_fwd_fused_wanted(p); }
   void fused_forward(const KdaFwdParams& p) { kda_fwd_fused(p, stream); }
+  void streamed_forward(const KdaFwdParams& p) { kda_fwd_streamed(p, stream); }
   void intra(const KdaFwdParams& p) { kda_fwd_intra(p, stream); }
   void scan(const KdaFwdParams& p) { kda_fwd_scan(p, stream); }
   void prep(const KdaBwdParams& p) { kda_bwd_prep(p, stream); }

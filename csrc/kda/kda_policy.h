@@ -47,6 +47,59 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
   return best;
 }
 
+// The streamed forward (kda_fwd.cu's kda_fwd_streamed): the scan launched first, its CTAs resident
+// and waiting, and kda_fwd_intra beside it on the other SMs (a programmatic dependent launch), each
+// intra CTA publishing its chunk to the scan through a flag (p.chunk_ready). When few (sequence,
+// value head, V-slice) chains leave most SMs idle during the scan, the intra work then runs on
+// those SMs while the chains advance instead of before them.
+// Deadlock freedom needs every scan CTA resident at once with SMs to spare for the intra (the scan
+// waits for intra CTAs; the intra waits for nothing): the scan's grid must be at most `sms - 8`
+// CTAs, counted against the device's own SM count (the launcher's num_sms(), not kPolicySMs), one
+// scan CTA per SM. Fixed-length batches only: the intra's swapped grid hands out chunk c of every
+// sequence before chunk c + 1 (dev::streamed_chunk), which a varlen chunk map cannot do without a
+// host sync. Model (measured on the H200, K = 128): an intra CTA takes ~21 us at two per SM
+// (42k cycles), a scan step ~3.0 us at BV = 64 and, assumed, ~3.3 us at BV = 128 (8 warps); the
+// streamed time is the longer of the chains and the intra on the SMs the scan leaves.
+struct StreamChoice {
+  int bv = 0;           // the scan's V-slice width in the streamed forward, or 0: do not stream
+  double cost = 0;      // modelled us
+  double cost_now = 0;  // modelled us of the two kernels one after the other
+};
+// Whether the streamed forward with V-slices of bv is safe on a device of `sms` SMs (the deadlock
+// condition above; the intra's transposed grid has max_chunks rows, at most 65535).
+inline bool fwd_stream_safe(const KdaProblem& p, int bv, int sms) {
+  if (p.cu_seqlens || p.N <= 0 || p.HV <= 0 || p.max_chunks <= 0 || p.max_chunks > 65535 || sms < 16) return false;
+  if (bv <= 0 || p.V % bv != 0) return false;
+  return static_cast<long>(p.HV) * p.N * (p.V / bv) <= sms - 8;
+}
+inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
+  StreamChoice best;
+  if (!fwd_stream_safe(p, 64, sms) && !fwd_stream_safe(p, 128, sms)) return best;
+  const double kw = p.K / 128.0;
+  const double intra_us = 21.0 * (0.4 + 0.6 * kw);  // per CTA at two per SM
+  const long nts = (p.T + kChunk - 1) / kChunk;
+  const long intra_ctas = static_cast<long>(p.max_chunks) * p.HV;
+  const long slots = 2L * sms;
+  const double intra_now = static_cast<double>((intra_ctas + slots - 1) / slots) * intra_us;
+  const ScanChoice now = scan_choice(p);
+  const long now_ctas = static_cast<long>(p.HV) * p.N * (p.V / now.bv);
+  const long now_waves = (now_ctas + sms - 1) / sms;
+  best.cost_now = intra_now + now_waves * nts * 3.0 * (0.5 + 0.5 * kw);
+  for (int bv : {64, 128}) {
+    if (!fwd_stream_safe(p, bv, sms)) continue;
+    const long ctas = static_cast<long>(p.HV) * p.N * (p.V / bv);
+    const double step = (bv == 128 ? 3.3 : 3.0) * (0.5 + 0.5 * kw);
+    const double chains = nts * step;
+    const double intra = intra_ctas * intra_us / (2.0 * (sms - ctas));
+    const double cost = std::max(chains, intra) + intra_us;  // + the first chunk row's intra
+    if (cost < 0.9 * best.cost_now && (best.bv == 0 || cost < best.cost)) {
+      best.bv = bv;
+      best.cost = cost;
+    }
+  }
+  return best;
+}
+
 // Whether the backward runs its re-scan and its dh scan as ONE launch (bwd/kda_bwd_scans.cuh):
 // when the CTAs of both fit in one wave, the launch takes the longer scan's time instead of the sum
 // of both (B = 1 and few heads: long_b1_t32k pairs 64 + 64 CTAs on 132 SMs). With more CTAs than

@@ -88,6 +88,9 @@ struct KdaFwdParams : KdaProblem {
   void* M = nullptr;         // [B*T, HV, 64]  (I + L)^-1 (backward only), or null
   float* gdecay = nullptr;   // [max_chunks, HV, K]  exp2(G) per chunk (G = g2 of its last valid row)
   void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk (backward re-scan), or null
+  int* chunk_ready = nullptr;  // the streamed forward only (kda_policy.h's fwd_stream_choice), else null:
+                               // [max_chunks * HV] flags, 1 once the intra CTA of (chunk, hv) has written
+                               // its rows, then the intra CTAs' done counter; zeroed before each scan
   long long* dbg_intra_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_fwd_intra
                                          // (profiling, the forward stages op only)
 };
@@ -132,7 +135,7 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kCount };
+                  kPbias, kPA, kChunkReady, kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
@@ -169,6 +172,9 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)
   b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, f32, true});
+  // the streamed forward's flags and counter (4 bytes per chunk and value head; used only where the
+  // launcher streams, kda_fwd.cu)
+  if (!backward) b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {Cfull * HV + 1}, f32, true});
   if (!backward) return b;
   if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
   b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});

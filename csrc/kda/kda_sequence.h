@@ -4,7 +4,7 @@
 // that runs the same kernels under kf_emu. A stage added, dropped or reordered here changes both,
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
-// Stages provides: chunk_map, fused (bool) and fused_forward, intra, scan (Fwd / Bwd params), prep,
+// Stages provides: chunk_map, fused (bool) and fused_forward, streamed_forward, intra, scan (Fwd / Bwd params), prep,
 // pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
 
@@ -18,6 +18,10 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
   s.chunk_map(p);
   if (s.fused(p)) {  // intra and scan in one kernel (fwd/kda_fwd_fused.cuh), where it is chosen
     s.fused_forward(p);
+    return;
+  }
+  if (p.chunk_ready) {  // streamed: the scan with the intra beside it (the launcher kept chunk_ready
+    s.streamed_forward(p);  // only where it streams; kda_policy.h's fwd_stream_choice)
     return;
   }
   s.intra(p);

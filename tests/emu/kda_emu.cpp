@@ -96,6 +96,7 @@ struct KdaEmuArgs {
   float* ddt_bias;
   float* dbg_dA;
   float* dbg_dL;
+  int32_t* chunk_ready;  // the streamed forward's flags (zeroed here), or null: the two-kernel forward
   int64_t cu_int64;
   int64_t B, T, H, HV, K, V, N, max_chunks;
   int64_t dtype, g_dtype, beta_dtype;
@@ -173,6 +174,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.ddt_bias = a.ddt_bias;
   p.dbg_dA = a.dbg_dA;
   p.dbg_dL = a.dbg_dL;
+  p.chunk_ready = a.chunk_ready;
   p.B = static_cast<int>(a.B);
   p.T = static_cast<int>(a.T);
   p.H = static_cast<int>(a.H);
@@ -267,6 +269,17 @@ struct EmuStages {
   bool fused(const kda::KdaFwdParams&) { return use_fused; }
   void fused_forward(const kda::KdaFwdParams& p) {
     launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>, p);
+  }
+  // The streamed forward: on the GPU the scan first and the intra beside it; launches here run one
+  // after the other, so the intra first (its transposed grid, its flags), then the scan, which
+  // checks every chunk's flag before it loads it (dev::wait_chunk_ready reports one never set).
+  void streamed_forward(const kda::KdaFwdParams& p) {
+    std::fill(p.chunk_ready, p.chunk_ready + static_cast<int64_t>(p.max_chunks) * p.HV + 1, 0);
+    ::intra<WT, K>(p);
+    const int64_t want = static_cast<int64_t>(kda::intra_launch<WT, K>(p).grid.x) * kda::intra_launch<WT, K>(p).grid.y;
+    if (p.chunk_ready[static_cast<int64_t>(p.max_chunks) * p.HV] != want)
+      throw std::runtime_error("streamed forward: the intra's done counter is not its CTA count");
+    ::scan<WT, K, BV>(p);
   }
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }

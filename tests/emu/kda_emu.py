@@ -34,7 +34,7 @@ def _build_module():
 _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "options", "o", "ht", "h_states",
          "w", "qg", "kg", "Aqk", "Akk", "M", "gdecay", "chunk_offsets", "h_ckpt", "dh_ckpt", "dqhat", "dkhat",
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
-         "dbg_dL")
+         "dbg_dL", "chunk_ready")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
          "saved_factors", "slice_b", "pair_scans", "balance")
 
@@ -204,10 +204,13 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
 def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                   A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False):
+                   A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
+                   streamed=False):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     bv forces the scan's V-slice (64 or 128; default: the launcher's choice). misalign=True stores
-    q, k and g one element off 16-byte alignment (the intra kernel's fallback load paths)."""
+    q, k and g one element off 16-byte alignment (the intra kernel's fallback load paths).
+    streamed=True runs the streamed forward's kernels (the intra's transposed grid publishing every
+    chunk, the scan checking each chunk's flag; ws["chunk_ready"]), whatever the launch policy says."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -226,7 +229,10 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
             lens = (cu[1:] - cu[:-1]).to(torch.int64)
             lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
         h_states = gz.alloc("h_states", (*lead, HV, *((V, K) if state_v_first else (K, V))), q.dtype)
-    a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0))
+    if streamed:
+        ws["chunk_ready"] = gz.alloc("chunk_ready", (f["max_chunks"] * HV + 1,), torch.int32, fill=0)
+    a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
+                   chunk_ready=_ptr(ws.get("chunk_ready")))
     L = lib()
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())

@@ -128,6 +128,62 @@ __device__ __forceinline__ void wait_previous() {
 #endif
 }
 
+// ---- the streamed forward (kda_policy.h's fwd_stream_choice): kda_fwd_intra beside the waiting scan
+
+// The global chunk that row y of the streamed intra grid computes: chunk c = y / N of sequence
+// n = y % N (fixed length only), so that chunk c of every sequence is handed out before any chunk
+// c + 1 and every chain the scan runs gets its next chunk at the same pace.
+__device__ __forceinline__ int streamed_chunk(const KdaProblem& p, int y) {
+  const int nts = (p.T + kChunk - 1) / kChunk;
+  return (y % p.N) * nts + y / p.N;
+}
+
+// The scan side: thread 0 waits until the intra CTA of (global chunk, value head) has published
+// its workspace rows (its flag in p.chunk_ready is 1); the CTA barrier that follows the call
+// carries the acquire to the threads that then load the rows. In the host emulator the intra runs
+// before the scan (launches run one after another), so a flag still 0 is a chunk never published:
+// reported, where the GPU would wait forever.
+__device__ __forceinline__ void wait_chunk_ready(const int* flag) {
+#ifdef KF_EMU
+  if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 1) kf_emu::detail::failf("streamed scan: a chunk the intra never published");
+#else
+  for (;;) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (v == 1) break;
+    __nanosleep(100);
+  }
+#endif
+}
+
+// The intra side, after the CTA's last workspace store (every thread calls it): each thread's
+// stores are made visible at GPU scope before thread 0 sets the flag (release), and the CTA
+// counts itself done (the counter after the HV x max_chunks flags). The CTA that finds itself last
+// waits for the scan (griddepcontrol.wait: the scan is this launch's prerequisite grid), so this
+// kernel never completes before the scan, and the stream's next operation sees both. Only the last
+// CTA waits: the scan it waits for needs nothing more from the intra by then, whereas a wait in
+// every CTA would hold SMs that unpublished intra CTAs need. flag_index < 0: a varlen grid's idle
+// tail CTA, which only counts itself.
+__device__ __forceinline__ void publish_chunk(const KdaProblem& p, int* ready, int64_t flag_index) {
+  __threadfence();
+  const unsigned total = gridDim.x * gridDim.y * gridDim.z;
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (flag_index >= 0) {
+#ifdef KF_EMU
+      __atomic_store_n(ready + flag_index, 1, __ATOMIC_RELEASE);
+#else
+      asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ready + flag_index), "r"(1) : "memory");
+#endif
+    }
+    int* done = ready + static_cast<int64_t>(p.max_chunks) * p.HV;
+    last = static_cast<unsigned>(atomicAdd(done, 1)) == total - 1;
+  }
+  __syncthreads();
+  if (last) wait_previous();
+}
+
 #ifndef KF_EMU
 // Launches a kernel as its description says (kda_launch_shape.h; every KDA launcher goes through
 // here): dynamic smem opted in, nothing launched for an empty problem.

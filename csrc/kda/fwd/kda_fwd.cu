@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/device_info.h"
 #include "common/env.h"
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
@@ -98,9 +99,36 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
+  if (p.chunk_ready) return kda_fwd_stream_bv(p);  // the streamed forward's width (set only where it streams)
   const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: 64 or 128
   if ((forced == 64 || forced == 128) && p.V % forced == 0) return forced;
   return scan_choice(p).bv;
+}
+
+int kda_fwd_stream_bv(const KdaFwdParams& p) {
+  // KERNEL_FUN_KDA_FWD_STREAMED: 0 never streams, 1 streams wherever it is safe (A/B timing; the width
+  // KERNEL_FUN_KDA_SCAN_BV if set and safe, else the model's, else the widest safe one), unset: the model.
+  const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", -1);
+  if (mode == 0 || !p.chunk_ready) return 0;
+  const int sms = num_sms();
+  const int model = fwd_stream_choice(p, sms).bv;
+  if (mode != 1) return model;
+  const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);
+  if (fwd_stream_safe(p, forced, sms)) return forced;
+  if (model) return model;
+  for (int bv : {128, 64})
+    if (fwd_stream_safe(p, bv, sms)) return bv;
+  return 0;
+}
+
+void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
+  // Order on the stream: the flags zeroed, then the scan (its CTAs resident, waiting for flags, and
+  // triggering the intra's launch at their start), then the intra beside it (intra_launch:
+  // overlap_previous). The intra's last CTA waits for the scan, so the stream's next work sees both.
+  KF_CUDA_CHECK(cudaMemsetAsync(p.chunk_ready, 0, sizeof(int) * (static_cast<size_t>(p.max_chunks) * p.HV + 1),
+                                stream));
+  kda_fwd_scan(p, stream);
+  kda_fwd_intra(p, stream);
 }
 
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
@@ -124,8 +152,10 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
+  KdaFwdParams f = p;
+  if (!f.chunk_ready || kda_fwd_stream_bv(f) == 0) f.chunk_ready = nullptr;  // kept only where it streams
   StreamStages stages{stream};
-  forward_sequence(p, stages);
+  forward_sequence(f, stages);
 }
 
 }  // namespace kernel_fun::kda

@@ -824,21 +824,36 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   }
 }
 
+// Grid: (global chunk, value head); in the streamed forward (p.chunk_ready set, kda_policy.h's
+// fwd_stream_choice) (value head, chunk row), every head of a chunk row before the next row
+// (dev::streamed_chunk), each CTA publishing its chunk to the scan that runs beside it.
 template <typename WT, int K>
 __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  const int hv = blockIdx.y;
+  const bool streamed = p.chunk_ready != nullptr;
+  const int hv = streamed ? blockIdx.x : blockIdx.y;
+  const int x = streamed ? dev::streamed_chunk(p, blockIdx.y) : blockIdx.x;
   int n, ch;
-  if (!dev::chunk_of(p, blockIdx.x, n, ch)) return;
-  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
-                          dev::cta_clock_row(p.dbg_intra_clock));
-  intra_chunk(c, IntraToWorkspace<WT, K>{});
+  const bool has_chunk = dev::chunk_of(p, x, n, ch);
+  if (has_chunk) {
+    const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
+                            dev::cta_clock_row(p.dbg_intra_clock));
+    intra_chunk(c, IntraToWorkspace<WT, K>{});
+  }
+  if (streamed) dev::publish_chunk(p, p.chunk_ready, has_chunk ? static_cast<int64_t>(x) * p.HV + hv : -1);
 }
 
-// The launch (kda_launch_shape.h): launch_intra's and the emulator's.
+// The launch (kda_launch_shape.h): launch_intra's and the emulator's. Streamed: the grid transposed
+// and launched beside the scan (programmatic dependent launch: the scan's CTAs trigger it at their
+// start, kda_fwd_scan.cuh).
 template <typename WT, int K>
-inline LaunchShape intra_launch(const KdaProblem& p) {
-  return chunk_grid(p, kIntraThreads, sizeof(IntraSmem<WT, K>));
+inline LaunchShape intra_launch(const KdaFwdParams& p) {
+  LaunchShape s = chunk_grid(p, kIntraThreads, sizeof(IntraSmem<WT, K>));
+  if (p.chunk_ready) {
+    s.grid = dim3(s.grid.y, s.grid.x);
+    s.overlap_previous = true;
+  }
+  return s;
 }
 
 #ifndef KF_EMU

@@ -158,13 +158,24 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
     dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o);
   };
 
+  // The streamed forward (kda_policy.h's fwd_stream_choice; uniform): this grid is resident first and
+  // lets kda_fwd_intra launch beside it at once; a chunk's rows are loaded only after its intra CTA
+  // has published them (thread 0 waits, the next CTA barrier passes the acquire on).
+  const int* ready = p.chunk_ready ? p.chunk_ready + static_cast<int64_t>(seq.chunk0) * p.HV + hv : nullptr;
+  if (ready) {
+    dev::launch_dependents();
+    if (nchunks > 0 && threadIdx.x == 0) dev::wait_chunk_ready(ready);
+    __syncthreads();
+  }
   if (nchunks > 0) load_chunk(0, 0);
   dev::cp_async_commit();
 
   for (int c = 0; c < nchunks; ++c) {
     const int st = c & 1;
     dev::cp_async_wait<0>();
-    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1)
+    if (ready && c + 1 < nchunks && threadIdx.x == 0) dev::wait_chunk_ready(ready + static_cast<int64_t>(c + 1) * p.HV);
+    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1); with `ready`,
+    // chunk c + 1 is published
     __syncthreads();
     if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
     dev::cp_async_commit();
