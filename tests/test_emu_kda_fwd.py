@@ -415,33 +415,46 @@ def test_fused_forward_is_bitwise_the_two_kernel_path(emu, name, bv):
     assert o1.abs().sum() > 0
 
 
-STREAMED = [n for n, c in CASES.items() if "cu" not in c] + ["B3-T200-K128-V256-h0"]
+STREAMED = [(n, -1) for n, c in CASES.items() if "cu" not in c] + [("B3-T200-K128-V256-h0", -1)]
+# pass 1 stopped early: at chunk 0 (the launches serialised), mid-sequence, past the last chunk
+STREAMED += [(n, stop) for n in ("B3-T200-K128-V256-h0", "T63-B2-K128-h0", "state-v-first", "GVA-1-2")
+             for stop in (0, 1, 2, 9)]
 
 
-@pytest.mark.parametrize("name", STREAMED)
-def test_streamed_forward_is_bitwise_the_two_kernel_path(emu, name):
-    """The streamed forward (kda_policy.h's fwd_stream_choice: the scan with kda_fwd_intra beside it,
-    flags in between): the intra's transposed grid computes every (chunk, head) exactly once and
-    publishes it, and the scan checks each chunk's flag before loading it (the emulator reports a
-    flag never set); o, the final state, the per-chunk states and the workspace are bit for bit the
-    two-kernel path's, on every fixed-length case (varlen does not stream)."""
+@pytest.mark.parametrize("name, stop", STREAMED)
+def test_streamed_forward_is_bitwise_the_two_kernel_path(emu, name, stop):
+    """The streamed forward (kda_policy.h's fwd_stream_choice: the scan's pass 1 with kda_fwd_intra
+    beside it, flags in between, pass 2 resuming what pass 1 stopped): the intra's transposed grid
+    computes every (chunk, head) exactly once and publishes it; o, the final state, the per-chunk
+    states and the workspace are bit for bit the two-kernel path's, whether pass 1 finds every chunk
+    published (stop -1), none (0: as when a tool serialises the launches) or those before chunk
+    `stop`; each chain's resume chunk is where pass 1 stopped it."""
     extra = {"B3-T200-K128-V256-h0": dict(B=3, T=200, K=128, V=256, h0=True)}
     conf = extra.get(name) or CASES[name]
     case = {k: v for k, v in conf.items() if k not in ("bv", "misalign")}
     inputs, kw = make_case(**case)
     run = dict(bv=conf.get("bv"), misalign=conf.get("misalign", False), return_intermediate_states=True)
     o2, ht2, hs2, ws2 = emu.forward_stages(*inputs, **kw, **run)
-    o1, ht1, hs1, ws1 = emu.forward_stages(*inputs, **kw, **run, streamed=True)
+    o1, ht1, hs1, ws1 = emu.forward_stages(*inputs, **kw, **run, streamed=True, stream_stop=stop)
     assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), "o differs"
     assert torch.equal(ht1, ht2), "final state differs"
     assert torch.equal(hs1.view(torch.int16), hs2.view(torch.int16)), "per-chunk states differ"
     for n in ("w", "qg", "kg", "Aqk", "Akk", "gdecay"):
         assert torch.equal(ws1[n].view(torch.int16) if ws1[n].dtype != torch.float32 else ws1[n],
                            ws2[n].view(torch.int16) if ws2[n].dtype != torch.float32 else ws2[n]), n
-    HV, nchunks = inputs[2].shape[2], len(_last_rows(None, inputs[0].shape[0], inputs[0].shape[1]))
+    B, T = inputs[0].shape[:2]
+    HV, V = inputs[2].shape[2], inputs[2].shape[3]
+    nts = -(-T // 64)
     ready = ws1["chunk_ready"]
-    assert torch.equal(ready[:-1], torch.ones_like(ready[:-1])) and ready.numel() == nchunks * HV + 1
-    assert int(ready[-1]) == nchunks * HV, "every intra CTA counted itself done once"
+    nflags = B * nts * HV
+    assert ready.numel() == nflags + 1 + HV * B * (V // 64)
+    assert torch.equal(ready[:nflags], torch.ones_like(ready[:nflags]))
+    assert int(ready[nflags]) == nflags, "every intra CTA counted itself done once"
+    # resume chunks, one slot per (sequence, head, 64 value columns): a CTA of 128 columns writes
+    # the first of its two
+    want = nts if stop < 0 else min(stop, nts)
+    resume = ready[nflags + 1:].view(B, HV, V // 64)
+    assert bool(((resume == want) | (resume == 0)).all()) and int(resume.max()) == want
     assert o1.abs().sum() > 0
 
 

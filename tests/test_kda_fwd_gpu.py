@@ -649,3 +649,53 @@ def test_streamed_forward_under_cuda_graph_replay(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
         assert bool((out[3]["chunk_ready"][:-1] == 1).all())
+
+
+def test_streamed_forward_under_torch_profiler(monkeypatch):
+    """Under torch.profiler the scan's pass 1 and the intra may not run at once: a chain that waits
+    2 ms for its next chunk stops and pass 2 finishes it after the intra. The result is the same
+    bits, and the call returns (it hung before the resume pass existed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs, kw = make_case(T=4096, H=4, V=128, h0=True)
+    o2, ht2, _, _ = _stages(inputs, kw, monkeypatch, False)
+    with profile(activities=[ProfilerActivity.CUDA]):
+        o1, ht1, _, ws1 = _stages(inputs, kw, monkeypatch, True)
+        torch.cuda.synchronize()
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+
+
+_SERIALISED = r"""
+import json, os, sys, torch
+sys.path.insert(0, os.path.join(os.environ["KF_ROOT"], "tests"))
+import test_kda_fwd_gpu as t
+inputs, kw = t.make_case(T=2048, H=4, V=128, h0=True)
+os.environ["KERNEL_FUN_KDA_FWD_STREAMED"] = "0"
+o2, ht2, _, _ = t.run_ours(inputs, kw)
+os.environ["KERNEL_FUN_KDA_FWD_STREAMED"] = "1"
+o1, ht1, _, ws = t.run_ours(inputs, kw)
+ready = ws["chunk_ready"]
+nflags = 32 * 4
+assert torch.equal(o1, o2) and torch.equal(ht1, ht2), "streamed != two kernels"
+assert bool((ready[:nflags] == 1).all()), "the intra did not publish every chunk"
+print("resume", json.dumps(ready[nflags + 1:].tolist()))
+"""
+
+
+def test_streamed_forward_with_launches_serialised(tmp_path):
+    """CUDA_LAUNCH_BLOCKING=1 (a subprocess): the scan's pass 1 runs alone, so every chain stops at
+    chunk 0 after its 2 ms wait, and pass 2 (after the intra) computes it all: the same bits as the
+    two kernels, the resume chunks all 0, and no hang (bounded by the subprocess timeout)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", KF_ROOT=str(root))
+    r = subprocess.run([sys.executable, "-c", _SERIALISED], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    resume = json.loads(r.stdout.split("resume", 1)[1].strip())
+    assert all(x == 0 for x in resume), resume

@@ -237,6 +237,7 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kPbias: p.pbias = static_cast<float*>(ptr); break;
       case WorkBuffer::kPA: p.pA = static_cast<float*>(ptr); break;
       case WorkBuffer::kChunkReady: p.chunk_ready = static_cast<int*>(ptr); break;
+      case WorkBuffer::kScanSave: p.scan_save = static_cast<float*>(ptr); break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));

@@ -3,7 +3,8 @@
 //
 // Stage table (docs/kda.md maps each to its math, its fp64 reference and its tests):
 //   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan (or kda_fwd_fused: opt-in, for timing;
-//             or streamed: kda_fwd_scan with kda_fwd_intra beside it, few chains, kda_policy.h)
+//             or streamed, few chains (kda_policy.h): kda_fwd_scan pass 1 with kda_fwd_intra beside
+//             it, then kda_fwd_scan pass 2 for any chain pass 1 stopped)
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
 //             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
@@ -26,8 +27,8 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
 // The V-slice width the scan uses for this problem (64 or 128): kda_policy.h's scan_choice, or
 // KERNEL_FUN_KDA_SCAN_BV.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
-// The streamed forward (kda_policy.h's fwd_stream_choice): the scan, then kda_fwd_intra beside it
-// through p.chunk_ready's flags. kda_fwd_stream_bv: its V-slice width for p, or 0 where the forward
+// The streamed forward (kda_policy.h's fwd_stream_choice): the scan's pass 1, kda_fwd_intra beside
+// it through p.chunk_ready's flags, the scan's pass 2. kda_fwd_stream_bv: its V-slice width for p, or 0 where the forward
 // does not stream (no chunk_ready, unsafe, or slower by the model; KERNEL_FUN_KDA_FWD_STREAMED=0|1
 // overrides the model). kda_forward keeps p.chunk_ready only where it streams.
 int kda_fwd_stream_bv(const KdaFwdParams& p);

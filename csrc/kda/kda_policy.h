@@ -52,10 +52,12 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
 // intra CTA publishing its chunk to the scan through a flag (p.chunk_ready). When few (sequence,
 // value head, V-slice) chains leave most SMs idle during the scan, the intra work then runs on
 // those SMs while the chains advance instead of before them.
-// Deadlock freedom needs every scan CTA resident at once with SMs to spare for the intra (the scan
-// waits for intra CTAs; the intra waits for nothing): the scan's grid must be at most `sms - 8`
-// CTAs, counted against the device's own SM count (the launcher's num_sms(), not kPolicySMs), one
-// scan CTA per SM. Fixed-length batches only: the intra's swapped grid hands out chunk c of every
+// The scan waits for intra CTAs (the intra for nothing), so the overlap needs every scan CTA
+// resident at once with SMs to spare for the intra: the scan's grid is at most `sms - 8` CTAs,
+// counted against the device's own SM count (the launcher's num_sms(), not kPolicySMs). Where the
+// two kernels cannot run at once anyway (CUDA_LAUNCH_BLOCKING=1, profilers and sanitizers that
+// serialise launches), a chain that waits 2 ms for its next chunk stops and a resume pass after the
+// intra finishes it (dev::wait_chunk_ready, kda_fwd_scan.cuh): never a hang. Fixed-length batches only: the intra's swapped grid hands out chunk c of every
 // sequence before chunk c + 1 (dev::streamed_chunk), which a varlen chunk map cannot do without a
 // host sync. Model (measured on the H200, K = 128): an intra CTA takes ~21 us at two per SM
 // (42k cycles), a scan step ~3.0 us at BV = 64 and, assumed, ~3.3 us at BV = 128 (8 warps); the
@@ -65,11 +67,10 @@ struct StreamChoice {
   double cost = 0;      // modelled us
   double cost_now = 0;  // modelled us of the two kernels one after the other
 };
-// Whether the streamed forward with V-slices of bv is safe on a device of `sms` SMs (the deadlock
-// condition above; the intra's transposed grid has max_chunks rows, at most 65535).
+// Whether the streamed forward with V-slices of bv can overlap on a device of `sms` SMs (the
+// residency condition above; fwd_stream_possible: fixed length, at most 65535 chunk rows).
 inline bool fwd_stream_safe(const KdaProblem& p, int bv, int sms) {
-  if (p.cu_seqlens || p.N <= 0 || p.HV <= 0 || p.max_chunks <= 0 || p.max_chunks > 65535 || sms < 16) return false;
-  if (bv <= 0 || p.V % bv != 0) return false;
+  if (!fwd_stream_possible(p) || sms < 16 || bv <= 0 || p.V % bv != 0) return false;
   return static_cast<long>(p.HV) * p.N * (p.V / bv) <= sms - 8;
 }
 inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {

@@ -90,7 +90,12 @@ struct KdaFwdParams : KdaProblem {
   void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk (backward re-scan), or null
   int* chunk_ready = nullptr;  // the streamed forward only (kda_policy.h's fwd_stream_choice), else null:
                                // [max_chunks * HV] flags, 1 once the intra CTA of (chunk, hv) has written
-                               // its rows, then the intra CTAs' done counter; zeroed before each scan
+                               // its rows; the intra CTAs' done counter; then one resume chunk per scan
+                               // CTA (kStreamProgress); zeroed before each streamed forward
+  float* scan_save = nullptr;  // the streamed forward: [N, HV, K, V] fp32, the state of each scan chain that
+                               // stopped early (its first pass waited too long), for the resume pass
+  int scan_pass = 0;           // kda_fwd_scan: 0 ordinary; 1 the streamed first pass (waits for chunk
+                               // flags, may stop early); 2 the resume pass (from scan_save, no waits)
   long long* dbg_intra_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_fwd_intra
                                          // (profiling, the forward stages op only)
 };
@@ -135,13 +140,26 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kChunkReady, kCount };
+                  kPbias, kPA, kChunkReady, kScanSave, kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
   DType dtype;       // kFloat32 for fp32 buffers, the problem's dtype for 16-bit ones
   bool is_int = false;  // chunk_offsets (int32)
 };
+
+// The streamed forward (kda_policy.h's fwd_stream_choice) needs few scan chains: at most 256 at the
+// widest slice (no device has more SMs to spare), fixed length, and at most 65535 chunk rows.
+inline bool fwd_stream_possible(const KdaProblem& p) {
+  return !p.cu_seqlens && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && p.max_chunks <= 65535 &&
+         static_cast<int64_t>(p.HV) * p.N * (p.V / 128) <= 256 && p.V % 64 == 0;
+}
+// chunk_ready's length: the flags, the intra's done counter, one resume chunk per scan CTA (BV = 64)
+inline int64_t stream_flag_count(const KdaProblem& p) {
+  return static_cast<int64_t>(p.max_chunks) * p.HV + 1 + static_cast<int64_t>(p.HV) * p.N * (p.V / 64);
+}
+// Where the resume chunks start in chunk_ready.
+__host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return static_cast<int64_t>(p.max_chunks) * p.HV + 1; }
 
 // Whether a backward of p runs in slices of slice_B batches (bwd/kda_bwd_slice.h): fixed length only.
 inline bool sliced_backward(const KdaProblem& p, int slice_B) {
@@ -172,10 +190,14 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)
   b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, f32, true});
-  // the streamed forward's flags and counter (4 bytes per chunk and value head; used only where the
-  // launcher streams, kda_fwd.cu)
-  if (!backward) b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {Cfull * HV + 1}, f32, true});
-  if (!backward) return b;
+  // the streamed forward's flags, counter and resume chunks (4 bytes per chunk and value head, and
+  // per scan CTA), and where it can stream at all (kda_policy.h's fwd_stream_possible) the chains'
+  // saved states; used only where the launcher streams (kda_fwd.cu)
+  if (!backward) {
+    b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {stream_flag_count(p)}, f32, true});
+    if (fwd_stream_possible(p)) b.push_back({WorkBuffer::kScanSave, "scan_save", {p.N, HV, K, V}, f32});
+    return b;
+  }
   if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
   b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
   b.push_back({WorkBuffer::kDhCkpt, "dh_ckpt", {C, HV, V, K}, wt});

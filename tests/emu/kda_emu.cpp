@@ -97,6 +97,7 @@ struct KdaEmuArgs {
   float* dbg_dA;
   float* dbg_dL;
   int32_t* chunk_ready;  // the streamed forward's flags (zeroed here), or null: the two-kernel forward
+  float* scan_save;       // the streamed forward's saved chain states
   int64_t cu_int64;
   int64_t B, T, H, HV, K, V, N, max_chunks;
   int64_t dtype, g_dtype, beta_dtype;
@@ -107,6 +108,9 @@ struct KdaEmuArgs {
                           // launch (bwd/kda_bwd_scans.cuh), 2 = two launches
   int64_t balance;        // backward: kda_bwd_grads' load-balancing bits (KdaBwdParams::balance), or
                           // -1 for the default (KERNEL_FUN_KDA_BWD_BALANCE on the GPU)
+  int64_t stream_stop;    // streamed forward: -1 the intra before the scan's pass 1 (every chain runs
+                          // through); 0 pass 1 before the intra (as under a serialising tool: every
+                          // chain stops at chunk 0); m > 0 pass 1 sees only chunks < m published
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -175,6 +179,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.dbg_dA = a.dbg_dA;
   p.dbg_dL = a.dbg_dL;
   p.chunk_ready = a.chunk_ready;
+  p.scan_save = a.scan_save;
   p.B = static_cast<int>(a.B);
   p.T = static_cast<int>(a.T);
   p.H = static_cast<int>(a.H);
@@ -270,16 +275,33 @@ struct EmuStages {
   void fused_forward(const kda::KdaFwdParams& p) {
     launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>, p);
   }
-  // The streamed forward: on the GPU the scan first and the intra beside it; launches here run one
-  // after the other, so the intra first (its transposed grid, its flags), then the scan, which
-  // checks every chunk's flag before it loads it (dev::wait_chunk_ready reports one never set).
+  // The streamed forward: on the GPU the scan's pass 1 first, the intra beside it, then pass 2.
+  // Launches here run one after another, so stop (KdaEmuArgs::stream_stop) picks which chunks pass
+  // 1 finds published: all (the intra first), none (pass 1 first), or those before chunk m; pass 2
+  // resumes whatever chain stopped. The intra's done counter must equal its CTA count.
+  int64_t stop = -1;
   void streamed_forward(const kda::KdaFwdParams& p) {
-    std::fill(p.chunk_ready, p.chunk_ready + static_cast<int64_t>(p.max_chunks) * p.HV + 1, 0);
+    const int64_t nflags = static_cast<int64_t>(p.max_chunks) * p.HV;
+    std::fill(p.chunk_ready, p.chunk_ready + kda::stream_flag_count(p), 0);
+    kda::KdaFwdParams pass = p;
+    pass.scan_pass = 1;
+    if (stop == 0) ::scan<WT, K, BV>(pass);
     ::intra<WT, K>(p);
-    const int64_t want = static_cast<int64_t>(kda::intra_launch<WT, K>(p).grid.x) * kda::intra_launch<WT, K>(p).grid.y;
-    if (p.chunk_ready[static_cast<int64_t>(p.max_chunks) * p.HV] != want)
+    const kda::LaunchShape in = kda::intra_launch<WT, K>(p);
+    if (p.chunk_ready[nflags] != static_cast<int64_t>(in.grid.x) * in.grid.y)
       throw std::runtime_error("streamed forward: the intra's done counter is not its CTA count");
-    ::scan<WT, K, BV>(p);
+    if (stop != 0) {
+      const int nts = (p.T + kda::kChunk - 1) / kda::kChunk;
+      auto hide = [&](int v) {  // the flags of chunks >= stop within each sequence
+        for (int64_t i = 0; i < nflags; ++i)
+          if (stop > 0 && (i / p.HV) % nts >= stop) p.chunk_ready[i] = v;
+      };
+      hide(0);
+      ::scan<WT, K, BV>(pass);
+      hide(1);
+    }
+    pass.scan_pass = 2;
+    ::scan<WT, K, BV>(pass);
   }
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }
@@ -304,7 +326,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu", [&](auto wt, auto k, auto b) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
-    EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused};
+    EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused, a.stream_stop};
     if (!bwd) return kda::forward_sequence(p, stages);
     kda::KdaBwdParams r = p;  // the re-scan writes states only
     r.o = nullptr;

@@ -34,9 +34,9 @@ def _build_module():
 _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "options", "o", "ht", "h_states",
          "w", "qg", "kg", "Aqk", "Akk", "M", "gdecay", "chunk_offsets", "h_ckpt", "dh_ckpt", "dqhat", "dkhat",
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
-         "dbg_dL", "chunk_ready")
+         "dbg_dL", "chunk_ready", "scan_save")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
-         "saved_factors", "slice_b", "pair_scans", "balance")
+         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop")
 
 
 class KdaEmuArgs(ctypes.Structure):
@@ -205,12 +205,15 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
-                   streamed=False):
+                   streamed=False, stream_stop=-1):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     bv forces the scan's V-slice (64 or 128; default: the launcher's choice). misalign=True stores
     q, k and g one element off 16-byte alignment (the intra kernel's fallback load paths).
     streamed=True runs the streamed forward's kernels (the intra's transposed grid publishing every
-    chunk, the scan checking each chunk's flag; ws["chunk_ready"]), whatever the launch policy says."""
+    chunk, the scan's pass 1 waiting for each chunk's flag, pass 2 resuming the chains pass 1
+    stopped; ws["chunk_ready"], ws["scan_save"]), whatever the launch policy says. stream_stop: -1
+    the intra runs before pass 1 (no chain stops), 0 after it (every chain stops at chunk 0, as
+    under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -230,9 +233,12 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
             lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
         h_states = gz.alloc("h_states", (*lead, HV, *((V, K) if state_v_first else (K, V))), q.dtype)
     if streamed:
-        ws["chunk_ready"] = gz.alloc("chunk_ready", (f["max_chunks"] * HV + 1,), torch.int32, fill=0)
+        nflags = f["max_chunks"] * HV + 1 + HV * N * (V // 64)
+        ws["chunk_ready"] = gz.alloc("chunk_ready", (nflags,), torch.int32, fill=0)
+        ws["scan_save"] = gz.alloc("scan_save", (N, HV, K, V), torch.float32)
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
-                   chunk_ready=_ptr(ws.get("chunk_ready")))
+                   chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
+                   stream_stop=int(stream_stop))
     L = lib()
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())

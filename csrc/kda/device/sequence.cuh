@@ -138,19 +138,28 @@ __device__ __forceinline__ int streamed_chunk(const KdaProblem& p, int y) {
   return (y % p.N) * nts + y / p.N;
 }
 
-// The scan side: thread 0 waits until the intra CTA of (global chunk, value head) has published
-// its workspace rows (its flag in p.chunk_ready is 1); the CTA barrier that follows the call
-// carries the acquire to the threads that then load the rows. In the host emulator the intra runs
-// before the scan (launches run one after another), so a flag still 0 is a chunk never published:
-// reported, where the GPU would wait forever.
-__device__ __forceinline__ void wait_chunk_ready(const int* flag) {
+// The scan side (thread 0): whether the intra CTA of (global chunk, value head) has published its
+// workspace rows (its flag in p.chunk_ready is 1); the CTA barrier that follows the call carries
+// the acquire to the threads that then load the rows. It gives up after kStreamWaitNs without the
+// flag: when the two kernels cannot run at once (CUDA_LAUNCH_BLOCKING=1, a profiler or a sanitizer
+// that serialises launches, SMs held by other work) the intra starts only after the scan ends, and
+// a scan that waited for it would never end. The chain then stops and the resume pass, launched
+// after the intra, finishes it (kda_fwd_scan.cuh): the same results, later. In the host emulator
+// launches run one after another and the flag is read once (the test chooses the order).
+constexpr long long kStreamWaitNs = 2000000;  // 2 ms without the next chunk: the intra is not running beside
+__device__ __forceinline__ bool wait_chunk_ready(const int* flag) {
 #ifdef KF_EMU
-  if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != 1) kf_emu::detail::failf("streamed scan: a chunk the intra never published");
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE) == 1;
 #else
+  long long t0 = -1;
   for (;;) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    if (v == 1) break;
+    if (v == 1) return true;
+    long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (t0 < 0) t0 = now;
+    else if (now - t0 > kStreamWaitNs) return false;
     __nanosleep(100);
   }
 #endif

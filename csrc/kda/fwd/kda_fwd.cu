@@ -109,7 +109,7 @@ int kda_fwd_stream_bv(const KdaFwdParams& p) {
   // KERNEL_FUN_KDA_FWD_STREAMED: 0 never streams, 1 streams wherever it is safe (A/B timing; the width
   // KERNEL_FUN_KDA_SCAN_BV if set and safe, else the model's, else the widest safe one), unset: the model.
   const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", -1);
-  if (mode == 0 || !p.chunk_ready) return 0;
+  if (mode == 0 || !p.chunk_ready || !p.scan_save) return 0;
   const int sms = num_sms();
   const int model = fwd_stream_choice(p, sms).bv;
   if (mode != 1) return model;
@@ -122,20 +122,17 @@ int kda_fwd_stream_bv(const KdaFwdParams& p) {
 }
 
 void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
-  // Order on the stream: the flags zeroed, then the scan (its CTAs resident, waiting for flags, and
-  // triggering the intra's launch at their start), then the intra beside it (intra_launch:
-  // overlap_previous). The intra's last CTA waits for the scan, so the stream's next work sees both.
-  KF_CUDA_CHECK(cudaMemsetAsync(p.chunk_ready, 0, sizeof(int) * (static_cast<size_t>(p.max_chunks) * p.HV + 1),
-                                stream));
-  kda_fwd_scan(p, stream);
+  // Order on the stream: the flags and resume chunks zeroed; the scan's pass 1 (its CTAs resident,
+  // triggering the intra's launch at their start, waiting for flags); the intra beside it
+  // (intra_launch: overlap_previous; its last CTA waits for pass 1, so the stream's next work sees
+  // both); pass 2, which finishes any chain pass 1 stopped (none when the two ran at once).
+  KF_CUDA_CHECK(cudaMemsetAsync(p.chunk_ready, 0, sizeof(int) * static_cast<size_t>(stream_flag_count(p)), stream));
+  KdaFwdParams pass = p;
+  pass.scan_pass = 1;
+  kda_fwd_scan(pass, stream);
   kda_fwd_intra(p, stream);
-}
-
-void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
-  if (p.V % 64 != 0) throw std::invalid_argument("kda_fwd_scan: V must be a multiple of 64");
-  dispatch_wt_k_bv(p.dtype, p.K, kda_fwd_scan_bv(p), "kda_fwd_scan", [&](auto wt, auto k, auto bv) {
-    launch_scan<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
-  });
+  pass.scan_pass = 2;
+  kda_fwd_scan(pass, stream);
 }
 
 bool kda_fwd_fused_wanted(const KdaFwdParams& p) {

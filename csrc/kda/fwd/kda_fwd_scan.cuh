@@ -149,41 +149,66 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   const int t = pl.t, hv = pl.hv, v0 = pl.v0, col0 = pl.col0, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
 
+  // The streamed forward (kda_policy.h's fwd_stream_choice; p.scan_pass uniform): pass 1 is resident
+  // first and lets kda_fwd_intra launch beside it at once; a chunk's rows are loaded only after its
+  // intra CTA has published them (thread 0 waits, the next CTA barrier passes the acquire on). A
+  // chain whose next chunk does not come (dev::wait_chunk_ready: the kernels do not run at once)
+  // stops after its current chunk, saving its fp32 state exactly and the chunk it resumes at; pass 2,
+  // launched after the intra, resumes it from there (and returns at once for a finished chain).
+  // Registers: the scan runs at 252-255, so the streamed path keeps nothing live across the chunk
+  // loop beyond one predicate: the pass, the flag and resume addresses are re-read from p (constant
+  // bank) where used (held in registers, they spilled ~1 KB per thread).
+  // one resume slot per (sequence, head, 64 value columns): sbase / (K * 64) = (n HV + hv) V / 64
+  const int64_t resume_slot = stream_progress_offset(p) + pl.sbase / (K * 64) + v0 / 64;
+  const int c_begin = p.scan_pass == 2 ? p.chunk_ready[resume_slot] : 0;
+  if (p.scan_pass == 2 && c_begin >= nchunks) return;
+
   float hT[NK][4];  // the state, in ScanPlace's fragment layout
-  dev::load_state<K>(hT, p.h0, pl.sbase, p, col0, t);
+  dev::load_state<K>(hT, p.scan_pass == 2 && c_begin > 0 ? p.scan_save : p.h0, pl.sbase, p, col0, t);
 
   const bool with_o = p.o != nullptr;  // uniform: the backward's re-scan wants only the states
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
   auto load_chunk = [&](int cc, int st) {
     dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o);
   };
+  // chunk cc's flag (pass 1): published by the intra CTA of (global chunk, value head)
+  auto flag = [&](int cc) { return p.chunk_ready + static_cast<int64_t>(seq.chunk0 + cc) * p.HV + hv; };
 
-  // The streamed forward (kda_policy.h's fwd_stream_choice; uniform): this grid is resident first and
-  // lets kda_fwd_intra launch beside it at once; a chunk's rows are loaded only after its intra CTA
-  // has published them (thread 0 waits, the next CTA barrier passes the acquire on).
-  const int* ready = p.chunk_ready ? p.chunk_ready + static_cast<int64_t>(seq.chunk0) * p.HV + hv : nullptr;
-  if (ready) {
+  // thread 0's verdict on the next chunk, two slots: slot c & 1 is written before the barrier of
+  // chunk c and read after it, and rewritten only after everyone has passed the next barrier
+  __shared__ int next_ready[2];
+  if (p.scan_pass == 1) {
     dev::launch_dependents();
-    if (nchunks > 0 && threadIdx.x == 0) dev::wait_chunk_ready(ready);
+    if (threadIdx.x == 0) next_ready[1] = nchunks == 0 || dev::wait_chunk_ready(flag(0));
     __syncthreads();
+    if (!next_ready[1]) {  // chunk 0 never came: everything to pass 2, from h0
+      if (threadIdx.x == 0) p.chunk_ready[resume_slot] = 0;
+      return;
+    }
   }
-  if (nchunks > 0) load_chunk(0, 0);
+  if (c_begin < nchunks) load_chunk(c_begin, c_begin & 1);
   dev::cp_async_commit();
 
-  for (int c = 0; c < nchunks; ++c) {
+  int c = c_begin;
+  bool stopped = false;  // uniform
+  for (; c < nchunks && !stopped; ++c) {  // a stopped chain leaves with c = its resume chunk
     const int st = c & 1;
     dev::cp_async_wait<0>();
-    if (ready && c + 1 < nchunks && threadIdx.x == 0) dev::wait_chunk_ready(ready + static_cast<int64_t>(c + 1) * p.HV);
-    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1); with `ready`,
-    // chunk c + 1 is published
+    if (p.scan_pass == 1 && threadIdx.x == 0) next_ready[st] = c + 1 >= nchunks || dev::wait_chunk_ready(flag(c + 1));
+    // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1); in pass 1,
+    // thread 0 has seen chunk c + 1 published, or given up on it
     __syncthreads();
-    if (c + 1 < nchunks) load_chunk(c + 1, st ^ 1);
+    stopped = p.scan_pass == 1 && !next_ready[st];
+    if (c + 1 < nchunks && !stopped) load_chunk(c + 1, st ^ 1);
     dev::cp_async_commit();
     fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, with_o, hT);
   }
   dev::cp_async_wait<0>();
-
-  if (p.ht) dev::store_state<WT, K>(p.ht, pl.sbase, hT, p, col0, t);
+  // A stopped chain saves the state before chunk c + 1 and its resume chunk for pass 2 (one store
+  // site for both states: a second copy of the store inside the loop spilled the scan's registers)
+  if (p.scan_pass == 1 && threadIdx.x == 0) p.chunk_ready[resume_slot] = stopped ? c : nchunks;
+  float* dst = stopped ? p.scan_save : p.ht;
+  if (dst) dev::store_state<WT, K>(dst, pl.sbase, hT, p, col0, t);
 }
 
 template <typename WT, int K, int BV>
