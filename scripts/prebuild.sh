@@ -12,6 +12,12 @@ set -eu
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "${1:-$here}"
 MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace
+# A function of ours declared and called but defined nowhere links fine into a shared object and
+# fails only when the device loads it ("Could not load this library"): a whole device call lost
+# (2026-12-03). nm sees it here.
+if undef=$(nm -C --undefined-only src/kernel_fun/_C.abi3.so | grep "kernel_fun::"); then
+  echo "prebuild: the extension uses functions of ours that nothing defines:"; echo "$undef"; exit 1
+fi
 mkdir -p .prebuilt
 xz -T0 -6 -c src/kernel_fun/_C.abi3.so > .prebuilt/_C.abi3.so.xz
 bash "$here/scripts/source_hash.sh" "$PWD" > .prebuilt/SOURCES

@@ -28,9 +28,10 @@ void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
 // KERNEL_FUN_KDA_SCAN_BV.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
 // The streamed forward (kda_policy.h's fwd_stream_choice): the scan's pass 1, kda_fwd_intra beside
-// it through p.chunk_ready's flags, the scan's pass 2. kda_fwd_stream_bv: its V-slice width for p, or 0 where the forward
-// does not stream (no chunk_ready, unsafe, or slower by the model; KERNEL_FUN_KDA_FWD_STREAMED=0|1
-// overrides the model). kda_forward keeps p.chunk_ready only where it streams.
+// it through p.chunk_ready's flags, the scan's pass 2. kda_fwd_stream_bv: its V-slice width for p,
+// or 0 where the forward does not stream: opt-in with KERNEL_FUN_KDA_FWD_STREAMED (1 wherever the
+// overlap is possible, 2 where the model says it pays). kda_forward keeps p.chunk_ready only where
+// it streams.
 int kda_fwd_stream_bv(const KdaFwdParams& p);
 void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream);
 // Version 0 of the fused forward (fwd/kda_fwd_fused.cuh): intra and scan in one kernel, no

@@ -47,7 +47,8 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
   return best;
 }
 
-// The streamed forward (kda_fwd.cu's kda_fwd_streamed): the scan launched first, its CTAs resident
+// The streamed forward (kda_fwd.cu's kda_fwd_streamed; opt-in, KERNEL_FUN_KDA_FWD_STREAMED, until it
+// is timed on a GPU): the scan launched first, its CTAs resident
 // and waiting, and kda_fwd_intra beside it on the other SMs (a programmatic dependent launch), each
 // intra CTA publishing its chunk to the scan through a flag (p.chunk_ready). When few (sequence,
 // value head, V-slice) chains leave most SMs idle during the scan, the intra work then runs on

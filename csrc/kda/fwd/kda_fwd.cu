@@ -106,19 +106,28 @@ int kda_fwd_scan_bv(const KdaFwdParams& p) {
 }
 
 int kda_fwd_stream_bv(const KdaFwdParams& p) {
-  // KERNEL_FUN_KDA_FWD_STREAMED: 0 never streams, 1 streams wherever it is safe (A/B timing; the width
-  // KERNEL_FUN_KDA_SCAN_BV if set and safe, else the model's, else the widest safe one), unset: the model.
-  const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", -1);
-  if (mode == 0 || !p.chunk_ready || !p.scan_save) return 0;
+  // KERNEL_FUN_KDA_FWD_STREAMED: unset or 0 never streams; 1 streams wherever the overlap is possible
+  // (the width KERNEL_FUN_KDA_SCAN_BV if set and possible, else the model's, else the widest); 2 the
+  // model decides. Opt-in until the resume pass (the never-hang path) has run on a GPU: the first
+  // version, without it, hung under torch.profiler (docs/notes/2026-12-03-streamed-forward.md).
+  const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", 0);
+  if (mode <= 0 || mode > 2 || !p.chunk_ready || !p.scan_save) return 0;
   const int sms = num_sms();
   const int model = fwd_stream_choice(p, sms).bv;
-  if (mode != 1) return model;
+  if (mode == 2) return model;
   const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);
   if (fwd_stream_safe(p, forced, sms)) return forced;
   if (model) return model;
   for (int bv : {128, 64})
     if (fwd_stream_safe(p, bv, sms)) return bv;
   return 0;
+}
+
+void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
+  if (p.V % 64 != 0) throw std::invalid_argument("kda_fwd_scan: V must be a multiple of 64");
+  dispatch_wt_k_bv(p.dtype, p.K, kda_fwd_scan_bv(p), "kda_fwd_scan", [&](auto wt, auto k, auto bv) {
+    launch_scan<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
+  });
 }
 
 void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
