@@ -458,6 +458,27 @@ def test_streamed_forward_is_bitwise_the_two_kernel_path(emu, name, stop):
     assert o1.abs().sum() > 0
 
 
+@pytest.mark.parametrize("shape, sms, want", [
+    # (B, T, H, HV, K, V): the bench cases on the H200's 132 SMs, as docs/kda-forward.md states them
+    ((1, 8192, 16, 16, 128, 128), 132, 64),     # bounded_b1: 32 chains, the intra on the other 100 SMs
+    ((1, 32768, 32, 32, 128, 128), 132, 128),   # long_b1_t32k: 32 chains of 128 columns
+    ((1, 131072, 32, 32, 128, 128), 132, 128),  # long_b1_t128k
+    ((4, 4096, 16, 16, 128, 128), 132, 0),      # small: 64 chains would cost the intra too many SMs
+    ((16, 8192, 16, 16, 128, 256), 132, 0),     # prod8192: the scan fills the GPU
+    ((16, 8192, 16, 16, 128, 128), 132, 0),     # bounded_b16
+    ((1, 32768, 32, 32, 128, 128), 40, 0),      # 32 chains need sms - 8 >= 32
+    ((1, 64 * 65536, 1, 1, 128, 128), 132, 0),  # 65536 chunk rows: past the transposed grid's y
+])
+def test_stream_choice_model(emu, shape, sms, want):
+    """kda_policy.h's fwd_stream_choice (KERNEL_FUN_KDA_FWD_STREAMED=2): where the overlap is
+    possible (every scan CTA resident with 8 SMs to spare, fixed length, <= 65535 chunk rows) and
+    the model at least 10% faster, which slice width; the picks the docs quote."""
+    bv, cost, now = emu.stream_choice(*shape, sms=sms)
+    assert bv == want, (bv, cost, now)
+    if want:
+        assert cost < 0.9 * now
+
+
 def _bf16_raw(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
 

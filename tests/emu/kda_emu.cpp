@@ -407,6 +407,24 @@ int kda_emu_backward(const KdaEmuArgs* a) {
   return guarded([&] { run_any(*a, true); });
 }
 
+// kda_policy.h's streamed-forward choice for a fixed-length problem on a device of `sms` SMs: the
+// slice width (0: no streaming), the modelled streamed and two-kernel times (us).
+int kda_emu_stream_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms,
+                          double* cost) {
+  kda::KdaProblem p;
+  p.B = p.N = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.K = static_cast<int>(K);
+  p.V = static_cast<int>(V);
+  p.max_chunks = static_cast<int>(B * ((T + kda::kChunk - 1) / kda::kChunk));
+  const kda::StreamChoice c = kda::fwd_stream_choice(p, static_cast<int>(sms));
+  cost[0] = c.cost;
+  cost[1] = c.cost_now;
+  return c.bv;
+}
+
 int kda_emu_fused_forward(const KdaEmuArgs* a) {
   return guarded([&] { run_any(*a, false, true); });  // the forward with the fused kernel chosen
 }

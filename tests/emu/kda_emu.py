@@ -69,6 +69,8 @@ def lib():
         L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
         L.kf_emu_selftest_wgmma.argtypes = [ctypes.c_int, vp, vp, vp, vp]
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
+        L.kda_emu_stream_choice.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_void_p]
+        L.kda_emu_stream_choice.restype = ctypes.c_int
         L.kda_emu_fused_forward.argtypes = [ctypes.POINTER(KdaEmuArgs)]
         L.kda_emu_fused_forward.restype = ctypes.c_int
         L.kda_emu_intra_stage_check.argtypes = [ctypes.POINTER(KdaEmuArgs), vp, vp, vp]
@@ -83,6 +85,14 @@ def lib():
             raise RuntimeError("KdaEmuArgs layout differs between kda_emu.cpp and kda_emu.py")
         _lib = L
     return _lib
+
+
+def stream_choice(B, T, H, HV, K, V, sms=132):
+    """kda_policy.h's fwd_stream_choice for a fixed-length problem: (slice width or 0, modelled
+    streamed us, modelled two-kernel us)."""
+    cost = (ctypes.c_double * 2)()
+    bv = lib().kda_emu_stream_choice(B, T, H, HV, K, V, sms, ctypes.cast(cost, ctypes.c_void_p))
+    return bv, cost[0], cost[1]
 
 
 def set_schedule(order: str = "forward", warp_greedy: bool = False, seed: int = 0) -> None:
