@@ -18,6 +18,9 @@ MAX_JOBS=${MAX_JOBS:-2} python setup.py -q build_ext --inplace
 if undef=$(nm -C --undefined-only src/kernel_fun/_C.abi3.so | grep "kernel_fun::"); then
   echo "prebuild: the extension uses functions of ours that nothing defines:"; echo "$undef"; exit 1
 fi
+# and it must load here (this machine has torch's CUDA libraries, no GPU): what the device will do
+ext=$(PYTHONPATH="$PWD/src" python -c "import kernel_fun; print(kernel_fun.versions()['extension'])" 2>&1 | tail -1)
+case "$ext" in cuda=*) ;; *) echo "prebuild: the extension does not load: $ext"; exit 1 ;; esac
 mkdir -p .prebuilt
 xz -T0 -6 -c src/kernel_fun/_C.abi3.so > .prebuilt/_C.abi3.so.xz
 bash "$here/scripts/source_hash.sh" "$PWD" > .prebuilt/SOURCES
