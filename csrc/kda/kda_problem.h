@@ -96,6 +96,7 @@ struct KdaFwdParams : KdaProblem {
                                // stopped early (its first pass waited too long), for the resume pass
   int scan_pass = 0;           // kda_fwd_scan: 0 ordinary; 1 the streamed first pass (waits for chunk
                                // flags, may stop early); 2 the resume pass (from scan_save, no waits)
+  int stream_bv = 0;           // the streamed forward's V-slice width, decided once per call (kda_forward)
   long long* dbg_intra_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_fwd_intra
                                          // (profiling, the forward stages op only)
 };

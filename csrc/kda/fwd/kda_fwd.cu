@@ -99,7 +99,7 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
-  if (p.chunk_ready) return kda_fwd_stream_bv(p);  // the streamed forward's width (set only where it streams)
+  if (p.chunk_ready) return p.stream_bv;  // the streamed forward's width (kda_forward decided it once)
   const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: 64 or 128
   if ((forced == 64 || forced == 128) && p.V % forced == 0) return forced;
   return scan_choice(p).bv;
@@ -159,7 +159,8 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  if (!f.chunk_ready || kda_fwd_stream_bv(f) == 0) f.chunk_ready = nullptr;  // kept only where it streams
+  f.stream_bv = f.chunk_ready ? kda_fwd_stream_bv(f) : 0;  // once: every launch of the call agrees
+  if (f.stream_bv == 0) f.chunk_ready = nullptr;           // kept only where it streams
   StreamStages stages{stream};
   forward_sequence(f, stages);
 }
