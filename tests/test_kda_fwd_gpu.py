@@ -661,7 +661,7 @@ def test_streamed_forward_under_torch_profiler(monkeypatch):
     inputs, kw = make_case(T=4096, H=4, V=128, h0=True)
     o2, ht2, _, _ = _stages(inputs, kw, monkeypatch, False)
     with profile(activities=[ProfilerActivity.CUDA]):
-        o1, ht1, _, ws1 = _stages(inputs, kw, monkeypatch, True)
+        o1, ht1, _, _ = _stages(inputs, kw, monkeypatch, True)
         torch.cuda.synchronize()
     assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
 

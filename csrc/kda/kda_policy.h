@@ -48,8 +48,8 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
 }
 
 // The streamed forward (kda_fwd.cu's kda_fwd_streamed; opt-in, KERNEL_FUN_KDA_FWD_STREAMED, until it
-// is timed on a GPU): the scan launched first, its CTAs resident
-// and waiting, and kda_fwd_intra beside it on the other SMs (a programmatic dependent launch), each
+// is timed on a GPU): the scan launched first, its CTAs resident and waiting, and kda_fwd_intra
+// beside it on the other SMs (a programmatic dependent launch), each
 // intra CTA publishing its chunk to the scan through a flag (p.chunk_ready). When few (sequence,
 // value head, V-slice) chains leave most SMs idle during the scan, the intra work then runs on
 // those SMs while the chains advance instead of before them.
@@ -58,9 +58,9 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
 // counted against the device's own SM count (the launcher's num_sms(), not kPolicySMs). Where the
 // two kernels cannot run at once anyway (CUDA_LAUNCH_BLOCKING=1, profilers and sanitizers that
 // serialise launches), a chain that waits 2 ms for its next chunk stops and a resume pass after the
-// intra finishes it (dev::wait_chunk_ready, kda_fwd_scan.cuh): never a hang. Fixed-length batches only: the intra's swapped grid hands out chunk c of every
-// sequence before chunk c + 1 (dev::streamed_chunk), which a varlen chunk map cannot do without a
-// host sync. Model (measured on the H200, K = 128): an intra CTA takes ~21 us at two per SM
+// intra finishes it (dev::wait_chunk_ready, kda_fwd_scan.cuh): never a hang. Fixed-length batches
+// only: the intra's swapped grid hands out chunk c of every sequence before chunk c + 1
+// (dev::streamed_chunk), which a varlen chunk map cannot do without a host sync. Model (measured on the H200, K = 128): an intra CTA takes ~21 us at two per SM
 // (42k cycles), a scan step ~3.0 us at BV = 64 and, assumed, ~3.3 us at BV = 128 (8 warps); the
 // streamed time is the longer of the chains and the intra on the SMs the scan leaves.
 struct StreamChoice {

@@ -91,7 +91,7 @@ struct KdaFwdParams : KdaProblem {
   int* chunk_ready = nullptr;  // the streamed forward only (kda_policy.h's fwd_stream_choice), else null:
                                // [max_chunks * HV] flags, 1 once the intra CTA of (chunk, hv) has written
                                // its rows; the intra CTAs' done counter; then one resume chunk per scan
-                               // CTA (kStreamProgress); zeroed before each streamed forward
+                               // CTA (from stream_progress_offset); zeroed before each streamed forward
   float* scan_save = nullptr;  // the streamed forward: [N, HV, K, V] fp32, the state of each scan chain that
                                // stopped early (its first pass waited too long), for the resume pass
   int scan_pass = 0;           // kda_fwd_scan: 0 ordinary; 1 the streamed first pass (waits for chunk

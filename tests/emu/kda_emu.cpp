@@ -290,16 +290,14 @@ struct EmuStages {
     const kda::LaunchShape in = kda::intra_launch<WT, K>(p);
     if (p.chunk_ready[nflags] != static_cast<int64_t>(in.grid.x) * in.grid.y)
       throw std::runtime_error("streamed forward: the intra's done counter is not its CTA count");
-    if (stop != 0) {
-      const int nts = (p.T + kda::kChunk - 1) / kda::kChunk;
-      auto hide = [&](int v) {  // the flags of chunks >= stop within each sequence
-        for (int64_t i = 0; i < nflags; ++i)
-          if (stop > 0 && (i / p.HV) % nts >= stop) p.chunk_ready[i] = v;
-      };
-      hide(0);
-      ::scan<WT, K, BV>(pass);
-      hide(1);
-    }
+    const int nts = (p.T + kda::kChunk - 1) / kda::kChunk;
+    auto hide = [&](int v) {  // the flags of chunks >= stop within each sequence
+      for (int64_t i = 0; i < nflags; ++i)
+        if ((i / p.HV) % nts >= stop) p.chunk_ready[i] = v;
+    };
+    if (stop > 0) hide(0);
+    if (stop != 0) ::scan<WT, K, BV>(pass);
+    if (stop > 0) hide(1);
     pass.scan_pass = 2;
     ::scan<WT, K, BV>(pass);
   }

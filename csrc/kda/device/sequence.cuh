@@ -166,27 +166,24 @@ __device__ __forceinline__ bool wait_chunk_ready(const int* flag) {
 }
 
 // The intra side, after the CTA's last workspace store (every thread calls it): each thread's
-// stores are made visible at GPU scope before thread 0 sets the flag (release), and the CTA
+// stores are made visible at GPU scope before thread 0 sets the chunk's flag (release), and the CTA
 // counts itself done (the counter after the HV x max_chunks flags). The CTA that finds itself last
 // waits for the scan (griddepcontrol.wait: the scan is this launch's prerequisite grid), so this
 // kernel never completes before the scan, and the stream's next operation sees both. Only the last
 // CTA waits: the scan it waits for needs nothing more from the intra by then, whereas a wait in
-// every CTA would hold SMs that unpublished intra CTAs need. flag_index < 0: a varlen grid's idle
-// tail CTA, which only counts itself.
-__device__ __forceinline__ void publish_chunk(const KdaProblem& p, int* ready, int64_t flag_index) {
+// every CTA would hold SMs that unpublished intra CTAs need.
+__device__ __forceinline__ void publish_chunk(const KdaFwdParams& p, int64_t flag_index) {
   __threadfence();
   const unsigned total = gridDim.x * gridDim.y * gridDim.z;
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (flag_index >= 0) {
 #ifdef KF_EMU
-      __atomic_store_n(ready + flag_index, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(p.chunk_ready + flag_index, 1, __ATOMIC_RELEASE);
 #else
-      asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ready + flag_index), "r"(1) : "memory");
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p.chunk_ready + flag_index), "r"(1) : "memory");
 #endif
-    }
-    int* done = ready + static_cast<int64_t>(p.max_chunks) * p.HV;
+    int* done = p.chunk_ready + static_cast<int64_t>(p.max_chunks) * p.HV;
     last = static_cast<unsigned>(atomicAdd(done, 1)) == total - 1;
   }
   __syncthreads();

@@ -159,8 +159,8 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  f.stream_bv = f.chunk_ready ? kda_fwd_stream_bv(f) : 0;  // once: every launch of the call agrees
-  if (f.stream_bv == 0) f.chunk_ready = nullptr;           // kept only where it streams
+  f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
+  if (f.stream_bv == 0) f.chunk_ready = nullptr;  // kept only where it streams
   StreamStages stages{stream};
   forward_sequence(f, stages);
 }

@@ -834,13 +834,13 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   const int hv = streamed ? blockIdx.x : blockIdx.y;
   const int x = streamed ? dev::streamed_chunk(p, blockIdx.y) : blockIdx.x;
   int n, ch;
-  const bool has_chunk = dev::chunk_of(p, x, n, ch);
-  if (has_chunk) {
-    const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
-                            dev::cta_clock_row(p.dbg_intra_clock));
-    intra_chunk(c, IntraToWorkspace<WT, K>{});
-  }
-  if (streamed) dev::publish_chunk(p, p.chunk_ready, has_chunk ? static_cast<int64_t>(x) * p.HV + hv : -1);
+  // a varlen grid's idle tail; the streamed forward is fixed length only, so each of its CTAs has a
+  // chunk to publish
+  if (!dev::chunk_of(p, x, n, ch)) return;
+  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
+                          dev::cta_clock_row(p.dbg_intra_clock));
+  intra_chunk(c, IntraToWorkspace<WT, K>{});
+  if (streamed) dev::publish_chunk(p, static_cast<int64_t>(x) * p.HV + hv);
 }
 
 // The launch (kda_launch_shape.h): launch_intra's and the emulator's. Streamed: the grid transposed
