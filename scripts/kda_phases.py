@@ -13,6 +13,7 @@ per-warp numbers compare clocks read by different warps, which agree only to ~2k
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -20,6 +21,9 @@ from kernel_fun.bench.cases import select
 from kernel_fun.bench.run import make_inputs
 from kernel_fun.kda import _kernel
 from kernel_fun.kda._options import KdaOptions
+
+# the phase stamps are per kernel: the two-kernel forward, not the streamed one
+os.environ.setdefault("KERNEL_FUN_KDA_FWD_STREAMED", "0")
 
 # (stamp slots in order, the phase each gap is)
 GRADS = (range(9), ["P: inputs, gate", "V: contraction loop", "E: WY backward", "I1: off-diag row side",

@@ -8,6 +8,7 @@ peak memory above the inputs. Ours only; fla is timed by the benchmark.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -15,6 +16,10 @@ from torch.profiler import ProfilerActivity, profile
 from kernel_fun.bench.cases import KdaCase, select
 from kernel_fun.bench.run import make_inputs, time_calls
 from kernel_fun.kda import chunk_kda
+
+# torch.profiler serialises the launches, so the streamed forward (the scan and the intra at once)
+# would time its resume path: per-kernel times here are those of the two kernels one after the other.
+os.environ.setdefault("KERNEL_FUN_KDA_FWD_STREAMED", "0")
 
 
 def _per_kernel(prof, iters: int) -> dict:

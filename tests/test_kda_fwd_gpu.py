@@ -568,6 +568,20 @@ STREAMED_CASES = {
 }
 
 
+def _check_flags(ready, B, T, HV, V, resume=None):
+    """chunk_ready after a streamed forward (kda_problem.h's stream_flag_count): one flag per (chunk,
+    value head), every one published; the intra's done counter = its CTA count; one resume chunk
+    per (sequence, head, 64 value columns), where a CTA of 128 columns writes the first of its two:
+    the chunk count where no chain stopped (resume=None), else `resume`; then padding."""
+    nts = -(-T // 64)
+    nflags = B * nts * HV
+    assert bool((ready[:nflags] == 1).all()), "not every chunk published: the streamed path did not run"
+    assert int(ready[nflags]) == nflags, "every intra CTA counted itself done once"
+    want = nts if resume is None else resume
+    slots = ready[nflags + 1:nflags + 1 + B * HV * (V // 64)].view(B, HV, V // 64)
+    assert bool(((slots == want) | (slots == 0)).all()) and int(slots.max()) == want, slots
+
+
 def _stages(inputs, kw, monkeypatch, streamed):
     monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
     return run_ours(inputs, kw, return_intermediate_states=True)
@@ -583,9 +597,9 @@ def test_streamed_forward_is_bitwise_the_two_kernels(monkeypatch, name):
     o2, ht2, hs2, ws2 = _stages(inputs, kw, monkeypatch, False)
     for _ in range(5):
         o1, ht1, hs1, ws1 = _stages(inputs, kw, monkeypatch, True)
-        ready = ws1["chunk_ready"]
-        assert bool((ready[:-1] == 1).all()), "not every chunk published: the streamed path did not run"
-        assert int(ready[-1]) == ready.numel() - 1
+        B, T = inputs[0].shape[:2]
+        HV, V = inputs[2].shape[2], inputs[2].shape[3]
+        _check_flags(ws1["chunk_ready"], B, T, HV, V)
         assert torch.equal(o1, o2), "o: streamed != two kernels"
         assert torch.equal(ht1, ht2), "final state: streamed != two kernels"
         assert torch.equal(hs1, hs2), "per-chunk states: streamed != two kernels"
@@ -595,20 +609,22 @@ def test_streamed_forward_is_bitwise_the_two_kernels(monkeypatch, name):
     assert rel_rms(o_ref, o1) <= KDA_TOL["o"]
 
 
-def test_streamed_forward_is_opt_in_and_serves_training(monkeypatch):
-    """Without KERNEL_FUN_KDA_FWD_STREAMED the forward does not stream (opt-in until its timing is
-    in: the int32 workspace, poisoned with -1, stays untouched); with 2 the model streams B1 T8192
-    H16 K=V=128 (bench's bounded_b1: 32 chains on 132 SMs); a training call through chunk_kda with
-    the streamed forward gives the same output and gradients as without."""
+def test_streamed_forward_is_the_default_where_the_model_says_and_serves_training(monkeypatch):
+    """KERNEL_FUN_KDA_FWD_STREAMED unset: the model decides (kda_policy.h's fwd_stream_choice), so
+    B1 T8192 H16 K=V=128 (bench's bounded_b1: 32 chains on 132 SMs) streams on an H100 / H200 and
+    B4 T4096 H16 (bench's small: 64 chains) does not; 0 never streams (the int32 workspace,
+    poisoned with -1, stays untouched). A training call through chunk_kda with the streamed forward
+    gives the same output and gradients as without."""
     monkeypatch.delenv("KERNEL_FUN_KDA_FWD_STREAMED", raising=False)
     inputs, kw = make_case(T=8192, H=16, V=128, gate="bounded16")
-    ready = run_ours(inputs, kw, poison=True)[3]["chunk_ready"]
-    assert bool((ready == -1).all()), "streamed without the opt-in"
     if torch.cuda.get_device_properties(0).multi_processor_count >= 100:  # the model's H100 / H200 example
-        monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "2")
-        ready = run_ours(inputs, kw)[3]["chunk_ready"]
-        nflags = 128 * 16
-        assert bool((ready[:nflags] == 1).all()) and int(ready[nflags]) == nflags, "the model did not stream"
+        _check_flags(run_ours(inputs, kw)[3]["chunk_ready"], 1, 8192, 16, 128)
+        small, small_kw = make_case(B=4, T=4096, H=16, V=128)
+        ready = run_ours(small, small_kw, poison=True)[3]["chunk_ready"]
+        assert bool((ready == -1).all()), "the model streamed 64 chains"
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "0")
+    ready = run_ours(inputs, kw, poison=True)[3]["chunk_ready"]
+    assert bool((ready == -1).all()), "streamed with KERNEL_FUN_KDA_FWD_STREAMED=0"
 
     from kernel_fun.kda import chunk_kda
 
@@ -649,7 +665,7 @@ def test_streamed_forward_under_cuda_graph_replay(monkeypatch):
         want = run_ours(new, kw)
         torch.cuda.synchronize()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
-        assert bool((out[3]["chunk_ready"][:-1] == 1).all())
+        _check_flags(out[3]["chunk_ready"], 1, 4096, 4, 128)
 
 
 def test_streamed_forward_under_torch_profiler(monkeypatch):

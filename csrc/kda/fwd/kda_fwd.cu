@@ -106,11 +106,11 @@ int kda_fwd_scan_bv(const KdaFwdParams& p) {
 }
 
 int kda_fwd_stream_bv(const KdaFwdParams& p) {
-  // KERNEL_FUN_KDA_FWD_STREAMED: unset or 0 never streams; 1 streams wherever the overlap is possible
-  // (the width KERNEL_FUN_KDA_SCAN_BV if set and possible, else the model's, else the widest); 2 the
-  // model decides. Opt-in until the resume pass (the never-hang path) has run on a GPU: the first
-  // version, without it, hung under torch.profiler (docs/notes/2026-12-03-streamed-forward.md).
-  const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", 0);
+  // KERNEL_FUN_KDA_FWD_STREAMED: unset or 2 the model decides (kda_policy.h's fwd_stream_choice); 0
+  // never streams; 1 streams wherever the overlap is possible (the width KERNEL_FUN_KDA_SCAN_BV if set
+  // and possible, else the model's, else the widest): A/B timing and tests. The default since the
+  // H200 timed it (2026-12-03, twelfth session: docs/notes/2026-12-03-streamed-forward.md).
+  const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", 2);
   if (mode <= 0 || mode > 2 || !p.chunk_ready || !p.scan_save) return 0;
   const int sms = num_sms();
   const int model = fwd_stream_choice(p, sms).bv;
