@@ -447,13 +447,13 @@ def test_streamed_forward_is_bitwise_the_two_kernel_path(emu, name, stop):
     nts = -(-T // 64)
     ready = ws1["chunk_ready"]
     nflags = B * nts * HV
-    assert ready.numel() == nflags + 1 + HV * B * (V // 64)
+    assert ready.numel() == nflags + 1 + HV * B * (V // 64) + 3  # + the flag groups' padding
     assert torch.equal(ready[:nflags], torch.ones_like(ready[:nflags]))
     assert int(ready[nflags]) == nflags, "every intra CTA counted itself done once"
     # resume chunks, one slot per (sequence, head, 64 value columns): a CTA of 128 columns writes
     # the first of its two
     want = nts if stop < 0 else min(stop, nts)
-    resume = ready[nflags + 1:].view(B, HV, V // 64)
+    resume = ready[nflags + 1:-3].view(B, HV, V // 64)
     assert bool(((resume == want) | (resume == 0)).all()) and int(resume.max()) == want
     assert o1.abs().sum() > 0
 

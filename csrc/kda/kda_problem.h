@@ -155,9 +155,10 @@ inline bool fwd_stream_possible(const KdaProblem& p) {
   return !p.cu_seqlens && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && p.max_chunks <= 65535 &&
          static_cast<int64_t>(p.HV) * p.N * (p.V / 128) <= 256 && p.V % 64 == 0;
 }
-// chunk_ready's length: the flags, the intra's done counter, one resume chunk per scan CTA (BV = 64)
+// chunk_ready's length: the flags, the intra's done counter, one resume chunk per scan CTA (BV = 64),
+// and 3 ints of padding: the scan reads flags in aligned groups of four (dev::prefetch_flag)
 inline int64_t stream_flag_count(const KdaProblem& p) {
-  return static_cast<int64_t>(p.max_chunks) * p.HV + 1 + static_cast<int64_t>(p.HV) * p.N * (p.V / 64);
+  return static_cast<int64_t>(p.max_chunks) * p.HV + 1 + static_cast<int64_t>(p.HV) * p.N * (p.V / 64) + 3;
 }
 // Where the resume chunks start in chunk_ready.
 __host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return static_cast<int64_t>(p.max_chunks) * p.HV + 1; }

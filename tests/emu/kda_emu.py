@@ -243,7 +243,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
             lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
         h_states = gz.alloc("h_states", (*lead, HV, *((V, K) if state_v_first else (K, V))), q.dtype)
     if streamed:
-        nflags = f["max_chunks"] * HV + 1 + HV * N * (V // 64)
+        nflags = f["max_chunks"] * HV + 1 + HV * N * (V // 64) + 3  # kda_problem.h's stream_flag_count
         ws["chunk_ready"] = gz.alloc("chunk_ready", (nflags,), torch.int32, fill=0)
         ws["scan_save"] = gz.alloc("scan_save", (N, HV, K, V), torch.float32)
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),

@@ -39,6 +39,9 @@ struct ScanStage {
     WT akk[kChunk][AP];
     WT val[kChunk][VP];
     float dec[K];
+    // the streamed forward's copy of the aligned flag group of the chunk this stage will hold
+    // (fwd_scan_cta, dev::prefetch_flag); in the padding the 1024-byte alignment leaves anyway
+    alignas(16) int flag_group[4];
   };
   // Element offsets of the members (in WT units), for the code that addresses a stage by offset.
   static constexpr int kW = offsetof(Layout, w) / sizeof(WT);
@@ -48,6 +51,7 @@ struct ScanStage {
   static constexpr int kAkk = offsetof(Layout, akk) / sizeof(WT);
   static constexpr int kVal = offsetof(Layout, val) / sizeof(WT);
   static constexpr int kDec = offsetof(Layout, dec) / sizeof(WT);  // fp32 [K]
+  static constexpr int kFlags = offsetof(Layout, flag_group) / sizeof(WT);  // int [4]
   static constexpr int kStageElems = sizeof(Layout) / sizeof(WT);
   static_assert(offsetof(Layout, w) % 1024 == 0 && offsetof(Layout, qg) % 1024 == 0 && offsetof(Layout, kg) % 1024 == 0,
                 "the swizzled tiles start on 1024-byte boundaries");

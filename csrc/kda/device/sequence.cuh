@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kda/device/primitives.cuh"
 #include "kda/kda_launch_shape.h"
 #include "kda/kda_problem.h"
 
@@ -163,6 +164,23 @@ __device__ __forceinline__ bool wait_chunk_ready(const int* flag) {
     __nanosleep(100);
   }
 #endif
+}
+
+// The scan side, one chunk ahead (thread 0): a 16-byte cp.async.cg of the aligned group of four
+// flags that holds chunk cc's, into `slot`, issued while the chunk before cc computes, so that when
+// the intra is ahead the verdict on cc needs no round trip to L2 on the chain's critical path
+// (`ld.acquire` costs ~1 us per chunk step there: bounded_b1's streamed steps measured ~4 us against
+// ~3 us unstreamed). The copy reads L2, the coherence point, and the chunk's rows are loaded only
+// after the copy has landed and a CTA barrier has passed; the intra CTA made its rows visible at GPU
+// scope (publish_chunk's __threadfence) before its flag's store, so a flag seen as 1 here means the
+// rows are in L2 (the writer-fence / reader-sees-flag pattern of the CUDA guide's __threadfence
+// example, with L1 bypassed). A flag seen as 0 falls back to wait_chunk_ready. chunk_ready ends with
+// padding (stream_flag_count), so the group of the last flag stays inside it.
+__device__ __forceinline__ void prefetch_flag(int* slot, const int* flag) {
+  cp_async16(slot, reinterpret_cast<const int*>(reinterpret_cast<uintptr_t>(flag) & ~uintptr_t{15}), 16);
+}
+__device__ __forceinline__ bool flag_seen(const int* slot, const int* flag) {
+  return slot[(reinterpret_cast<uintptr_t>(flag) >> 2) & 3] == 1;
 }
 
 // The intra side, after the CTA's last workspace store (every thread calls it): each thread's

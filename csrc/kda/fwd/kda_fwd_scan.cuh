@@ -177,8 +177,14 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   // thread 0's verdict on the next chunk, two slots: slot c & 1 is written before the barrier of
   // chunk c and read after it, and rewritten only after everyone has passed the next barrier
   __shared__ int next_ready[2];
+  // thread 0's copy of chunk cc's flag group (dev::prefetch_flag), fetched while chunk cc - 2
+  // computes, in stage cc & 1's flag_group: written (cp.async) in iteration cc - 2 after its barrier,
+  // read by thread 0 in iteration cc - 1 before its barrier; chunk 1's starts at 0 (nothing fetched
+  // it: the blocking wait)
+  auto seen = [&](int st) { return reinterpret_cast<int*>(sm + st * S::kStageElems + S::kFlags); };
   if (p.scan_pass == 1) {
     dev::launch_dependents();
+    if (threadIdx.x == 0) *reinterpret_cast<int4*>(seen(1)) = make_int4(0, 0, 0, 0);
     if (threadIdx.x == 0) next_ready[1] = nchunks == 0 || dev::wait_chunk_ready(flag(0));
     __syncthreads();
     if (!next_ready[1]) {  // chunk 0 never came: everything to pass 2, from h0
@@ -194,12 +200,14 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   for (; c < nchunks && !stopped; ++c) {  // a stopped chain leaves with c = its resume chunk
     const int st = c & 1;
     dev::cp_async_wait<0>();
-    if (p.scan_pass == 1 && threadIdx.x == 0) next_ready[st] = c + 1 >= nchunks || dev::wait_chunk_ready(flag(c + 1));
+    if (p.scan_pass == 1 && threadIdx.x == 0)
+      next_ready[st] = c + 1 >= nchunks || dev::flag_seen(seen(st ^ 1), flag(c + 1)) || dev::wait_chunk_ready(flag(c + 1));
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1); in pass 1,
     // thread 0 has seen chunk c + 1 published, or given up on it
     __syncthreads();
     stopped = p.scan_pass == 1 && !next_ready[st];
     if (c + 1 < nchunks && !stopped) load_chunk(c + 1, st ^ 1);
+    if (p.scan_pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
     dev::cp_async_commit();
     fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, with_o, hT);
   }
