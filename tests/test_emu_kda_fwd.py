@@ -472,11 +472,11 @@ def test_streamed_forward_is_bitwise_the_two_kernel_path(emu, name, stop):
 def test_stream_choice_model(emu, shape, sms, want):
     """kda_policy.h's fwd_stream_choice (KERNEL_FUN_KDA_FWD_STREAMED=2): where the overlap is
     possible (every scan CTA resident with 8 SMs to spare, fixed length, <= 65535 chunk rows) and
-    the model at least 10% faster, which slice width; the picks the docs quote."""
+    the model at least 5% faster, which slice width; the picks the docs quote."""
     bv, cost, now = emu.stream_choice(*shape, sms=sms)
     assert bv == want, (bv, cost, now)
     if want:
-        assert cost < 0.9 * now
+        assert cost < 0.95 * now
 
 
 def _bf16_raw(x: torch.Tensor) -> np.ndarray:

@@ -60,9 +60,15 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
 // serialise launches), a chain that waits 2 ms for its next chunk stops and a resume pass after the
 // intra finishes it (dev::wait_chunk_ready, kda_fwd_scan.cuh): never a hang. Fixed-length batches
 // only: the intra's swapped grid hands out chunk c of every sequence before chunk c + 1
-// (dev::streamed_chunk), which a varlen chunk map cannot do without a host sync. Model (measured on the H200, K = 128): an intra CTA takes ~21 us at two per SM
-// (42k cycles), a scan step ~3.0 us at BV = 64 and, assumed, ~3.3 us at BV = 128 (8 warps); the
-// streamed time is the longer of the chains and the intra on the SMs the scan leaves.
+// (dev::streamed_chunk), which a varlen chunk map cannot do without a host sync.
+// Model, fitted to the H200 (K = 128, 2026-12-03, twelfth session; docs/notes/2026-12-03-streamed-forward.md):
+// one after the other, an intra CTA takes ~24.4 us at two per SM (1.515 ms for 16384 CTAs on 132
+// SMs) and a scan step ~3.0 us at BV = 64, ~3.8 us at BV = 128 (long_b1_t32k unstreamed: 3.47 ms
+// at BV = 128); streamed, the intra runs beside the chains at ~31 us per CTA (28-33 measured:
+// long_b1_t32k, small) and a BV = 64 chain step takes ~3.9 us (bounded_b1: 0.517 ms for 128 steps),
+// BV = 128 assumed ~4.9 (the same 1.28x; long_b1_t32k is intra-bound either way). The streamed
+// time is the longer of the chains and the intra on the SMs the scan leaves; stream when it is at
+// least 5% under the two kernels (the model sits within ~6% of every measured case).
 struct StreamChoice {
   int bv = 0;           // the scan's V-slice width in the streamed forward, or 0: do not stream
   double cost = 0;      // modelled us
@@ -78,7 +84,8 @@ inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
   StreamChoice best;
   if (!fwd_stream_safe(p, 64, sms) && !fwd_stream_safe(p, 128, sms)) return best;
   const double kw = p.K / 128.0;
-  const double intra_us = 21.0 * (0.4 + 0.6 * kw);  // per CTA at two per SM
+  const double intra_us = 24.4 * (0.4 + 0.6 * kw);  // per CTA at two per SM, alone
+  const double intra_beside_us = 31.0 * (0.4 + 0.6 * kw);  // the same beside the scan
   const long nts = (p.T + kChunk - 1) / kChunk;
   const long intra_ctas = static_cast<long>(p.max_chunks) * p.HV;
   const long slots = 2L * sms;
@@ -86,15 +93,15 @@ inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
   const ScanChoice now = scan_choice(p);
   const long now_ctas = static_cast<long>(p.HV) * p.N * (p.V / now.bv);
   const long now_waves = (now_ctas + sms - 1) / sms;
-  best.cost_now = intra_now + now_waves * nts * 3.0 * (0.5 + 0.5 * kw);
+  best.cost_now = intra_now + now_waves * nts * (now.bv == 128 ? 3.8 : 3.0) * (0.5 + 0.5 * kw);
   for (int bv : {64, 128}) {
     if (!fwd_stream_safe(p, bv, sms)) continue;
     const long ctas = static_cast<long>(p.HV) * p.N * (p.V / bv);
-    const double step = (bv == 128 ? 3.3 : 3.0) * (0.5 + 0.5 * kw);
+    const double step = (bv == 128 ? 4.9 : 3.9) * (0.5 + 0.5 * kw);
     const double chains = nts * step;
-    const double intra = intra_ctas * intra_us / (2.0 * (sms - ctas));
+    const double intra = intra_ctas * intra_beside_us / (2.0 * (sms - ctas));
     const double cost = std::max(chains, intra) + intra_us;  // + the first chunk row's intra
-    if (cost < 0.9 * best.cost_now && (best.bv == 0 || cost < best.cost)) {
+    if (cost < 0.95 * best.cost_now && (best.bv == 0 || cost < best.cost)) {
       best.bv = bv;
       best.cost = cost;
     }
