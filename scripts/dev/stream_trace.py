@@ -75,7 +75,7 @@ def _report(name: str, intra: torch.Tensor, scan: torch.Tensor) -> None:
     print(f"{name}: intra {len(dur)} CTAs from {float(st.min()):.1f} to {intra_end:.1f} us, "
           f"mean {float(dur.mean()):.2f} us per CTA (median {float(dur.median()):.2f}), on {len(sms)} SMs, "
           f"{resident:.2f} resident per SM on average, mean slot gap {gap:.2f} us")
-    live = scan[scan[:, :, 0].sum(1) > 0]
+    live = scan[(scan[:, :, 0] > 0).any(1)]  # (a sum of ns stamps overflows int64)
     a = (live[:, :, 0] - t0).double() / 1e3
     b = (live[:, :, 1] - t0).double() / 1e3
     step = a[:, 1:] - a[:, :-1]
