@@ -169,8 +169,8 @@ __device__ __forceinline__ bool wait_chunk_ready(const int* flag) {
 // The scan side, one chunk ahead (thread 0): a 16-byte cp.async.cg of the aligned group of four
 // flags that holds chunk cc's, into `slot`, issued while the chunk before cc computes, so that when
 // the intra is ahead the verdict on cc needs no round trip to L2 on the chain's critical path
-// (`ld.acquire` costs ~1 us per chunk step there: bounded_b1's streamed steps measured ~4 us against
-// ~3 us unstreamed). The copy reads L2, the coherence point, and the chunk's rows are loaded only
+// (measured on the H200: the streamed forwards 2 .. 2.6% faster than with an `ld.acquire` before
+// every step's barrier). The copy reads L2, the coherence point, and the chunk's rows are loaded only
 // after the copy has landed and a CTA barrier has passed; the intra CTA made its rows visible at GPU
 // scope (publish_chunk's __threadfence) before its flag's store, so a flag seen as 1 here means the
 // rows are in L2 (the writer-fence / reader-sees-flag pattern of the CUDA guide's __threadfence
