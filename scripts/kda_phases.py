@@ -18,9 +18,8 @@ import os
 import torch
 
 from kernel_fun.bench.cases import select
-from kernel_fun.bench.run import make_inputs
+from kernel_fun.bench.run import kda_stage_call, make_inputs
 from kernel_fun.kda import _kernel
-from kernel_fun.kda._options import KdaOptions
 
 # the phase stamps are per kernel: the two-kernel forward, not the streamed one
 os.environ.setdefault("KERNEL_FUN_KDA_FWD_STREAMED", "0")
@@ -56,13 +55,7 @@ def main() -> None:
         return
     for case in select("kda", a.cases or ["prod8192"]):
         inp = make_inputs(case, torch, "cuda", 0)
-        q, k, v, g, beta = inp["args"]
-        kw = inp["kwargs"]
-        opts = KdaOptions.from_call(scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                    use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                                    lower_bound=kw.get("lower_bound"), A_log=kw["A_log"], state_v_first=False,
-                                    chunk_size=64)
-        common = dict(opts=opts, cu_seqlens=kw.get("cu_seqlens"), A_log=kw["A_log"], dt_bias=kw["dt_bias"])
+        (q, k, v, g, beta), common = kda_stage_call(inp)
         if a.kernel in ("intra", "both"):
             for _ in range(2):  # the first run warms up
                 ws = _kernel.forward_stages(q, k, v, g, beta, profile=True, **common)[3]

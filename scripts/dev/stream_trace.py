@@ -26,21 +26,13 @@ import os
 import torch
 
 from kernel_fun.bench.cases import select
-from kernel_fun.bench.run import make_inputs
+from kernel_fun.bench.run import kda_stage_call, make_inputs
 from kernel_fun.kda import _kernel
-from kernel_fun.kda._options import KdaOptions
 
 
 def _trace(case, streamed: str):
     os.environ["KERNEL_FUN_KDA_FWD_STREAMED"] = streamed
-    inp = make_inputs(case, torch, "cuda", 0)
-    q, k, v, g, beta = inp["args"]
-    kw = inp["kwargs"]
-    opts = KdaOptions.from_call(scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                                lower_bound=kw.get("lower_bound"), A_log=kw["A_log"], state_v_first=False,
-                                chunk_size=64)
-    common = dict(opts=opts, cu_seqlens=kw.get("cu_seqlens"), A_log=kw["A_log"], dt_bias=kw["dt_bias"])
+    (q, k, v, g, beta), common = kda_stage_call(make_inputs(case, torch, "cuda", 0))
     for _ in range(3):  # the first runs warm up; the last one's stamps are read
         ws = _kernel.forward_stages(q, k, v, g, beta, profile=True, **common)[3]
     torch.cuda.synchronize()

@@ -256,6 +256,22 @@ def make_inputs(case, torch, device, seed: int) -> dict:
     raise TypeError(f"unknown case type {type(case).__name__}")
 
 
+
+def kda_stage_call(inputs: dict) -> tuple[tuple, dict]:
+    """A KDA case's make_inputs as kernel_fun.kda._kernel.forward_stages / backward_stages
+    arguments (the profiling scripts: scripts/kda_phases.py, scripts/dev/stream_trace.py):
+    ((q, k, v, g, beta), {opts, cu_seqlens, A_log, dt_bias}), the options the bench's chunk_kda call
+    resolves to (in-kernel gate, l2norm and beta sigmoid, the default scale, chunk 64)."""
+    from kernel_fun.kda._options import KdaOptions
+
+    q = inputs["args"][0]
+    kw = inputs["kwargs"]
+    opts = KdaOptions.from_call(scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
+                                lower_bound=kw.get("lower_bound"), A_log=kw["A_log"], state_v_first=False,
+                                chunk_size=64)
+    return inputs["args"], dict(opts=opts, cu_seqlens=kw.get("cu_seqlens"), A_log=kw["A_log"], dt_bias=kw["dt_bias"])
+
 # ---------------------------------------------------------------- timing
 
 def measure_copy_tbps(torch, nbytes: int = 2 << 30, iters: int = 20) -> float:
