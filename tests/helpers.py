@@ -113,6 +113,23 @@ def chunk_map_want(cu: list[int]) -> list[int]:
     return offsets + sorted(range(len(counts)), key=lambda n: (-counts[n], n))
 
 
+
+def check_stream_flags(ready: torch.Tensor, B: int, T: int, HV: int, V: int, resume: int | None = None) -> None:
+    """chunk_ready after a streamed forward (kda_problem.h's stream_flag_count): one flag per (chunk,
+    value head), every one published; the intra's done counter = its CTA count; one resume chunk per
+    (sequence, head, 64 value columns), where a CTA of 128 columns writes the first of its two: the
+    chunk count where no chain stopped (resume=None), else `resume`; then 3 ints of padding (the
+    scan's 16-byte flag groups)."""
+    nts = -(-T // 64)
+    nflags = B * nts * HV
+    nslots = B * HV * (V // 64)
+    assert ready.numel() == nflags + 1 + nslots + 3, "chunk_ready's layout"
+    assert bool((ready[:nflags] == 1).all()), "not every chunk published: the streamed path did not run"
+    assert int(ready[nflags]) == nflags, "every intra CTA counted itself done once"
+    want = nts if resume is None else resume
+    slots = ready[nflags + 1:nflags + 1 + nslots].view(B, HV, V // 64)
+    assert bool(((slots == want) | (slots == 0)).all()) and int(slots.max()) == want, slots
+
 def load_module(name: str, path: Path):
     """Import a file of this tree by path (the emulator's build and bindings, the tree's reference)."""
     spec = importlib.util.spec_from_file_location(name, path)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import as_stored_fp32, chunk_map_want, emu_module, emu_skip_reason, kda_reference, load_module, rel_rms
+from helpers import as_stored_fp32, check_stream_flags, chunk_map_want, emu_module, emu_skip_reason, kda_reference, load_module, rel_rms
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -444,17 +444,7 @@ def test_streamed_forward_is_bitwise_the_two_kernel_path(emu, name, stop):
                            ws2[n].view(torch.int16) if ws2[n].dtype != torch.float32 else ws2[n]), n
     B, T = inputs[0].shape[:2]
     HV, V = inputs[2].shape[2], inputs[2].shape[3]
-    nts = -(-T // 64)
-    ready = ws1["chunk_ready"]
-    nflags = B * nts * HV
-    assert ready.numel() == nflags + 1 + HV * B * (V // 64) + 3  # + the flag groups' padding
-    assert torch.equal(ready[:nflags], torch.ones_like(ready[:nflags]))
-    assert int(ready[nflags]) == nflags, "every intra CTA counted itself done once"
-    # resume chunks, one slot per (sequence, head, 64 value columns): a CTA of 128 columns writes
-    # the first of its two
-    want = nts if stop < 0 else min(stop, nts)
-    resume = ready[nflags + 1:-3].view(B, HV, V // 64)
-    assert bool(((resume == want) | (resume == 0)).all()) and int(resume.max()) == want
+    check_stream_flags(ws1["chunk_ready"], B, T, HV, V, None if stop < 0 else min(stop, -(-T // 64)))
     assert o1.abs().sum() > 0
 
 

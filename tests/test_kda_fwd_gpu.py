@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import as_stored_fp32, chunk_map_want, KDA_TOL, kda_reference, our_launches, rel_rms
+from helpers import as_stored_fp32, check_stream_flags, chunk_map_want, KDA_TOL, kda_reference, our_launches, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -568,20 +568,6 @@ STREAMED_CASES = {
 }
 
 
-def _check_flags(ready, B, T, HV, V, resume=None):
-    """chunk_ready after a streamed forward (kda_problem.h's stream_flag_count): one flag per (chunk,
-    value head), every one published; the intra's done counter = its CTA count; one resume chunk
-    per (sequence, head, 64 value columns), where a CTA of 128 columns writes the first of its two:
-    the chunk count where no chain stopped (resume=None), else `resume`; then padding."""
-    nts = -(-T // 64)
-    nflags = B * nts * HV
-    assert bool((ready[:nflags] == 1).all()), "not every chunk published: the streamed path did not run"
-    assert int(ready[nflags]) == nflags, "every intra CTA counted itself done once"
-    want = nts if resume is None else resume
-    slots = ready[nflags + 1:nflags + 1 + B * HV * (V // 64)].view(B, HV, V // 64)
-    assert bool(((slots == want) | (slots == 0)).all()) and int(slots.max()) == want, slots
-
-
 def _stages(inputs, kw, monkeypatch, streamed):
     monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
     return run_ours(inputs, kw, return_intermediate_states=True)
@@ -599,7 +585,7 @@ def test_streamed_forward_is_bitwise_the_two_kernels(monkeypatch, name):
         o1, ht1, hs1, ws1 = _stages(inputs, kw, monkeypatch, True)
         B, T = inputs[0].shape[:2]
         HV, V = inputs[2].shape[2], inputs[2].shape[3]
-        _check_flags(ws1["chunk_ready"], B, T, HV, V)
+        check_stream_flags(ws1["chunk_ready"], B, T, HV, V)
         assert torch.equal(o1, o2), "o: streamed != two kernels"
         assert torch.equal(ht1, ht2), "final state: streamed != two kernels"
         assert torch.equal(hs1, hs2), "per-chunk states: streamed != two kernels"
@@ -618,7 +604,7 @@ def test_streamed_forward_is_the_default_where_the_model_says_and_serves_trainin
     monkeypatch.delenv("KERNEL_FUN_KDA_FWD_STREAMED", raising=False)
     inputs, kw = make_case(T=8192, H=16, V=128, gate="bounded16")
     if torch.cuda.get_device_properties(0).multi_processor_count >= 100:  # the model's H100 / H200 example
-        _check_flags(run_ours(inputs, kw)[3]["chunk_ready"], 1, 8192, 16, 128)
+        check_stream_flags(run_ours(inputs, kw)[3]["chunk_ready"], 1, 8192, 16, 128)
         small, small_kw = make_case(B=4, T=4096, H=16, V=128)
         ready = run_ours(small, small_kw, poison=True)[3]["chunk_ready"]
         assert bool((ready == -1).all()), "the model streamed 64 chains"
@@ -665,7 +651,7 @@ def test_streamed_forward_under_cuda_graph_replay(monkeypatch):
         want = run_ours(new, kw)
         torch.cuda.synchronize()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
-        _check_flags(out[3]["chunk_ready"], 1, 4096, 4, 128)
+        check_stream_flags(out[3]["chunk_ready"], 1, 4096, 4, 128)
 
 
 def test_streamed_forward_under_torch_profiler(monkeypatch):
@@ -683,7 +669,7 @@ def test_streamed_forward_under_torch_profiler(monkeypatch):
 
 
 _SERIALISED = r"""
-import json, os, sys, torch
+import os, sys, torch
 sys.path.insert(0, os.path.join(os.environ["KF_ROOT"], "tests"))
 import test_kda_fwd_gpu as t
 inputs, kw = t.make_case(T=2048, H=4, V=128, h0=True)
@@ -691,11 +677,10 @@ os.environ["KERNEL_FUN_KDA_FWD_STREAMED"] = "0"
 o2, ht2, _, _ = t.run_ours(inputs, kw)
 os.environ["KERNEL_FUN_KDA_FWD_STREAMED"] = "1"
 o1, ht1, _, ws = t.run_ours(inputs, kw)
-ready = ws["chunk_ready"]
-nflags = 32 * 4
 assert torch.equal(o1, o2) and torch.equal(ht1, ht2), "streamed != two kernels"
-assert bool((ready[:nflags] == 1).all()), "the intra did not publish every chunk"
-print("resume", json.dumps(ready[nflags + 1:].tolist()))
+from helpers import check_stream_flags
+check_stream_flags(ws["chunk_ready"], 1, 2048, 4, 128, resume=0)  # every chain stopped at chunk 0
+print("serialised: same bits, every chain resumed from chunk 0")
 """
 
 
@@ -703,7 +688,6 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
     """CUDA_LAUNCH_BLOCKING=1 (a subprocess): the scan's pass 1 runs alone, so every chain stops at
     chunk 0 after its 2 ms wait, and pass 2 (after the intra) computes it all: the same bits as the
     two kernels, the resume chunks all 0, and no hang (bounded by the subprocess timeout)."""
-    import json
     import os
     import subprocess
     import sys
@@ -714,5 +698,4 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
     r = subprocess.run([sys.executable, "-c", _SERIALISED], env=env, capture_output=True, text=True, timeout=120,
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    resume = json.loads(r.stdout.split("resume", 1)[1].strip())
-    assert all(x == 0 for x in resume), resume
+    assert "serialised: same bits, every chain resumed from chunk 0" in r.stdout, r.stdout[-2000:]
