@@ -1,6 +1,7 @@
 """The KDA kernels under compute-sanitizer: a few small forward + backward calls that between them
 launch every KDA kernel (the two-kernel forward, the opt-in fused forward, the backward from saved
-factors and by recompute, the paired scans, GVA's group sums, the gate-parameter passes), in strict
+factors and by recompute, the paired scans, GVA's group sums, the gate-parameter passes, the token
+recurrence of one-chunk problems), in strict
 mode so that nothing falls back to fla. Run by scripts/sanitize_kda.sh, once per tool; alone it is
 a smoke test.
 
@@ -53,6 +54,11 @@ def run_calls() -> None:
         ("varlen, empty and one-token documents, bounded, K=V=128", dict(T=200, H=2, HV=2, K=128, V=128, gate="bounded", cu=cu)),
         ("GVA, unbounded, K=64 V=128, fp16", dict(T=150, H=1, HV=2, K=64, V=128, gate="unbounded", dtype=torch.float16)),
         ("raw gate, K=128 V=256", dict(T=96, H=1, HV=1, K=128, V=256, gate="raw")),
+        # one chunk per sequence: the fp32 token recurrence (csrc/kda/recur/), GVA's group sums
+        ("recurrence: varlen in one chunk, GVA, K=128 V=64", dict(T=60, H=1, HV=2, K=128, V=64, gate="unbounded",
+                                                                  cu=torch.tensor([0, 0, 1, 30, 60], device="cuda",
+                                                                                  dtype=torch.int32))),
+        ("recurrence: bounded, K=64 V=96", dict(T=64, H=2, HV=2, K=64, V=96, gate="bounded")),
     ]
     with kernel_fun.strict():
         for what, shape in calls:

@@ -31,19 +31,13 @@ CCONV_TOL = 1e-3
 DA_LOG_TOL = 0.03
 
 # The cases of kernel_fun.bench.accuracy's matrix where ours is still over max(fla's tolerance,
-# 1.25 x fla's own error) on the case's own inputs, as measured on the H200 (2026-12-02, 6d63235; medians 2026-12-03, e8123b9;
-# strong_bounded_T200 and strong_unbounded_T64 closed by the last-chunk fix, 2026-12-02 / 03,
-# docs/notes/2026-12-02-dalog-floor.md;
-# bench/results/h200-grad-accuracy.json; docs/notes/2026-12-02-gate-gradients.md): the open part of
-# the gate-gradient work. The GPU matrix test marks them xfail(strict): one that passes fails the run,
-# so the list stays true; the CPU test checks that the committed results are over the bound on exactly
-# these. The medians over 5 seeds (the row's 'median') say which are one unlucky input and which not.
-GRAD_ACCURACY_OPEN = {
-    "T1_h0": "o 5.19e-3 against fla's tolerance 5e-3 (median of 5 seeds: ours 2.85e-3, fla 3.58e-3)",
-    "mix09": "dA_log 3.01e-3, fla 2.0e-3 (median of 5 seeds: ours 3.01e-3, fla 5.71e-3)",
-    "mix24": "dA_log 4.43e-3, fla 1.5e-3 (median of 5 seeds: ours 2.71e-3, fla 3.21e-3)",
-    "mix30": "dA_log 3.81e-3, fla 1.1e-3 (median of 5 seeds: ours 3.81e-3, fla 3.74e-3)",
-}
+# 1.25 x fla's own error) on the case's own inputs, as measured on the H200
+# (bench/results/h200-grad-accuracy.json). The GPU matrix test marks them xfail(strict): one that
+# passes fails the run, so the list stays true; the CPU test checks that the committed results are
+# over the bound on exactly these. Empty since the one-chunk cases run the fp32 token recurrence
+# (csrc/kda/recur/; T1_h0, mix09, mix24 and mix30 were the last four, at the chunk kernels' 16-bit
+# floor: docs/notes/2026-12-03-recurrence.md).
+GRAD_ACCURACY_OPEN: dict[str, str] = {}
 
 
 def rel_rms(ref: torch.Tensor, got: torch.Tensor) -> float:

@@ -238,6 +238,7 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kPA: p.pA = static_cast<float*>(ptr); break;
       case WorkBuffer::kChunkReady: p.chunk_ready = static_cast<int*>(ptr); break;
       case WorkBuffer::kScanSave: p.scan_save = static_cast<float*>(ptr); break;
+      case WorkBuffer::kRecurState: p.recur_state = static_cast<float*>(ptr); break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));
@@ -317,11 +318,15 @@ std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const
 
 std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor& o, const OptT& final_state,
                             const OptT& h_states, const OptT& Aqk, const OptT& Akk, const OptT& M,
-                            bool poison_ws = false, bool profile = false) {
+                            bool poison_ws = false, bool profile = false, bool stages = false) {
   KdaBwdParams p;  // forward fields only; the rest stay null
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(fwd_outputs(p, q, o, final_state, h_states));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(outputs saved for the backward)"));
+  // one-chunk problems: the fp32 token recurrence; never for the stage op, which returns the chunk
+  // kernels' workspace (a training forward's factors then stay unwritten: its backward, deciding the
+  // same way, runs the recurrence too and never reads them)
+  if (!stages) p.recurrent = kda::kda_recurrent_choice(p);
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
   if (poison_ws) poison(ws);
   if (profile) {  // kda_fwd_intra's phase clocks, [max_chunks * HV][16] int64, appended last
@@ -381,7 +386,7 @@ std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_f
     poison(outs);
   }
   std::vector<Tensor> ws =
-      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, poison_outputs, profile);
+      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, poison_outputs, profile, /*stages=*/true);
   std::vector<Tensor> out = {o, ht, Aqk, Akk, M};
   for (auto& t : ws) out.push_back(t);
   return out;
@@ -445,6 +450,7 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(bwd_outputs(p, q, g, beta, dout, dht, KF_KDA_GRAD_NAMES));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(saved by the forward)"));
+  if (!whole_workspace) p.recurrent = kda::kda_recurrent_choice(p);  // as the forward decided (run_fwd)
   // the workspace holds one batch slice, or (stage tests, which read it back) the whole batch
   p.slice_B = whole_workspace ? p.B : kda::kda_bwd_slice_batches(p);
   std::vector<Tensor> ws = alloc_workspace(q, p, true);

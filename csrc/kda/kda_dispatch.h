@@ -33,14 +33,18 @@ void dispatch_wt(DType dtype, const char* stage, F&& f) {
   }
 }
 
+// f(IntTag<K>{}) for K in {64, 128} (kernels that read their element types at run time).
+template <typename F>
+void dispatch_k(int K, const char* stage, F&& f) {
+  if (K != 64 && K != 128) throw std::invalid_argument(std::string(stage) + ": K must be 64 or 128, got " + std::to_string(K));
+  if (K == 128) return f(IntTag<128>{});
+  return f(IntTag<64>{});
+}
+
 // f(TypeTag<WT>{}, IntTag<K>{}) for (dtype, K) in {bf16, fp16} x {64, 128}.
 template <typename F>
 void dispatch_wt_k(DType dtype, int K, const char* stage, F&& f) {
-  if (K != 64 && K != 128) throw std::invalid_argument(std::string(stage) + ": K must be 64 or 128, got " + std::to_string(K));
-  dispatch_wt(dtype, stage, [&](auto wt) {
-    if (K == 128) return f(wt, IntTag<128>{});
-    return f(wt, IntTag<64>{});
-  });
+  dispatch_k(K, stage, [&](auto k) { dispatch_wt(dtype, stage, [&](auto wt) { return f(wt, k); }); });
 }
 
 // f(TypeTag<WT>{}, IntTag<K>{}, IntTag<BV>{}) for the scans, BV in {64, 128}.

@@ -10,6 +10,8 @@
 //             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
 //             -> (GVA) group sums, per batch slice
 //             (bwd/kda_bwd_slice.h); then kda_bwd_gate_params (bwd/kda_bwd_finish.cuh)
+//   every sequence in one chunk (p.recurrent): kda_chunk_map -> kda_recur_fwd; backward
+//             kda_chunk_map -> kda_recur_bwd -> group sums -> kda_bwd_gate_params (recur/kda_recur.cuh)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,6 +42,13 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream);
 bool kda_fwd_fused_wanted(const KdaFwdParams& p);
 void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 
+// The fp32 token recurrence (recur/). kda_recurrent_choice: whether a call of p runs it, decided once
+// per call by csrc/api (KdaProblem::recurrent): kda_policy.h's recurrent_default, or with
+// KERNEL_FUN_KDA_RECURRENT=0 never, =1 wherever recurrent_possible (tests, timing).
+bool kda_recurrent_choice(const KdaProblem& p);
+void kda_recur_fwd(const KdaFwdParams& p, cudaStream_t stream);
+void kda_recur_bwd(const KdaBwdParams& p, cudaStream_t stream);
+
 // Backward stages (bwd/).
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
@@ -64,6 +73,8 @@ int kda_bwd_slice_batches(const KdaProblem& p);
 struct StreamStages {
   cudaStream_t stream;
   void chunk_map(const KdaProblem& p) { kda_chunk_map(p, stream); }
+  void recurrent_forward(const KdaFwdParams& p) { kda_recur_fwd(p, stream); }
+  void recurrent_backward(const KdaBwdParams& p) { kda_recur_bwd(p, stream); }
   bool fused(const KdaFwdParams& p) { return kda_fwd_fused_wanted(p); }
   void fused_forward(const KdaFwdParams& p) { kda_fwd_fused(p, stream); }
   void streamed_forward(const KdaFwdParams& p) { kda_fwd_streamed(p, stream); }

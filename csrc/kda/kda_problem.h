@@ -20,6 +20,11 @@ constexpr int kChunk = 64;  // BT: tokens per chunk (fla's default chunk_size)
 // The varlen chunk map orders up to this many sequences longest first for the scans' grid
 // (kda_chunk_map, dev::scan_sequence); past it the order is the identity.
 constexpr int kMaxOrderedSequences = 4096;
+// The fp32 token recurrence (recur/kda_recur.cuh): value columns per pass, and its backward's
+// workspace per (sequence, value head): the state before each of up to 64 tokens ([64][K][32]) and
+// the gate gradient's sum over the passes ([64][K]).
+constexpr int kRecurCols = 32;
+__host__ __device__ inline int64_t recur_state_floats(int K) { return int64_t{kChunk} * K * (kRecurCols + 1); }
 
 // How the per-step log-decay is obtained from g (docs/contract.md, "The gate").
 enum class GateMode : int {
@@ -71,6 +76,11 @@ struct KdaProblem {
   const float* A_log = nullptr;    // null unless the in-kernel gate uses it
   const float* dt_bias = nullptr;  // null when absent
   const float* h0 = nullptr;
+
+  // Every sequence fits in one chunk and the call runs the fp32 token recurrence instead of the
+  // chunk kernels (kda_policy.h's recurrent_possible; decided once per call by the launcher side,
+  // kda_recurrent_choice, and never for the stage ops, which read the chunk kernels' workspace).
+  bool recurrent = false;
 };
 
 // Forward: the two kernels' outputs and the workspace between them (dtype WT unless noted;
@@ -123,6 +133,7 @@ struct KdaBwdParams : KdaFwdParams {
   float* dkhat = nullptr;      // [B*T, HV, K] fp32
   float* pbias = nullptr;      // [max_chunks, HV, K] per-chunk sums of d(g + dt_bias), or null
   float* pA = nullptr;         // [max_chunks, HV] per-chunk sums of dgate * d(gate)/d(A_log), or null
+  float* recur_state = nullptr;  // the recurrence's backward (p.recurrent): [N, HV] x recur_state_floats(K) fp32
   float* dA_log = nullptr;     // [HV] fp32, or null
   float* ddt_bias = nullptr;   // [HV * K] fp32, or null
   float* dbg_dA = nullptr;     // optional stage dumps for tests: [B*T, HV, 64] fp32 dAqk (scaled),
@@ -141,7 +152,7 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kChunkReady, kScanSave, kCount };
+                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
@@ -175,6 +186,22 @@ inline bool sliced_backward(const KdaProblem& p, int slice_B) {
 // partials pbias / pA stay full-size (summed once after the last slice).
 inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
                                          int slice_B = 0) {
+  if (p.recurrent) {
+    // the fp32 token recurrence (recur/kda_recur.cuh): the chunk map (a varlen sequence's row of the
+    // gate partials is its chunk), and for the backward the replayed states, dq^ / dk^ per value head
+    // (kda_bwd_group_sum finishes them, GVA or not) and the gate partials. One pass, never sliced.
+    const int64_t rows = static_cast<int64_t>(p.B) * p.T;
+    std::vector<WorkBuffer> r = {{WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, DType::kFloat32, true}};
+    if (!backward) return r;
+    r.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, p.HV, recur_state_floats(p.K)}, DType::kFloat32});
+    r.push_back({WorkBuffer::kDqhat, "dqhat", {rows, p.HV, p.K}, DType::kFloat32});
+    r.push_back({WorkBuffer::kDkhat, "dkhat", {rows, p.HV, p.K}, DType::kFloat32});
+    if (p.opt.gate_mode != GateMode::kPrecomputed) {
+      r.push_back({WorkBuffer::kPbias, "pbias", {p.max_chunks, p.HV, p.K}, DType::kFloat32});
+      r.push_back({WorkBuffer::kPA, "pA", {p.max_chunks, p.HV}, DType::kFloat32});
+    }
+    return r;
+  }
   const bool sliced = backward && sliced_backward(p, slice_B);
   const int64_t rows = static_cast<int64_t>(sliced ? slice_B : p.B) * p.T;
   const int64_t HV = p.HV, K = p.K, V = p.V, Cfull = p.max_chunks;

@@ -4,8 +4,8 @@
 // that runs the same kernels under kf_emu. A stage added, dropped or reordered here changes both,
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
-// Stages provides: chunk_map, fused (bool) and fused_forward, streamed_forward, intra, scan (Fwd / Bwd params), prep,
-// pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
+// Stages provides: chunk_map, recurrent_forward, fused (bool) and fused_forward, streamed_forward, intra, scan
+// (Fwd / Bwd params), recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
 
 #include "kda/bwd/kda_bwd_slice.h"
@@ -16,6 +16,10 @@ namespace kernel_fun::kda {
 template <typename Stages>
 void forward_sequence(const KdaFwdParams& p, Stages& s) {
   s.chunk_map(p);
+  if (p.recurrent) {  // every sequence in one chunk: the fp32 token recurrence (recur/kda_recur.cuh)
+    s.recurrent_forward(p);
+    return;
+  }
   if (s.fused(p)) {  // intra and scan in one kernel (fwd/kda_fwd_fused.cuh), where it is chosen
     s.fused_forward(p);
     return;
@@ -50,6 +54,12 @@ void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
 template <typename Stages>
 void backward_sequence(const KdaBwdParams& p, Stages& s) {
   s.chunk_map(p);
+  if (p.recurrent) {  // the recurrence's backward writes dq^ / dk^ and the gate partials, as grads does
+    s.recurrent_backward(p);
+    s.group_sums(p);
+    s.gate_params(p);
+    return;
+  }
   for_each_batch_slice(p, [&s](const KdaBwdParams& slice) { backward_pass_sequence(slice, s); });
   s.gate_params(p);
 }

@@ -26,6 +26,7 @@
 #include "kda/fwd/kda_fwd_fused.cuh"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
+#include "kda/recur/kda_recur.cuh"
 
 namespace {
 namespace kda = kernel_fun::kda;
@@ -98,6 +99,7 @@ struct KdaEmuArgs {
   float* dbg_dL;
   int32_t* chunk_ready;  // the streamed forward's flags (zeroed here), or null: the two-kernel forward
   float* scan_save;       // the streamed forward's saved chain states
+  float* recur_state;     // the token recurrence's backward workspace (p.recurrent), or null
   int64_t cu_int64;
   int64_t B, T, H, HV, K, V, N, max_chunks;
   int64_t dtype, g_dtype, beta_dtype;
@@ -111,6 +113,7 @@ struct KdaEmuArgs {
   int64_t stream_stop;    // streamed forward: -1 the intra before the scan's pass 1 (every chain runs
                           // through); 0 pass 1 before the intra (as under a serialising tool: every
                           // chain stops at chunk 0); m > 0 pass 1 sees only chunks < m published
+  int64_t recurrent;      // 1: the fp32 token recurrence (recur/kda_recur.cuh) where recurrent_possible
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -194,6 +197,8 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.chunk_offsets = a.chunk_offsets;
   p.saved_factors = a.saved_factors != 0;
   p.slice_B = static_cast<int>(a.slice_b);
+  p.recur_state = a.recur_state;
+  p.recurrent = a.recurrent != 0 && kda::recurrent_possible(p);
   return p;
 }
 
@@ -271,6 +276,12 @@ struct EmuStages {
   int64_t pair;
   bool use_fused;  // the forward through kda_fwd_fused_kernel (the GPU's KERNEL_FUN_KDA_FWD_FUSED)
   void chunk_map(const kda::KdaProblem& p) { ::chunk_map(p, cu_int64); }
+  void recurrent_forward(const kda::KdaFwdParams& p) {
+    launch(kda::recur_fwd_launch<K>(p), kda::kda_recur_fwd_kernel<K>, p);
+  }
+  void recurrent_backward(const kda::KdaBwdParams& p) {
+    launch(kda::recur_bwd_launch<K>(p), kda::kda_recur_bwd_kernel<K>, p);
+  }
   bool fused(const kda::KdaFwdParams&) { return use_fused; }
   void fused_forward(const kda::KdaFwdParams& p) {
     launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>, p);

@@ -34,9 +34,9 @@ def _build_module():
 _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "options", "o", "ht", "h_states",
          "w", "qg", "kg", "Aqk", "Akk", "M", "gdecay", "chunk_offsets", "h_ckpt", "dh_ckpt", "dqhat", "dkhat",
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
-         "dbg_dL", "chunk_ready", "scan_save")
+         "dbg_dL", "chunk_ready", "scan_save", "recur_state")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
-         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop")
+         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop", "recurrent")
 
 
 class KdaEmuArgs(ctypes.Structure):
@@ -151,8 +151,10 @@ def _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sig
                                 chunk_size=64)
 
 
-def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, backward, saved=None):
-    """Guarded copies of the inputs, the workspace and the common argument fields."""
+def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, backward, saved=None,
+           recurrent=False):
+    """Guarded copies of the inputs, the workspace and the common argument fields. recurrent: the fp32
+    token recurrence where every sequence fits in one chunk (KdaProblem::recurrent)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dt = q.dtype
@@ -190,7 +192,9 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
     if backward:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (max_chunks, HV, V, K), dt)
         ws["dh_ckpt"] = gz.alloc("dh_ckpt", (max_chunks, HV, V, K), dt)
-        if HV != H:
+        if recurrent:  # kda_problem.h's workspace(): recur_state_floats(K) per (sequence, value head)
+            ws["recur_state"] = gz.alloc("recur_state", (N, HV, CHUNK * K * 33), torch.float32)
+        if HV != H or recurrent:
             ws["dqhat"] = gz.alloc("dqhat", (B * T, HV, K), torch.float32)
             ws["dkhat"] = gz.alloc("dkhat", (B * T, HV, K), torch.float32)
         if opts.gate != "precomputed":
@@ -205,7 +209,7 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
     fields = dict(cu_seqlens=_ptr(cu), options=ctypes.cast(enc, ctypes.c_void_p),
                   cu_int64=int(cu is not None and cu.dtype == torch.int64), B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
                   max_chunks=max_chunks, dtype=_DTYPE[dt], g_dtype=_DTYPE[g.dtype], beta_dtype=_DTYPE[beta.dtype],
-                  saved_factors=int(saved is not None))
+                  saved_factors=int(saved is not None), recurrent=int(recurrent))
     for name, t in list(x.items()) + list(ws.items()):
         fields[name] = _ptr(t)
     return gz, ws, fields, (cu, enc)
@@ -215,8 +219,10 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
-                   streamed=False, stream_stop=-1):
+                   streamed=False, stream_stop=-1, recurrent=False):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
+    recurrent=True: the fp32 token recurrence (csrc/kda/recur/) where every sequence fits in one chunk
+    (the chunk kernels' workspace in ws is then left unwritten).
     bv forces the scan's V-slice (64 or 128; default: the launcher's choice). misalign=True stores
     q, k and g one element off 16-byte alignment (the intra kernel's fallback load paths).
     streamed=True runs the streamed forward's kernels (the intra's transposed grid publishing every
@@ -228,7 +234,8 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, False)
+    gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, False,
+                             recurrent=recurrent)
     cu = keep[0]
     N = f["N"]
     o = gz.alloc("o", (B, T, HV, V), q.dtype)
@@ -356,7 +363,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
-                    **_ignored):
+                    recurrent=False, **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -364,13 +371,14 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     then holds the last slice's values only). pair_scans: 0 = the launcher's choice
     (kda_policy.h's bwd_pair_scans), 1 = the re-scan and the dh scan in one launch
     (csrc/kda/bwd/kda_bwd_scans.cuh), 2 = two launches. balance: kda_bwd_grads' load-balancing bits
-    (KdaBwdParams::balance: 1 I1, 2 E1), -1 = the default."""
+    (KdaBwdParams::balance: 1 I1, 2 E1), -1 = the default. recurrent=True: the fp32 token recurrence's
+    backward where every sequence fits in one chunk (st's chunk-kernel stages are then unwritten)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, True,
-                             saved)
+                             saved, recurrent=recurrent)
     dt = q.dtype
     do_ = gz.copy_in("do", do.to(dt).contiguous())
     dht_ = gz.copy_in("dht", dht.to(torch.float32).contiguous()) if dht is not None else None

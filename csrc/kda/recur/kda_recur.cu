@@ -1,0 +1,34 @@
+// The fp32 token recurrence's launchers (recur/kda_recur.cuh) and the per-call choice.
+#include "common/env.h"
+#include "kda/device/sequence.cuh"
+#include "kda/kda_dispatch.h"
+#include "kda/kda_launch.h"
+#include "kda/kda_policy.h"
+#include "kda/recur/kda_recur.cuh"
+
+namespace kernel_fun::kda {
+
+bool kda_recurrent_choice(const KdaProblem& p) {
+  const int forced = env_int("KERNEL_FUN_KDA_RECURRENT", -1);  // tests / timing: 0 or 1
+  if (forced == 0) return false;
+  if (forced == 1) return recurrent_possible(p);
+  return recurrent_default(p);
+}
+
+// K is the one compile-time parameter (the smem layout and the thread count); the element types
+// are read at run time (load_any): the recurrence is bound by its serial steps, not by its loads.
+void kda_recur_fwd(const KdaFwdParams& p, cudaStream_t stream) {
+  dispatch_k(p.K, "kda_recur_fwd", [&](auto k) {
+    constexpr int K = decltype(k)::value;
+    dev::launch(kda_recur_fwd_kernel<K>, recur_fwd_launch<K>(p), p, stream);
+  });
+}
+
+void kda_recur_bwd(const KdaBwdParams& p, cudaStream_t stream) {
+  dispatch_k(p.K, "kda_recur_bwd", [&](auto k) {
+    constexpr int K = decltype(k)::value;
+    dev::launch(kda_recur_bwd_kernel<K>, recur_bwd_launch<K>(p), p, stream);
+  });
+}
+
+}  // namespace kernel_fun::kda
