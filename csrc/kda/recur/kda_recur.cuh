@@ -97,8 +97,10 @@ __device__ __forceinline__ void column_sums(RecurCore<K, NR>& s, const float (&x
   __syncthreads();
 }
 
-// The per-step gate in fp32 with libm (not the SFU approximations of the chunk kernels' forward):
-// the recurrence exists for accuracy, and runs once per element.
+// The per-step gate in fp32 through expf / log1pf, as gate_derivatives computes its slope (under the
+// build's --use_fast_math expf is the ex2-based form, a few ulp), not the chunk forward's
+// softplus_fast on lg2.approx (~2e-7 absolute): the recurrence exists for accuracy, and this runs
+// once per element.
 __device__ __forceinline__ float gate_value_exact(GateMode mode, float x, float a_exp, float lower_bound) {
   switch (mode) {
     case GateMode::kPrecomputed: return x;
@@ -296,18 +298,29 @@ __global__ void __launch_bounds__(K) kda_recur_bwd_kernel(const KdaBwdParams p) 
     }
     dev::load_state_row<K>(p, p.dht, n, hv, d, c0, dS);
     __syncthreads();  // s.u
+    // The reverse pass's loads are off its serial chain: the state row of token t - 1 and the sums
+    // over the earlier slices of token t are issued one step ahead / at the step's start.
+    float4 nxt[kRecurCols / 4];
+    const auto load_row = [&](int t) {
+      const float4* row = hist + static_cast<int64_t>(t) * K * (kRecurCols / 4);
+#pragma unroll
+      for (int c = 0; c < kRecurCols / 4; ++c) nxt[c] = row[c];
+    };
+    if (len > 0) load_row(len - 1);
     for (int t = len - 1; t >= 0; --t) {
       const float a = s.a[t][d], kd = s.k[t][d], qd = s.q[t][d], bt = s.beta[t];
-      const float4* row = hist + static_cast<int64_t>(t) * K * (kRecurCols / 4);
+      const int64_t i = hat(t);
+      const float dq_prev = first ? 0.f : p.dqhat[i], dk_prev = first ? 0.f : p.dkhat[i];
+      const float dg_prev = first ? 0.f : dgate_acc[t * K + d];
       float St[kRecurCols];  // S~_t = exp(gate_t) . S_{t-1}
 #pragma unroll
       for (int c = 0; c < kRecurCols / 4; ++c) {
-        const float4 x = row[c];
-        St[4 * c] = a * x.x;
-        St[4 * c + 1] = a * x.y;
-        St[4 * c + 2] = a * x.z;
-        St[4 * c + 3] = a * x.w;
+        St[4 * c] = a * nxt[c].x;
+        St[4 * c + 1] = a * nxt[c].y;
+        St[4 * c + 2] = a * nxt[c].z;
+        St[4 * c + 3] = a * nxt[c].w;
       }
+      if (t > 0) load_row(t - 1);
       float dq = 0.f, x[1][kRecurCols];
       const float bk = bt * kd, sq = scale * qd;
 #pragma unroll
@@ -329,10 +342,9 @@ __global__ void __launch_bounds__(K) kda_recur_bwd_kernel(const KdaBwdParams p) 
         dS[c] = a * dSt;
       }
       // the sums over slices, each element by its own thread in slice order
-      const int64_t i = hat(t);
-      p.dqhat[i] = first ? scale * dq : p.dqhat[i] + scale * dq;
-      p.dkhat[i] = first ? dk : p.dkhat[i] + dk;
-      dgate_acc[t * K + d] = first ? dg : dgate_acc[t * K + d] + dg;
+      p.dqhat[i] = dq_prev + scale * dq;
+      p.dkhat[i] = dk_prev + dk;
+      dgate_acc[t * K + d] = dg_prev + dg;
       if (d < kRecurCols) store_any(p.dv, p.dtype, ((seq.bos + t) * HV + hv) * p.V + c0 + d, bt * s.tot[0][d]);
       if (d == 0) {
         float db = 0.f;
