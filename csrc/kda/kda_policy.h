@@ -138,17 +138,18 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // set the error (dA_log summed over the tokens of one chunk; docs/notes/2026-12-03-recurrence.md).
 // Possible: fixed length T <= 64, or varlen with at most 64 tokens in all (each document then fits;
 // the lengths themselves stay on the device). Default: also a backward workspace of at most
-// kRecurStateBudget (it holds the state before every token: ~1 MiB per sequence and value head at
-// K = 128), which keeps it to small problems: its CTAs (one per sequence and value head in the
-// backward) run the 64 tokens serially, so a big batch of short sequences is faster on the chunk path.
-constexpr int64_t kRecurStateBudget = int64_t{64} << 20;
+// kRecurStateBudget (it holds the state before every token: ~1.1 MiB per sequence, value head and
+// 32-column value slice at K = 128), which keeps it to small problems (about one wave of backward
+// CTAs, one per slice, each running the tokens serially): a big batch of short sequences is faster
+// on the chunk path (docs/notes/2026-12-03-recurrence.md has the timings).
+constexpr int64_t kRecurStateBudget = int64_t{256} << 20;
 inline bool recurrent_possible(const KdaProblem& p) {
   const bool one_chunk = p.cu_seqlens ? static_cast<int64_t>(p.B) * p.T <= kChunk : p.T <= kChunk;
   return one_chunk && p.N > 0 && p.HV > 0 && p.V % kRecurCols == 0 && (p.K == 64 || p.K == 128);
 }
 inline bool recurrent_default(const KdaProblem& p) {
   return recurrent_possible(p) &&
-         static_cast<int64_t>(p.N) * p.HV * recur_state_floats(p.K) * 4 <= kRecurStateBudget;
+         static_cast<int64_t>(p.N) * p.HV * (p.V / kRecurCols) * recur_slice_floats(p.K) * 4 <= kRecurStateBudget;
 }
 
 }  // namespace kernel_fun::kda

@@ -20,11 +20,13 @@ constexpr int kChunk = 64;  // BT: tokens per chunk (fla's default chunk_size)
 // The varlen chunk map orders up to this many sequences longest first for the scans' grid
 // (kda_chunk_map, dev::scan_sequence); past it the order is the identity.
 constexpr int kMaxOrderedSequences = 4096;
-// The fp32 token recurrence (recur/kda_recur.cuh): value columns per pass, and its backward's
-// workspace per (sequence, value head): the state before each of up to 64 tokens ([64][K][32]) and
-// the gate gradient's sum over the passes ([64][K]).
+// The fp32 token recurrence (recur/kda_recur.cuh): value columns per slice, and its backward's
+// workspace per (sequence, value head, slice): the state before each of up to 64 tokens
+// ([64][K][32]), the slice's shares of dq^ / dk^ / dgate ([3][64][K]) and of dbeta ([64]).
 constexpr int kRecurCols = 32;
-__host__ __device__ inline int64_t recur_state_floats(int K) { return int64_t{kChunk} * K * (kRecurCols + 1); }
+__host__ __device__ inline int64_t recur_slice_floats(int K) {
+  return int64_t{kChunk} * K * kRecurCols + 3 * int64_t{kChunk} * K + kChunk;
+}
 
 // How the per-step log-decay is obtained from g (docs/contract.md, "The gate").
 enum class GateMode : int {
@@ -133,7 +135,7 @@ struct KdaBwdParams : KdaFwdParams {
   float* dkhat = nullptr;      // [B*T, HV, K] fp32
   float* pbias = nullptr;      // [max_chunks, HV, K] per-chunk sums of d(g + dt_bias), or null
   float* pA = nullptr;         // [max_chunks, HV] per-chunk sums of dgate * d(gate)/d(A_log), or null
-  float* recur_state = nullptr;  // the recurrence's backward (p.recurrent): [N, HV] x recur_state_floats(K) fp32
+  float* recur_state = nullptr;  // the recurrence's backward (p.recurrent): [N, HV, V / 32] x recur_slice_floats(K) fp32
   float* dA_log = nullptr;     // [HV] fp32, or null
   float* ddt_bias = nullptr;   // [HV * K] fp32, or null
   float* dbg_dA = nullptr;     // optional stage dumps for tests: [B*T, HV, 64] fp32 dAqk (scaled),
@@ -193,7 +195,8 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     const int64_t rows = static_cast<int64_t>(p.B) * p.T;
     std::vector<WorkBuffer> r = {{WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, DType::kFloat32, true}};
     if (!backward) return r;
-    r.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, p.HV, recur_state_floats(p.K)}, DType::kFloat32});
+    r.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, p.HV, p.V / kRecurCols, recur_slice_floats(p.K)},
+                 DType::kFloat32});
     r.push_back({WorkBuffer::kDqhat, "dqhat", {rows, p.HV, p.K}, DType::kFloat32});
     r.push_back({WorkBuffer::kDkhat, "dkhat", {rows, p.HV, p.K}, DType::kFloat32});
     if (p.opt.gate_mode != GateMode::kPrecomputed) {

@@ -1,7 +1,7 @@
 """Where the fp32 token recurrence (csrc/kda/recur/) pays against the chunk kernels on one-chunk
 problems: the forward and a training call (forward + backward) of chunk_kda with
 KERNEL_FUN_KDA_RECURRENT=1 and =0, CUDA events, median of 20 after 3 warm-ups, and which way the
-default (kda_policy.h's recurrent_default: at most 64 MiB of backward workspace) goes.
+default (kda_policy.h's recurrent_default: at most 256 MiB of backward workspace) goes.
 
     PYTHONPATH=src python3 scripts/dev/recur_vs_chunk.py        (GPU; ~30 s)
 """
@@ -66,9 +66,9 @@ def main():
             with kernel_fun.strict():
                 res[mode] = (_time(fwd), _time(train))
         os.environ.pop("KERNEL_FUN_KDA_RECURRENT")
-        mib = B * H * 64 * K * 33 * 4 / 2**20
+        mib = B * H * (V // 32) * (64 * K * 35 + 64) * 4 / 2**20  # kda_problem.h's recur_slice_floats
         print(f"{B} {T} {H} {K} {V} | {mib:.0f} | {res['1'][0]:.3f} / {res['0'][0]:.3f} | "
-              f"{res['1'][1]:.3f} / {res['0'][1]:.3f} | {'recurrence' if mib <= 64 else 'chunk'}", flush=True)
+              f"{res['1'][1]:.3f} / {res['0'][1]:.3f} | {'recurrence' if mib <= 256 else 'chunk'}", flush=True)
 
 
 if __name__ == "__main__":

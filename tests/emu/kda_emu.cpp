@@ -280,7 +280,7 @@ struct EmuStages {
     launch(kda::recur_fwd_launch<K>(p), kda::kda_recur_fwd_kernel<K>, p);
   }
   void recurrent_backward(const kda::KdaBwdParams& p) {
-    launch(kda::recur_bwd_launch<K>(p), kda::kda_recur_bwd_kernel<K>, p);
+    kda::for_each_recur_bwd_pass<K>(p, [&](auto kern, const kda::LaunchShape& s) { launch(s, kern, p); });
   }
   bool fused(const kda::KdaFwdParams&) { return use_fused; }
   void fused_forward(const kda::KdaFwdParams& p) {

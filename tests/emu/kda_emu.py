@@ -192,8 +192,8 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
     if backward:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (max_chunks, HV, V, K), dt)
         ws["dh_ckpt"] = gz.alloc("dh_ckpt", (max_chunks, HV, V, K), dt)
-        if recurrent:  # kda_problem.h's workspace(): recur_state_floats(K) per (sequence, value head)
-            ws["recur_state"] = gz.alloc("recur_state", (N, HV, CHUNK * K * 33), torch.float32)
+        if recurrent:  # kda_problem.h's workspace(): recur_slice_floats(K) per (sequence, value head, slice)
+            ws["recur_state"] = gz.alloc("recur_state", (N, HV, V // 32, CHUNK * K * 35 + CHUNK), torch.float32)
         if HV != H or recurrent:
             ws["dqhat"] = gz.alloc("dqhat", (B * T, HV, K), torch.float32)
             ws["dkhat"] = gz.alloc("dkhat", (B * T, HV, K), torch.float32)

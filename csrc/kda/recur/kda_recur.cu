@@ -27,7 +27,7 @@ void kda_recur_fwd(const KdaFwdParams& p, cudaStream_t stream) {
 void kda_recur_bwd(const KdaBwdParams& p, cudaStream_t stream) {
   dispatch_k(p.K, "kda_recur_bwd", [&](auto k) {
     constexpr int K = decltype(k)::value;
-    dev::launch(kda_recur_bwd_kernel<K>, recur_bwd_launch<K>(p), p, stream);
+    for_each_recur_bwd_pass<K>(p, [&](auto kern, const LaunchShape& sh) { dev::launch(kern, sh, p, stream); });
   });
 }
 

@@ -9,18 +9,18 @@
 //   S~_t = exp(gate_t) . S_{t-1}   (rows scaled)      u_t = v_t - S~_t^T k_t
 //   S_t  = S~_t + beta_t k_t u_t^T                     o_t = scale S_t^T q_t
 //
-// One CTA per (sequence, value head[, 32-column value slice in the forward]); thread d owns row d of
-// the state (K threads), 32 value columns at a time in registers. Sums over the columns (dq, dk, the
-// gate gradient) are thread-local; sums over the rows (u, o, dv) go through column_sums.
+// One CTA per (sequence, value head, 32-column value slice); thread d owns row d of the state (K
+// threads), its 32 columns in registers. Sums over the columns (dq, dk, the gate gradient) are
+// thread-local; sums over the rows (u, o, dv) go through column_sums.
 //
-// The backward replays the recurrence once per value slice, storing the state before every token in
-// a global fp32 workspace (recur_state: one row of 32 floats per thread and token, written and read
+// The backward replays the recurrence for its slice, storing the state before every token in a
+// global fp32 workspace (recur_state: one row of 32 floats per thread and token, written and read
 // back by the same thread), then runs it in reverse:
-//   dS_t += scale q_t do_t^T;  dq_t = scale S_t do_t;  du = beta S-row-sum k^T dS_t;  dv_t = du
+//   dS_t += scale q_t do_t^T;  dq_t = scale S_t do_t;  du = beta k_t^T dS_t;  dv_t = du
 //   dbeta_t = u_t . (k_t^T dS_t);  dk_t = beta dS_t u_t - S~_t du
 //   dS~ = dS_t - k_t du^T;  dgate_t = rowsum(dS~ . S~_t);  dS_{t-1} = exp(gate_t) . dS~
-// dq / dk / dgate / dbeta accumulate over the slices in shared memory (each element by one thread, in
-// slice order: deterministic). What follows is the chunk path's: dq^ / dk^ into dqhat / dkhat for
+// Each slice writes its shares of dq / dk / dgate / dbeta once; a second launch adds them in slice
+// order (deterministic) and finishes as the chunk path does: dq^ / dk^ into dqhat / dkhat for
 // kda_bwd_group_sum (the l2norm backward and, with GVA, the sum over the group), the gate's
 // derivative with the per-sequence partials of dA_log / ddt_bias for kda_bwd_gate_params.
 #pragma once
@@ -52,15 +52,12 @@ struct RecurCore {
 // The forward sums k S~ and q S~ at once.
 template <int K>
 struct RecurFwdSmem : RecurCore<K, 2> {};
-// The backward also keeps do's slice, u (from the replay, for the reverse) and dbeta's sum over the
-// slices. Its per-thread accumulators over the slices (dq^, dk^, dgate: column d belongs to thread d)
-// live in global memory, not here (dqhat / dkhat and recur_state's tail), so that K = 128 fits:
-// 3 x 32 KB more would pass 227 KB.
+// The backward also keeps do's slice and u (from the replay, for the reverse). Its shares of the sums
+// over slices go to global memory (recur_state), each written once.
 template <int K>
 struct RecurBwdSmem : RecurCore<K, 1> {
   float dout[kChunk][kRecurCols];
   float u[kChunk][kRecurCols];
-  float dbeta[kChunk];
 };
 
 namespace dev {
@@ -260,108 +257,132 @@ inline LaunchShape recur_fwd_launch(const KdaFwdParams& p) {
 }
 
 // ---------------------------------------------------------------- backward
-// Grid (HV, N), K threads: every gradient of value head x, sequence y, the value slices one after
-// another. recur_state (kda_problem.h): per (sequence, value head) the state before each token, one
-// value slice at a time, then the gate gradient's sum over the slices.
+// Two launches (for_each_recur_bwd_pass): the value slices in parallel, each writing its share of the
+// sums over slices to recur_state; then one CTA per (sequence, value head) adds the shares in slice
+// order and finishes. recur_state per (sequence, value head) and slice (kda_problem.h,
+// recur_slice_floats): the state before each token [64][K][32], then this slice's shares of
+// dq^ / dk^ / dgate [3][64][K] and of dbeta [64].
+struct RecurSlice {
+  float* state;  // [64][K][32]
+  float* dq;     // [64][K]
+  float* dk;
+  float* dgate;
+  float* dbeta;  // [64]
+};
+template <int K>
+__device__ __forceinline__ RecurSlice recur_slice(const KdaBwdParams& p, int n, int hv, int slice) {
+  float* base = p.recur_state + ((static_cast<int64_t>(n) * p.HV + hv) * (p.V / kRecurCols) + slice) *
+                                    recur_slice_floats(K);
+  float* parts = base + int64_t{kChunk} * K * kRecurCols;
+  return {base, parts, parts + kChunk * K, parts + 2 * kChunk * K, parts + 3 * kChunk * K};
+}
+
+// Grid (V / 32, HV, N), K threads: value columns [32 x, 32 x + 32) of value head y, sequence z. The
+// forward replayed with the state before each token stored (this thread's row: written and read back
+// by this thread only), then the reverse recurrence.
 template <int K>
 __global__ void __launch_bounds__(K) kda_recur_bwd_kernel(const KdaBwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
   RecurBwdSmem<K>& s = *reinterpret_cast<RecurBwdSmem<K>*>(smem_f4);
-  const int hv = blockIdx.x, n = blockIdx.y, d = threadIdx.x;
+  const int slice = blockIdx.x, c0 = slice * kRecurCols, hv = blockIdx.y, n = blockIdx.z, d = threadIdx.x;
   const int HV = p.HV;
   const dev::SeqInfo seq = dev::seq_info(p, n);
   const int len = seq.len;
   const float scale = p.opt.scale;
-  float* ws = p.recur_state + (static_cast<int64_t>(n) * HV + hv) * recur_state_floats(K);
-  float4* hist = reinterpret_cast<float4*>(ws) + d * (kRecurCols / 4);  // row d of token 0's state
-  float* dgate_acc = ws + int64_t{kChunk} * K * kRecurCols;              // [64][K]
-  const auto hat = [&](int t) { return ((seq.bos + t) * HV + hv) * K + d; };  // dqhat / dkhat element
+  const RecurSlice out = recur_slice<K>(p, n, hv, slice);
+  float4* hist = reinterpret_cast<float4*>(out.state) + d * (kRecurCols / 4);  // row d of token 0's state
   dev::recur_stage_tokens<K>(p, s, seq.bos, len, hv);
-  if (d < len) s.dbeta[d] = 0.f;
-
-  for (int c0 = 0; c0 < p.V; c0 += kRecurCols) {
-    const bool first = c0 == 0;  // the slice that starts the sums over slices
-    __syncthreads();             // the previous slice's reads of s.v / s.dout / s.u are done
-    dev::recur_stage_cols<K>(p, p.v, s.v, seq.bos, len, hv, c0);
-    dev::recur_stage_cols<K>(p, p.dout, s.dout, seq.bos, len, hv, c0);
-    float S[kRecurCols], dS[kRecurCols];
-    dev::load_state_row<K>(p, p.h0, n, hv, d, c0, S);
-    __syncthreads();
-    // the replay: the state before each token to recur_state (this thread's row: written and read
-    // back by this thread only), u to s.u
-    for (int t = 0; t < len; ++t) {
-      float4* row = hist + static_cast<int64_t>(t) * K * (kRecurCols / 4);
+  dev::recur_stage_cols<K>(p, p.v, s.v, seq.bos, len, hv, c0);
+  dev::recur_stage_cols<K>(p, p.dout, s.dout, seq.bos, len, hv, c0);
+  float S[kRecurCols], dS[kRecurCols];
+  dev::load_state_row<K>(p, p.h0, n, hv, d, c0, S);
+  __syncthreads();
+  for (int t = 0; t < len; ++t) {
+    float4* row = hist + static_cast<int64_t>(t) * K * (kRecurCols / 4);
 #pragma unroll
-      for (int c = 0; c < kRecurCols / 4; ++c) row[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
-      dev::recur_step<K, false>(s, t, S);
-      if (d < kRecurCols) s.u[t][d] = s.v[t][d] - s.tot[0][d];
-    }
-    dev::load_state_row<K>(p, p.dht, n, hv, d, c0, dS);
-    __syncthreads();  // s.u
-    // The reverse pass's loads are off its serial chain: the state row of token t - 1 and the sums
-    // over the earlier slices of token t are issued one step ahead / at the step's start.
-    float4 nxt[kRecurCols / 4];
-    const auto load_row = [&](int t) {
-      const float4* row = hist + static_cast<int64_t>(t) * K * (kRecurCols / 4);
-#pragma unroll
-      for (int c = 0; c < kRecurCols / 4; ++c) nxt[c] = row[c];
-    };
-    if (len > 0) load_row(len - 1);
-    for (int t = len - 1; t >= 0; --t) {
-      const float a = s.a[t][d], kd = s.k[t][d], qd = s.q[t][d], bt = s.beta[t];
-      const int64_t i = hat(t);
-      const float dq_prev = first ? 0.f : p.dqhat[i], dk_prev = first ? 0.f : p.dkhat[i];
-      const float dg_prev = first ? 0.f : dgate_acc[t * K + d];
-      float St[kRecurCols];  // S~_t = exp(gate_t) . S_{t-1}
-#pragma unroll
-      for (int c = 0; c < kRecurCols / 4; ++c) {
-        St[4 * c] = a * nxt[c].x;
-        St[4 * c + 1] = a * nxt[c].y;
-        St[4 * c + 2] = a * nxt[c].z;
-        St[4 * c + 3] = a * nxt[c].w;
-      }
-      if (t > 0) load_row(t - 1);
-      float dq = 0.f, x[1][kRecurCols];
-      const float bk = bt * kd, sq = scale * qd;
-#pragma unroll
-      for (int c = 0; c < kRecurCols; ++c) {
-        const float dout = s.dout[t][c];
-        dS[c] = fmaf(sq, dout, dS[c]);                    // o_t = scale S_t^T q_t
-        dq = fmaf(fmaf(bk, s.u[t][c], St[c]), dout, dq);  // (S_t row d) . do_t, S_t = S~ + beta k u^T
-        x[0][c] = kd * dS[c];
-      }
-      dev::column_sums<K, 1>(s, x);  // s.tot[0] = k^T dS_t
-      float dk = 0.f, dg = 0.f;
-#pragma unroll
-      for (int c = 0; c < kRecurCols; ++c) {
-        const float du = bt * s.tot[0][c], uc = s.u[t][c];
-        dk = fmaf(bt * dS[c], uc, dk);  // from S_t = S~ + beta k u^T
-        dk = fmaf(-St[c], du, dk);      // from u = v - S~^T k
-        const float dSt = fmaf(-kd, du, dS[c]);
-        dg = fmaf(dSt, St[c], dg);      // S~ = exp(gate) . S_{t-1}
-        dS[c] = a * dSt;
-      }
-      // the sums over slices, each element by its own thread in slice order
-      p.dqhat[i] = dq_prev + scale * dq;
-      p.dkhat[i] = dk_prev + dk;
-      dgate_acc[t * K + d] = dg_prev + dg;
-      if (d < kRecurCols) store_any(p.dv, p.dtype, ((seq.bos + t) * HV + hv) * p.V + c0 + d, bt * s.tot[0][d]);
-      if (d == 0) {
-        float db = 0.f;
-        for (int c = 0; c < kRecurCols; ++c) db = fmaf(s.u[t][c], s.tot[0][c], db);
-        s.dbeta[t] += db;
-      }
-    }
-    if (p.dh0) dev::store_state_row<K>(p, p.dh0, n, hv, d, c0, dS);
+    for (int c = 0; c < kRecurCols / 4; ++c) row[c] = make_float4(S[4 * c], S[4 * c + 1], S[4 * c + 2], S[4 * c + 3]);
+    dev::recur_step<K, false>(s, t, S);
+    if (d < kRecurCols) s.u[t][d] = s.v[t][d] - s.tot[0][d];
   }
-  __syncthreads();  // s.dbeta
+  dev::load_state_row<K>(p, p.dht, n, hv, d, c0, dS);
+  __syncthreads();  // s.u
+  // the row of token t - 1 is loaded a step ahead: off the serial chain
+  float4 nxt[kRecurCols / 4];
+  const auto load_row = [&](int t) {
+    const float4* row = hist + static_cast<int64_t>(t) * K * (kRecurCols / 4);
+#pragma unroll
+    for (int c = 0; c < kRecurCols / 4; ++c) nxt[c] = row[c];
+  };
+  if (len > 0) load_row(len - 1);
+  for (int t = len - 1; t >= 0; --t) {
+    const float a = s.a[t][d], kd = s.k[t][d], qd = s.q[t][d], bt = s.beta[t];
+    float St[kRecurCols];  // S~_t = exp(gate_t) . S_{t-1}
+#pragma unroll
+    for (int c = 0; c < kRecurCols / 4; ++c) {
+      St[4 * c] = a * nxt[c].x;
+      St[4 * c + 1] = a * nxt[c].y;
+      St[4 * c + 2] = a * nxt[c].z;
+      St[4 * c + 3] = a * nxt[c].w;
+    }
+    if (t > 0) load_row(t - 1);
+    float dq = 0.f, x[1][kRecurCols];
+    const float bk = bt * kd, sq = scale * qd;
+#pragma unroll
+    for (int c = 0; c < kRecurCols; ++c) {
+      const float dout = s.dout[t][c];
+      dS[c] = fmaf(sq, dout, dS[c]);                    // o_t = scale S_t^T q_t
+      dq = fmaf(fmaf(bk, s.u[t][c], St[c]), dout, dq);  // (S_t row d) . do_t, S_t = S~ + beta k u^T
+      x[0][c] = kd * dS[c];
+    }
+    dev::column_sums<K, 1>(s, x);  // s.tot[0] = k^T dS_t
+    float dk = 0.f, dg = 0.f;
+#pragma unroll
+    for (int c = 0; c < kRecurCols; ++c) {
+      const float du = bt * s.tot[0][c], uc = s.u[t][c];
+      dk = fmaf(bt * dS[c], uc, dk);  // from S_t = S~ + beta k u^T
+      dk = fmaf(-St[c], du, dk);      // from u = v - S~^T k
+      const float dSt = fmaf(-kd, du, dS[c]);
+      dg = fmaf(dSt, St[c], dg);      // S~ = exp(gate) . S_{t-1}
+      dS[c] = a * dSt;
+    }
+    out.dq[t * K + d] = scale * dq;
+    out.dk[t * K + d] = dk;
+    out.dgate[t * K + d] = dg;
+    if (d < kRecurCols) store_any(p.dv, p.dtype, ((seq.bos + t) * HV + hv) * p.V + c0 + d, bt * s.tot[0][d]);
+    if (d == 0) {
+      float db = 0.f;
+      for (int c = 0; c < kRecurCols; ++c) db = fmaf(s.u[t][c], s.tot[0][c], db);
+      out.dbeta[t] = db;
+    }
+  }
+  if (p.dh0) dev::store_state_row<K>(p, p.dh0, n, hv, d, c0, dS);
+}
 
-  // the gate backward (dg w.r.t. the raw g) and this sequence's partials of ddt_bias / dA_log
+// Grid (HV, N), K threads: the slices' shares added in slice order (thread d: column d of every
+// token), dq^ / dk^ to dqhat / dkhat (kda_bwd_group_sum: the group's sum and the l2norm backward),
+// the gate backward (dg w.r.t. the raw g) with this sequence's partials of ddt_bias / dA_log, and
+// dbeta through beta's sigmoid.
+template <int K>
+__global__ void __launch_bounds__(K) kda_recur_bwd_finish_kernel(const KdaBwdParams p) {
+  __shared__ float pa_warp[K / 32];
+  const int hv = blockIdx.x, n = blockIdx.y, d = threadIdx.x;
+  const int HV = p.HV, slices = p.V / kRecurCols;
+  const dev::SeqInfo seq = dev::seq_info(p, n);
+  const int len = seq.len;
   const GateMode mode = p.opt.gate_mode;
   const float a_exp = dev::gate_a_exp(p, hv);
   float pb = 0.f, pa = 0.f;
   for (int t = 0; t < len; ++t) {
-    float dgate = dgate_acc[t * K + d];
+    float dq = 0.f, dk = 0.f, dgate = 0.f;
+    for (int sl = 0; sl < slices; ++sl) {
+      const RecurSlice in = recur_slice<K>(p, n, hv, sl);
+      dq += in.dq[t * K + d];
+      dk += in.dk[t * K + d];
+      dgate += in.dgate[t * K + d];
+    }
+    const int64_t i = ((seq.bos + t) * HV + hv) * K + d;
+    p.dqhat[i] = dq;
+    p.dkhat[i] = dk;
     if (mode != GateMode::kPrecomputed) {
       float ddx, ddA;
       dev::gate_derivatives(mode, dev::gate_input(p, seq.bos + t, hv, d), a_exp, p.opt.lower_bound, ddx, ddA);
@@ -369,10 +390,11 @@ __global__ void __launch_bounds__(K) kda_recur_bwd_kernel(const KdaBwdParams p) 
       dgate *= ddx;
       pb += dgate;
     }
-    store_any(p.dg, p.g_dtype, ((seq.bos + t) * HV + hv) * K + d, dgate);
+    store_any(p.dg, p.g_dtype, i, dgate);
   }
   if (d < len) {
-    float db = s.dbeta[d];
+    float db = 0.f;
+    for (int sl = 0; sl < slices; ++sl) db += recur_slice<K>(p, n, hv, sl).dbeta[d];
     const int64_t bi = (seq.bos + d) * HV + hv;
     if (p.opt.beta_sigmoid_scale != 0.f)
       db *= p.opt.beta_sigmoid_scale * dev::sigmoid_slope(load_any(p.beta, p.beta_dtype, bi));
@@ -382,11 +404,11 @@ __global__ void __launch_bounds__(K) kda_recur_bwd_kernel(const KdaBwdParams p) 
     p.pbias[(static_cast<int64_t>(seq.chunk0) * HV + hv) * K + d] = pb;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) pa += __shfl_xor_sync(0xffffffffu, pa, o);
-    if ((d & 31) == 0) s.pa[d >> 5] = pa;
+    if ((d & 31) == 0) pa_warp[d >> 5] = pa;
     __syncthreads();
     if (d == 0) {
       float acc = 0.f;
-      for (int i = 0; i < K / 32; ++i) acc += s.pa[i];
+      for (int w = 0; w < K / 32; ++w) acc += pa_warp[w];
       p.pA[static_cast<int64_t>(seq.chunk0) * HV + hv] = acc;
     }
   }
@@ -394,7 +416,18 @@ __global__ void __launch_bounds__(K) kda_recur_bwd_kernel(const KdaBwdParams p) 
 
 template <int K>
 inline LaunchShape recur_bwd_launch(const KdaBwdParams& p) {
-  return {dim3(static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N)), K, sizeof(RecurBwdSmem<K>)};
+  return {dim3(static_cast<unsigned>(p.V / kRecurCols), static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N)), K,
+          sizeof(RecurBwdSmem<K>)};
+}
+template <int K>
+inline LaunchShape recur_bwd_finish_launch(const KdaBwdParams& p) {
+  return {dim3(static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N)), K, 0};
+}
+// Both passes in order, through launch(kernel, shape): the GPU launcher and the emulator call this.
+template <int K, typename Launch>
+void for_each_recur_bwd_pass(const KdaBwdParams& p, Launch&& launch) {
+  launch(kda_recur_bwd_kernel<K>, recur_bwd_launch<K>(p));
+  launch(kda_recur_bwd_finish_kernel<K>, recur_bwd_finish_launch<K>(p));
 }
 
 }  // namespace kernel_fun::kda
