@@ -46,7 +46,6 @@ struct RecurCore {
   float red[NR][K][kRecurCols + 1];  // column_sums: one row per thread (+1: thread d's row starts on bank d)
   float part[NR][K / 32][kRecurCols];
   float tot[NR][kRecurCols];
-  float pa[K / 32];
   float v[kChunk][kRecurCols];  // the value slice
 };
 // The forward sums k S~ and q S~ at once.
