@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kda/device/gate.cuh"
 #include "kda/device/primitives.cuh"
 #include "kda/device/sequence.cuh"
 #include "kda/kda_launch_shape.h"
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(kGroupSumThreads) kda_bwd_group_sum_kernel(con
       }
     }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float r = p.opt.l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f;
+    const float r = p.opt.l2norm ? dev::l2norm_rstd(ss) : 1.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) dot = fmaf(xs[i] * r, ds[i], dot);
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);

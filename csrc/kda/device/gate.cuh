@@ -56,6 +56,28 @@ __device__ __forceinline__ float sigmoid_slope(float z) {
   return u / (w * w);
 }
 
+// exp(A_log[hv]) where the in-kernel gate uses A_log, else 1. (GatePass and kda_bwd_grads' epilogue
+// form it inline: through this function ptxas schedules the grads kernel's epilogue differently.)
+__device__ __forceinline__ float gate_a_exp(const KdaProblem& p, int hv) {
+  return (p.opt.gate_mode != GateMode::kPrecomputed && p.A_log) ? expf(p.A_log[hv]) : 1.f;
+}
+
+// The natural-log per-step gate of one element (x = g + dt_bias; g itself for kPrecomputed) in fp32
+// through expf / log1pf (under the build's --use_fast_math expf is the ex2-based form, a few ulp), not
+// the SFU forms of gate_activation8 (softplus_fast, ~2e-7 absolute): for code that runs once per
+// element and wants accuracy (the token recurrence of recur/kda_recur.cuh). softplus is x itself
+// above the threshold 20 (torch's rule). gate_derivatives' d/dA_log of the unbounded gate is the same
+// expression, inlined there for the same scheduling reason as gate_a_exp.
+__device__ __forceinline__ float gate_value(GateMode mode, float x, float a_exp, float lower_bound) {
+  switch (mode) {
+    case GateMode::kPrecomputed: return x;
+    case GateMode::kUnbounded: return -a_exp * (x > 20.f ? x : log1pf(expf(x)));
+    case GateMode::kBounded: return lower_bound * sigmoid_f(a_exp * x);
+    case GateMode::kBoundedNoALog: return lower_bound * sigmoid_f(x);
+  }
+  return x;
+}
+
 // d(gate)/dx (x = g + dt_bias; for kPrecomputed d(gate)/dg = 1) and d(gate)/d(A_log), in fp32 with
 // libm exp: the backward's epilogue runs once per element, so accuracy wins over the SFU here.
 // softplus' derivative is sigmoid(x) below the threshold 20 and exactly 1 above it (torch's rule).
@@ -353,6 +375,10 @@ __device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, floa
   }
 }
 
+// The l2norm's row factor from a row's sum of squares, 1 / sqrt(sum x^2 + 1e-6) (fla's epsilon): the
+// one definition every kernel uses (the chunk kernels, the GVA group sums, the token recurrence).
+__device__ __forceinline__ float l2norm_rstd(float sum_sq) { return 1.f / sqrtf(sum_sq + 1e-6f); }
+
 // The l2norm row factors rq = 1 / sqrt(sum q^2 + 1e-6) (1 when l2norm is off) of the raw q / k
 // rows sQ, sK [64][KQ]: K/8 lanes per row, 8 elements each (16-byte loads), a shuffle tree over
 // the row's lanes (aligned groups of K/8 lanes of one warp; uniform trip count).
@@ -383,8 +409,8 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
       sk += __shfl_xor_sync(0xffffffffu, sk, o);
     }
     if (i % VPR == 0) {
-      sRq[r] = 1.f / sqrtf(sq + 1e-6f);
-      sRk[r] = 1.f / sqrtf(sk + 1e-6f);
+      sRq[r] = l2norm_rstd(sq);
+      sRk[r] = l2norm_rstd(sk);
     }
   });
 }

@@ -93,28 +93,11 @@ __device__ __forceinline__ void column_sums(RecurCore<K, NR>& s, const float (&x
   __syncthreads();
 }
 
-// The per-step gate in fp32 through expf / log1pf, as gate_derivatives computes its slope (under the
-// build's --use_fast_math expf is the ex2-based form, a few ulp), not the chunk forward's
-// softplus_fast on lg2.approx (~2e-7 absolute): the recurrence exists for accuracy, and this runs
-// once per element.
-__device__ __forceinline__ float gate_value_exact(GateMode mode, float x, float a_exp, float lower_bound) {
-  switch (mode) {
-    case GateMode::kPrecomputed: return x;
-    case GateMode::kUnbounded: return -a_exp * (x > 20.f ? x : log1pf(expf(x)));
-    case GateMode::kBounded: return lower_bound * sigmoid_f(a_exp * x);
-    case GateMode::kBoundedNoALog: return lower_bound * sigmoid_f(x);
-  }
-  return x;
-}
-
-// The raw gate input x = g (+ dt_bias) of token tok, value head hv, column d, and exp(A_log[hv]).
+// The raw gate input x = g (+ dt_bias) of token tok, value head hv, column d.
 __device__ __forceinline__ float gate_input(const KdaProblem& p, int64_t tok, int hv, int d) {
   const float g = load_any(p.g, p.g_dtype, (tok * p.HV + hv) * p.K + d);
   const bool in_kernel = p.opt.gate_mode != GateMode::kPrecomputed;
   return g + ((in_kernel && p.dt_bias) ? p.dt_bias[hv * p.K + d] : 0.f);
-}
-__device__ __forceinline__ float gate_a_exp(const KdaProblem& p, int hv) {
-  return (p.opt.gate_mode != GateMode::kPrecomputed && p.A_log) ? expf(p.A_log[hv]) : 1.f;
 }
 
 // Sequence n's tokens into s (rows t < len; len <= 64): q / k (l2-normalised when asked), exp(gate),
@@ -131,7 +114,7 @@ __device__ __forceinline__ void recur_stage_tokens(const KdaProblem& p, RecurCor
     const int64_t tok = bos + t;
     s.q[t][d] = load_any(p.q, p.dtype, (tok * p.H + h) * K + d);
     s.k[t][d] = load_any(p.k, p.dtype, (tok * p.H + h) * K + d);
-    s.a[t][d] = expf(gate_value_exact(p.opt.gate_mode, gate_input(p, tok, hv, d), a_exp, p.opt.lower_bound));
+    s.a[t][d] = expf(gate_value(p.opt.gate_mode, gate_input(p, tok, hv, d), a_exp, p.opt.lower_bound));
   }
   if (d < len) {
     const float b = load_any(p.beta, p.beta_dtype, (bos + d) * p.HV + hv);
@@ -150,9 +133,8 @@ __device__ __forceinline__ void recur_stage_tokens(const KdaProblem& p, RecurCor
       sq += __shfl_xor_sync(0xffffffffu, sq, o);
       sk += __shfl_xor_sync(0xffffffffu, sk, o);
     }
-    // the chunk kernels' and kda_bwd_group_sum's factor, 1 / sqrt(sum x^2 + 1e-6)
-    const float rq = p.opt.l2norm ? 1.f / sqrtf(sq + 1e-6f) : 1.f;
-    const float rk = p.opt.l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
+    const float rq = p.opt.l2norm ? l2norm_rstd(sq) : 1.f;
+    const float rk = p.opt.l2norm ? l2norm_rstd(sk) : 1.f;
     float qk = 0.f;
 #pragma unroll
     for (int i = 0; i < K / 32; ++i) {
