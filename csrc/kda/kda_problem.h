@@ -188,52 +188,47 @@ inline bool sliced_backward(const KdaProblem& p, int slice_B) {
 // partials pbias / pA stay full-size (summed once after the last slice).
 inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
                                          int slice_B = 0) {
-  if (p.recurrent) {
-    // the fp32 token recurrence (recur/kda_recur.cuh): the chunk map (a varlen sequence's row of the
-    // gate partials is its chunk), and for the backward the replayed states, dq^ / dk^ per value head
-    // (kda_bwd_group_sum finishes them, GVA or not) and the gate partials. One pass, never sliced.
-    const int64_t rows = static_cast<int64_t>(p.B) * p.T;
-    std::vector<WorkBuffer> r = {{WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, DType::kFloat32, true}};
-    if (!backward) return r;
-    r.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, p.HV, p.V / kRecurCols, recur_slice_floats(p.K)},
-                 DType::kFloat32});
-    r.push_back({WorkBuffer::kDqhat, "dqhat", {rows, p.HV, p.K}, DType::kFloat32});
-    r.push_back({WorkBuffer::kDkhat, "dkhat", {rows, p.HV, p.K}, DType::kFloat32});
-    if (p.opt.gate_mode != GateMode::kPrecomputed) {
-      r.push_back({WorkBuffer::kPbias, "pbias", {p.max_chunks, p.HV, p.K}, DType::kFloat32});
-      r.push_back({WorkBuffer::kPA, "pA", {p.max_chunks, p.HV}, DType::kFloat32});
-    }
-    return r;
-  }
-  const bool sliced = backward && sliced_backward(p, slice_B);
+  // p.recurrent (the fp32 token recurrence, recur/kda_recur.cuh) needs none of the chunk kernels'
+  // buffers: the chunk map (a varlen sequence's row of the gate partials is its chunk), and in the
+  // backward the replayed states, dq^ / dk^ (kda_bwd_group_sum finishes them, GVA or not) and the
+  // gate partials. One pass, never sliced.
+  const bool chunked = !p.recurrent;
+  const bool sliced = backward && chunked && sliced_backward(p, slice_B);
   const int64_t rows = static_cast<int64_t>(sliced ? slice_B : p.B) * p.T;
   const int64_t HV = p.HV, K = p.K, V = p.V, Cfull = p.max_chunks;
   const int64_t C = sliced ? slice_B * ((int64_t{p.T} + kChunk - 1) / kChunk) : Cfull;
   const DType wt = p.dtype, f32 = DType::kFloat32;
-  std::vector<WorkBuffer> b = {
-      {WorkBuffer::kW, "w", {rows, HV, K}, wt},
-      {WorkBuffer::kQg, "qg", {rows, HV, K}, wt},
-      {WorkBuffer::kKg, "kg", {rows, HV, K}, wt},
-  };
-  if (!saved_factors) {
-    b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, kChunk}, wt});
-    b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
+  std::vector<WorkBuffer> b;
+  if (chunked) {
+    b.push_back({WorkBuffer::kW, "w", {rows, HV, K}, wt});
+    b.push_back({WorkBuffer::kQg, "qg", {rows, HV, K}, wt});
+    b.push_back({WorkBuffer::kKg, "kg", {rows, HV, K}, wt});
+    if (!saved_factors) {
+      b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, kChunk}, wt});
+      b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
+    }
+    b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
   }
-  b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)
   b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, f32, true});
   // the streamed forward's flags, counter and resume chunks (4 bytes per chunk and value head, and
   // per scan CTA), and where it can stream at all (kda_policy.h's fwd_stream_possible) the chains'
   // saved states; used only where the launcher streams (kda_fwd.cu)
   if (!backward) {
-    b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {stream_flag_count(p)}, f32, true});
-    if (fwd_stream_possible(p)) b.push_back({WorkBuffer::kScanSave, "scan_save", {p.N, HV, K, V}, f32});
+    if (chunked) {
+      b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {stream_flag_count(p)}, f32, true});
+      if (fwd_stream_possible(p)) b.push_back({WorkBuffer::kScanSave, "scan_save", {p.N, HV, K, V}, f32});
+    }
     return b;
   }
-  if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
-  b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
-  b.push_back({WorkBuffer::kDhCkpt, "dh_ckpt", {C, HV, V, K}, wt});
-  if (p.HV != p.H) {
+  if (chunked) {
+    if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
+    b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
+    b.push_back({WorkBuffer::kDhCkpt, "dh_ckpt", {C, HV, V, K}, wt});
+  } else {
+    b.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, HV, V / kRecurCols, recur_slice_floats(p.K)}, f32});
+  }
+  if (p.HV != p.H || !chunked) {
     b.push_back({WorkBuffer::kDqhat, "dqhat", {rows, HV, K}, f32});
     b.push_back({WorkBuffer::kDkhat, "dkhat", {rows, HV, K}, f32});
   }
