@@ -12,11 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_bitwise_same, emu_module, emu_skip_reason, kda_bwd_reference, rel_rms
+from helpers import assert_bitwise_same, emu_module, emu_skip_reason, kda_bwd_reference, kda_reference, rel_rms
 from test_emu_kda_bwd import _do_dht
 from test_emu_kda_fwd import make_case
-
-from kernel_fun.ref.kda import naive_recurrent_kda
 
 _why = emu_skip_reason()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"kf_emu cannot be built: {_why}")
@@ -40,13 +38,6 @@ CASES = {
 }
 
 
-def _forward_reference(inputs, kw):
-    x = [t.double() for t in inputs]
-    rk = {n: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for n, v in kw.items()
-          if n != "output_final_state"}
-    return naive_recurrent_kda(*x, output_final_state=True, **rk)
-
-
 @pytest.fixture(scope="module")
 def emu():
     return emu_module()
@@ -58,7 +49,7 @@ def test_recurrence_matches_fp64(name, emu):
     q, k, v, g, beta = inputs
     do, dht = _do_dht(inputs, kw, 7)
     o, ht, _, _ = emu.forward_stages(*inputs, **kw, recurrent=True)
-    ro, rht = _forward_reference(inputs, kw)
+    ro, rht = kda_reference(inputs, kw)  # the fp64 chunk form: the recurrence's own values to fp64 rounding
     grads, _ = emu.backward_stages(*inputs, do, dht, **kw, recurrent=True)
     ref, _ = kda_bwd_reference(inputs, kw, do, dht)
     errs = {"o": rel_rms(ro, o.double()), "ht": rel_rms(rht, ht.double())}

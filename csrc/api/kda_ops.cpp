@@ -445,14 +445,14 @@ std::string bwd_outputs(KdaBwdParams& p, const Tensor& q, const Tensor& g, const
 
 std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, const OptT& Aqk, const OptT& Akk,
                             const OptT& M, const std::string& options, KF_KDA_GRADS, float* dbg_dA, float* dbg_dL,
-                            bool poison_ws = false, bool profile = false, bool whole_workspace = false) {
+                            bool poison_ws = false, bool profile = false, bool stages = false) {
   KdaBwdParams p;
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(bwd_outputs(p, q, g, beta, dout, dht, KF_KDA_GRAD_NAMES));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(saved by the forward)"));
-  if (!whole_workspace) p.recurrent = kda::kda_recurrent_choice(p);  // as the forward decided (run_fwd)
-  // the workspace holds one batch slice, or (stage tests, which read it back) the whole batch
-  p.slice_B = whole_workspace ? p.B : kda::kda_bwd_slice_batches(p);
+  if (!stages) p.recurrent = kda::kda_recurrent_choice(p);  // as the forward decided (run_fwd)
+  // the workspace holds one batch slice, or (the stage op: the tests read it back) the whole batch
+  p.slice_B = stages ? p.B : kda::kda_bwd_slice_batches(p);
   std::vector<Tensor> ws = alloc_workspace(q, p, true);
   if (poison_ws) poison(ws);
   if (profile) {  // kda_bwd_grads' phase clocks, [max_chunks * HV][16] int64, appended last
@@ -505,7 +505,7 @@ std::vector<Tensor> kda_bwd_stages(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, O
               has_alog ? OptT(dA_log) : std::nullopt,
               has_bias ? OptT(ddt) : std::nullopt, initial_state ? OptT(dh0) : std::nullopt,
               static_cast<float*>(dA.data_ptr()), static_cast<float*>(dL.data_ptr()), poison_outputs, profile,
-              /*whole_workspace=*/true);
+              /*stages=*/true);
   std::vector<Tensor> out = {dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, dA, dL};
   for (auto& t : ws) out.push_back(t);
   return out;

@@ -11,7 +11,8 @@
 //             -> (GVA) group sums, per batch slice
 //             (bwd/kda_bwd_slice.h); then kda_bwd_gate_params (bwd/kda_bwd_finish.cuh)
 //   every sequence in one chunk (p.recurrent): kda_chunk_map -> kda_recur_fwd; backward
-//             kda_chunk_map -> kda_recur_bwd -> group sums -> kda_bwd_gate_params (recur/kda_recur.cuh)
+//             kda_chunk_map -> kda_recur_bwd (the slices, then their shares' sum) -> group sums
+//             -> kda_bwd_gate_params (recur/kda_recur.cuh)
 #pragma once
 
 #include <cuda_runtime.h>
