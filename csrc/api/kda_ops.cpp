@@ -239,7 +239,6 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kChunkReady: p.chunk_ready = static_cast<int*>(ptr); break;
       case WorkBuffer::kScanSave: p.scan_save = static_cast<float*>(ptr); break;
       case WorkBuffer::kRecurState: p.recur_state = static_cast<float*>(ptr); break;
-      case WorkBuffer::kVnew: p.vnew = ptr; break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));
@@ -473,7 +472,7 @@ void kda_bwd(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, std::
 
 // [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (each empty when not applicable),
 //  dA (scale * dAqk, [B*T, HV, 64] fp32), dL ([B*T, HV, 64] fp32), then the workspace in
-//  kda::workspace() order (w, qg, kg, Aqk, Akk, gdecay, chunk_offsets, M, h_ckpt, dh_ckpt, vnew, ...),
+//  kda::workspace() order (w, qg, kg, Aqk, Akk, gdecay, chunk_offsets, M, h_ckpt, dh_ckpt, ...),
 //  then with profile kda_bwd_grads' phase clocks ([max_chunks * HV][16] int64)]
 std::vector<Tensor> kda_bwd_stages(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, std::string options,
                                    bool poison_outputs, bool profile) {

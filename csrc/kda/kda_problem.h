@@ -100,8 +100,6 @@ struct KdaFwdParams : KdaProblem {
   void* M = nullptr;         // [B*T, HV, 64]  (I + L)^-1 (backward only), or null
   float* gdecay = nullptr;   // [max_chunks, HV, K]  exp2(G) per chunk (G = g2 of its last valid row)
   void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk (backward re-scan), or null
-  void* vnew = nullptr;      // [B*T, HV, V] v' = Akk v - w h^T of every chunk (backward re-scan, for
-                             // kda_bwd_grads: rounded to WT as the scan's own operand), or null
   int* chunk_ready = nullptr;  // the streamed forward only (kda_policy.h's fwd_stream_choice), else null:
                                // [max_chunks * HV] flags, 1 once the intra CTA of (chunk, hv) has written
                                // its rows; the intra CTAs' done counter; then one resume chunk per scan
@@ -125,8 +123,7 @@ struct KdaBwdParams : KdaFwdParams {
 
   void* dq = nullptr;          // [B, T, H, K] WT
   void* dk = nullptr;          // [B, T, H, K] WT
-  void* dv = nullptr;          // [B, T, HV, V] WT; the dh scan leaves dv' = Aqk^T do + kg dh^T here and
-                               // kda_bwd_grads replaces it, chunk by chunk, with dv = Akk^T dv'
+  void* dv = nullptr;          // [B, T, HV, V] WT
   void* dg = nullptr;          // [B, T, HV, K] g_dtype
   void* dbeta = nullptr;       // [B, T, HV] beta_dtype
   float* dh0 = nullptr;        // layout of h0, or null
@@ -157,7 +154,7 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kVnew, kCount };
+                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
@@ -228,7 +225,6 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
     b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
     b.push_back({WorkBuffer::kDhCkpt, "dh_ckpt", {C, HV, V, K}, wt});
-    b.push_back({WorkBuffer::kVnew, "vnew", {rows, HV, V}, wt});
   } else {
     b.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, HV, V / kRecurCols, recur_slice_floats(p.K)}, f32});
   }

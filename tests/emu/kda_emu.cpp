@@ -100,7 +100,6 @@ struct KdaEmuArgs {
   int32_t* chunk_ready;  // the streamed forward's flags (zeroed here), or null: the two-kernel forward
   float* scan_save;       // the streamed forward's saved chain states
   float* recur_state;     // the token recurrence's backward workspace (p.recurrent), or null
-  void* vnew;             // backward: the re-scan's v' for kda_bwd_grads (the chunk kernels), or null
   int64_t cu_int64;
   int64_t B, T, H, HV, K, V, N, max_chunks;
   int64_t dtype, g_dtype, beta_dtype;
@@ -199,7 +198,6 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.saved_factors = a.saved_factors != 0;
   p.slice_B = static_cast<int>(a.slice_b);
   p.recur_state = a.recur_state;
-  p.vnew = a.vnew;
   p.recurrent = a.recurrent != 0 && kda::recurrent_possible(p);
   return p;
 }

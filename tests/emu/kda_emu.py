@@ -34,7 +34,7 @@ def _build_module():
 _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "options", "o", "ht", "h_states",
          "w", "qg", "kg", "Aqk", "Akk", "M", "gdecay", "chunk_offsets", "h_ckpt", "dh_ckpt", "dqhat", "dkhat",
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
-         "dbg_dL", "chunk_ready", "scan_save", "recur_state", "vnew")
+         "dbg_dL", "chunk_ready", "scan_save", "recur_state")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
          "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop", "recurrent")
 
@@ -192,7 +192,6 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
     if backward:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (max_chunks, HV, V, K), dt)
         ws["dh_ckpt"] = gz.alloc("dh_ckpt", (max_chunks, HV, V, K), dt)
-        ws["vnew"] = gz.alloc("vnew", (B * T, HV, V), dt)
         if recurrent:  # kda_problem.h's workspace(): recur_slice_floats(K) per (sequence, value head, slice)
             ws["recur_state"] = gz.alloc("recur_state", (N, HV, V // 32, CHUNK * K * 35 + CHUNK), torch.float32)
         if HV != H or recurrent:

@@ -9,8 +9,7 @@
 //                                              of do and Aqk; blocks jj >= pp) while it is in flight
 //   C   dhT  = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   wgmma m64nKk16 (B = the swizzled qg / w
 //                                              tiles, MN-major), in flight during B
-//   B   dv'T -> dv's place                      kda_bwd_grads turns it into dv = Akk^T dv' chunk by
-//                                              chunk (v enters the forward only through u = Akk v)
+//   B   dvT  = dv'T @ Akk -> dv                mma.sync (v enters the forward only through u = Akk v)
 // after chunk 0: dh0 = dhT. scale lives inside qg (the forward intra's workspace), never applied
 // twice. Operands are rounded to WT, accumulation is fp32, as in the forward scan.
 //
@@ -50,7 +49,7 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
   if (nchunks > 0) load_chunk(nchunks - 1, 0);
   dev::cp_async_commit();
 
-  WT* dvn = reinterpret_cast<WT*>(p.dv);  // dv' for now (see B)
+  WT* dv = reinterpret_cast<WT*>(p.dv);
   WT* dhc = reinterpret_cast<WT*>(p.dh_ckpt);
 
   for (int i = 0; i < nchunks; ++i) {
@@ -63,7 +62,7 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     dev::cp_async_commit();
 
     const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
-    const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sDo = op.val;
+    const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
     const float* sDec = op.dec;
 
     // ---------------- 0: the checkpoint dh_{c+1} for chunk c, [chunk][hv][v][k]
@@ -105,13 +104,16 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dvT[j][e] += u[j][e];
-    // -dv'T as A fragments over the token dimension (rounded to WT) for C
-    uint32_t vn[4][4];
+    // dv'T as A fragments over the token dimension (rounded to WT), and its negation for C
+    uint32_t va[4][4], vn[4][4];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT, true>(vn[jj], dvT[2 * jj], dvT[2 * jj + 1]);
+    for (int jj = 0; jj < 4; ++jj) {
+      dev::pack_a<WT>(va[jj], dvT[2 * jj], dvT[2 * jj + 1]);
+      dev::pack_a<WT, true>(vn[jj], dvT[2 * jj], dvT[2 * jj + 1]);
+    }
 
     // ---------------- C: dhT = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   (wgmma, B = the swizzled
-    // qg / w tiles, MN-major), in flight while B stores: dhT, adoT and vn belong to it until the wait
+    // qg / w tiles, MN-major), in flight while B runs: dhT, adoT and vn belong to it until the wait
     dev::decay_state<K>(dhT, sDec, t);
     dev::fence_regs(dhT);
     dev::fence_regs(adoT);
@@ -121,11 +123,25 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     dev::wgmma_tokens_tile<WT, K>(dhT, vn, sW);
     dev::wgmma_commit();
 
-    // ---------------- B: dv' -> dv's place, rounded to WT (kda_bwd_grads reads it for its
-    // products and replaces it with dv = Akk^T dv'; dvT is not an operand of C's wgmma). Rounded as -vn
-    // is: round-to-nearest is symmetric
-    dev::store_token_tile<WT>(dvn, dvT, seq.bos + static_cast<int64_t>(c) * kChunk,
-                              min(kChunk, seq.len - c * kChunk), HV, hv, V, v0 + vw, g, t);
+    // ---------------- B: dvT = dv'T @ Akk -> dv   (B[k = token][n = token'] = Akk[token][token'])
+    {
+      float acc[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int pp = 0; pp <= jj; ++pp) {
+          uint32_t b[4];
+          dev::ldsm_b_t(b, sAkk, AP, 16 * jj, 16 * pp);
+          dev::mma_16x16<WT>(acc[2 * pp], acc[2 * pp + 1], va[jj], b);
+        }
+      }
+      dev::store_token_tile<WT>(dv, acc, seq.bos + static_cast<int64_t>(c) * kChunk,
+                                min(kChunk, seq.len - c * kChunk), HV, hv, V, v0 + vw, g, t);
+    }
 
     dev::wgmma_wait<0>();
     dev::fence_regs(dhT);

@@ -3,24 +3,21 @@
 // 512 threads (16 warps), ~210 KB of smem at K = 128 (one CTA per SM, 16 warps to hide latency).
 //
 // Inputs per chunk: q, k, g, beta (raw; the gate, the cumsum, l2norm and beta's sigmoid are
-// recomputed exactly as the forward intra does), v, do, the recomputed workspace (Aqk, Akk, M), the
-// two checkpoints h_c (kda_fwd_scan) and dh_{c+1} (kda_bwd_dh_scan), the re-scan's v' (vnew) and
-// the dh scan's dv' (in dv's place; this kernel writes dv over it).
+// recomputed exactly as the forward intra does), v, do, the recomputed workspace (w, kg, Aqk, Akk,
+// M) and the two checkpoints h_c (kda_fwd_scan) and dh_{c+1} (kda_bwd_dh_scan).
 //
 // Phases ("|" = barrier), each a device function below; warp w: row block rb = w & 3 (rows 16 rb ..),
 // column quarter cq = w >> 2:
-//   P   q, k, Aqk, Akk (and w, for the second copy of V) and the first V-slice -> smem (cp.async);
-//       gate + block-local cumsum, beta; block offsets; l2norm factors                        |
-//   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v, v', dv' slices):
-//       V1  dv = Akk^T dv' -> dv (one 16 x 16 tile per warp of column halves 2, 3); the second
-//           copy (the last chunk with dht) also v' = Akk v - w h^T unrounded over the loaded v'  (|)
+//   P   q, k, Aqk, Akk, w, kg and the first V-slice -> smem (cp.async); gate + block-local cumsum,
+//       beta; block offsets; l2norm factors                                                   |
+//   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v slices):
+//       V1  v' = Akk v - w h^T  /  dv' = Aqk^T do + kg dh^T  (one 16 x 16 tile of one of them per
+//           warp) -> smem                                                                     |
 //       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
 //           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only);
 //           sum_v h * dh per state row (the decay's gradient) from V2's h / dh fragments       |
 //       The phase is bound by shared-memory bandwidth (each warp's ldmatrix of its own operand
-//       fragments): read nothing twice that a fragment holds. v' and dv' come from the scans,
-//       which hold them anyway, because recomputing them here (w h^T and kg dh^T over all of K per
-//       slice) was half of the phase's ldmatrix traffic.
+//       fragments, ~37 ldmatrix.x4 per warp per slice): read nothing twice that a fragment holds.
 //   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
 //       dkB = exp2(G - g2) dkg (column-side k terms), dG += sum_i kg dkg                     |
 //       dAkk += dw kexp^T; dkA = exp2(g2) Akk^T dw (row-side k terms)                        |
@@ -76,21 +73,21 @@ struct GradsSmem {
   static constexpr int AF = 68;        // fp32 row stride of [64][64] tiles
   static constexpr int VSP = kVS + 8;  // WT row stride of [64][32] slices
   static constexpr int NPART = 2;  // partial sums of sum_v h dh per state row (one per 16-row half of a slice)
-  // One stage of the V loop's double buffer: this slice of h_c and dh_{c+1}, and of do, v, the
-  // re-scan's v' and the dh scan's dv' (in dv's place).
+  // One stage of the V loop's double buffer: this slice of h_c and dh_{c+1}, and of do and v.
   struct VStage {
     WT h[kVS][KQ];
     WT dh[kVS][KQ];
     WT do_[kChunk][VSP];  // [64 tok][VSP]
     WT v[kChunk][VSP];
-    WT vn[kChunk][VSP];   // v' (the last chunk with dht: recomputed over the loaded copy)
-    WT dvn[kChunk][VSP];  // dv'
   };
   struct VPhase {
     WT aqk[kChunk][AP];
     WT akk[kChunk][AP];
-    WT w[kChunk][KQ];     // loaded only for the last chunk with dht (v' recomputed unrounded)
+    WT kg[kChunk][KQ];
+    WT w[kChunk][KQ];
     VStage stage[2];
+    WT vn[kChunk][VSP];
+    WT dvn[kChunk][VSP];
     // The last chunk of a sequence with a final-state gradient (the kernel's dht_last, bf16 only):
     // the low halves v' - bf16(v') and dht - bf16(dht) of the current slice, so that the V2 products
     // that feed dg's last row (kg dkg with dh = dht) see v' and dht unrounded. Fits beside the V
@@ -101,8 +98,8 @@ struct GradsSmem {
   struct EPhase {
     WT m[kChunk][AP];      // over V's aqk
     WT akk[kChunk][AP];    // V's akk, in place
-    WT dw[kChunk][KQ];     // over V's w
-    WT kexp[kChunk][KQ];   // over V's first stage
+    WT dw[kChunk][KQ];     // over V's kg
+    WT kexp[kChunk][KQ];   // over V's w
     float dakk[kChunk][AF];
     WT dm[kChunk][AP];
     WT z[kChunk][AP];
@@ -248,15 +245,11 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
   WT* bDH = &stage.dh[0][0];
   WT* bDo = &stage.do_[0][0];
   WT* bV = &stage.v[0][0];
-  WT* bVN = &stage.vn[0][0];
-  WT* bDVN = &stage.dvn[0][0];
   const int64_t sb = (static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * c.V * K;
   const WT* gh = reinterpret_cast<const WT*>(p.h_ckpt) + sb;
   const WT* gdh = reinterpret_cast<const WT*>(p.dh_ckpt) + sb;
   const WT* gdo = reinterpret_cast<const WT*>(p.dout);
   const WT* gv = reinterpret_cast<const WT*>(p.v);
-  const WT* gvn = reinterpret_cast<const WT*>(p.vnew);
-  const WT* gdvn = reinterpret_cast<const WT*>(p.dv);  // dv' (kda_bwd_dh_scan); dv once V1 has run
   const int v0 = s * kVS;
   constexpr int VPR = K / 8;
   dev::strided<kVS * VPR, NTH>(c.tid, [&](int i) {
@@ -270,23 +263,22 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
     const int64_t off = ((c.tok0 + (ok ? r : 0)) * c.HV + c.hv) * c.V + v0 + c8;
     dev::cp_async16(bDo + r * VSP + c8, gdo + off, ok ? 16 : 0);
     dev::cp_async16(bV + r * VSP + c8, gv + off, ok ? 16 : 0);
-    dev::cp_async16(bVN + r * VSP + c8, gvn + off, ok ? 16 : 0);
-    dev::cp_async16(bDVN + r * VSP + c8, gdvn + off, ok ? 16 : 0);
   });
 }
 
-// q, k (head h), Aqk, Akk (full rows: the blocks above the diagonal are zeros), with lo (the V
-// loop's second copy: v' recomputed) also w -> smem; rows past the end zero-filled, sources never
-// read. One commit group.
+// q, k (head h), w, kg, Aqk, Akk (full rows: the blocks above the diagonal are zeros) -> smem;
+// rows past the end zero-filled, sources never read. One commit group.
 template <typename WT, int K>
-__device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c, bool lo) {
+__device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
   using S = GradsSmem<WT, K>;
   constexpr int KQ = S::KQ, AP = S::AP, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
   const WT* q = reinterpret_cast<const WT*>(p.q);
   const WT* k = reinterpret_cast<const WT*>(p.k);
   const WT* gw = reinterpret_cast<const WT*>(p.w);
+  const WT* gkg = reinterpret_cast<const WT*>(p.kg);
   WT* sW = &c.vph().w[0][0];
+  WT* sKg = &c.vph().kg[0][0];
   constexpr int VPR = K / 8;
   dev::strided<kChunk * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
@@ -295,7 +287,8 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c, bool 
     const int nb = ok ? 16 : 0;
     dev::cp_async16(c.sQ() + r * KQ + c8, q + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
     dev::cp_async16(c.sK() + r * KQ + c8, k + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
-    if (lo) dev::cp_async16(sW + r * KQ + c8, gw + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
+    dev::cp_async16(sW + r * KQ + c8, gw + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
+    dev::cp_async16(sKg + r * KQ + c8, gkg + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
   });
   const WT* gAqk = reinterpret_cast<const WT*>(p.Aqk);
   const WT* gAkk = reinterpret_cast<const WT*>(p.Akk);
@@ -355,47 +348,48 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
   using E = dev::Elem<WT>;
   constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
   const int rb = c.rb, cq = c.cq, g = c.g, t = c.t;
+  const WT* sAqk = &c.vph().aqk[0][0];
   const WT* sAkk = &c.vph().akk[0][0];
+  const WT* sKg = &c.vph().kg[0][0];
   const WT* sW = &c.vph().w[0][0];
+  WT* sVN = &c.vph().vn[0][0];
+  WT* sDVN = &c.vph().dvn[0][0];
   // V1 roles: warp (rb, vg = cq & 1, which = cq >> 1): the 16 x 16 tile (rows 16 rb, slice columns
-  // 16 vg) of dv (which = 1) or, in the second copy (kLo), of the recomputed v' (which = 0)
+  // 16 vg) of v' (which = 0) or dv' (which = 1)
   const int vg = cq & 1;
   const bool is_dv = cq >> 1;
   // sum_v h dh from V2's own h / dh B fragments: one (k-step, n-pair) of them per warp (rb), so no
   // extra smem reads (the V phase is bound by its ldmatrix traffic)
   int dec_kv, dec_np;
   const bool dec_owner = grads_dec_owner<K>(rb, dec_kv, dec_np);
-  WT* gdv = reinterpret_cast<WT*>(c.p.dv);
   const int nvs = c.V / kVS;
   for (int s = 0; s < nvs; ++s) {
     const int st = s & 1;
     dev::cp_async_wait<0>();
-    __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage)
+    __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage, sVN / sDVN)
     if (s + 1 < nvs) grads_load_slice(c, s + 1, st ^ 1);
     dev::cp_async_commit();
-    typename S::VStage& stage = c.vph().stage[st];
+    const typename S::VStage& stage = c.vph().stage[st];
     const WT* bH = &stage.h[0][0];
     const WT* bDH = &stage.dh[0][0];
     const WT* bDo = &stage.do_[0][0];
     const WT* bV = &stage.v[0][0];
-    WT* bVN = &stage.vn[0][0];
-    const WT* bDVN = &stage.dvn[0][0];
     // kLo: a separate copy of the loop for the last chunk, so the other chunks' registers stay as they were
     if (kLo) grads_dht_lo(c, dht_last, s, bDH);  // read in V2, behind V1's barrier
 
-    // ---- V1: dv = Akk^T dv' (v enters the forward only through u = Akk v; the dh scan left dv' in
-    // dv's place, this slice of it is in the stage: overwriting it in global memory is safe), and in
-    // the second copy v' = Akk v - w h^T unrounded (its low half for V2) over the re-scan's copy
-    if (is_dv || kLo) {
+    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T (one tile per warp)
+    {
       float acc[2][4] = {};
-      if (!is_dv) {  // kLo only: -w h^T, then + Akk v below
+      const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows
+      const WT* bS = is_dv ? bDH : bH;    // B[k][n = v] = dh / h [v][k]: rows v, non-transposed
 #pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk) {
-          uint32_t a[4], b[4];
-          dev::ldsm_a(a, sW, KQ, 16 * rb, 16 * kk);
-          dev::ldsm_b(b, bH, KQ, 16 * vg, 16 * kk);  // B[k][n = v] = h [v][k]: rows v, non-transposed
-          dev::mma_16x16<WT>(acc[0], acc[1], a, b);
-        }
+      for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4], b[4];
+        dev::ldsm_a(a, aK, KQ, 16 * rb, 16 * kk);
+        dev::ldsm_b(b, bS, KQ, 16 * vg, 16 * kk);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
+      }
+      if (!is_dv) {
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -403,43 +397,41 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
       }
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Akk^T dv': A[m = row]
-        // [k = token'] = Akk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
+        // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
+        // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
         if (is_dv ? jj < rb : jj > rb) continue;
         uint32_t a[4], b[4];
-        if (is_dv) dev::ldsm_a_t(a, sAkk, AP, 16 * jj, 16 * rb);
+        if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
         else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
-        dev::ldsm_b_t(b, (is_dv ? bDVN : bV), VSP, 16 * jj, 16 * vg);
+        dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, 16 * vg);
         dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
+      WT* out = is_dv ? sDVN : sVN;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = 16 * vg + 8 * j + 2 * t;
         const uint32_t h0 = E::pack2(acc[j][0], acc[j][1]), h1 = E::pack2(acc[j][2], acc[j][3]);
-        if (is_dv) {  // rows past the sequence's end belong to no token here
-          const int64_t o0 = ((c.tok0 + 16 * rb + g) * c.HV + c.hv) * c.V + s * kVS + col;
-          if (16 * rb + g < c.len) *reinterpret_cast<uint32_t*>(gdv + o0) = h0;
-          if (16 * rb + g + 8 < c.len) *reinterpret_cast<uint32_t*>(gdv + o0 + 8 * c.HV * c.V) = h1;
-        } else {  // v' - bf16(v'): exact in fp32, rounded once more to bf16
-          *reinterpret_cast<uint32_t*>(bVN + (16 * rb + g) * VSP + col) = h0;
-          *reinterpret_cast<uint32_t*>(bVN + (16 * rb + g + 8) * VSP + col) = h1;
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = h0;
+        *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = h1;
+        if (kLo && !is_dv) {  // v' - bf16(v'): exact in fp32, rounded once more to bf16
           const float2 f0 = E::to_float2(h0), f1 = E::to_float2(h1);
           WT* lo = &c.vph().vnlo[0][0];
-          *reinterpret_cast<uint32_t*>(lo + (16 * rb + g) * VSP + col) = E::pack2(acc[j][0] - f0.x, acc[j][1] - f0.y);
+          *reinterpret_cast<uint32_t*>(lo + (16 * rb + g) * VSP + col) =
+              E::pack2(acc[j][0] - f0.x, acc[j][1] - f0.y);
           *reinterpret_cast<uint32_t*>(lo + (16 * rb + g + 8) * VSP + col) =
               E::pack2(acc[j][2] - f1.x, acc[j][3] - f1.y);
         }
       }
     }
-    if (kLo) __syncthreads();  // the recomputed v' and its low half complete
+    __syncthreads();  // sVN / sDVN complete
 
     // ---- V2: contractions over the slice's 32 value columns (two k-steps of 16)
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       uint32_t ado[4], avn[4], adv[4];
       dev::ldsm_a(ado, bDo, VSP, 16 * rb, 16 * kv);
-      dev::ldsm_a(avn, bVN, VSP, 16 * rb, 16 * kv);
-      dev::ldsm_a(adv, bDVN, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(avn, sVN, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(adv, sDVN, VSP, 16 * rb, 16 * kv);
 #pragma unroll
       for (int np = 0; np < NTK / 2; ++np) {
         // B[k = v][n = state column] = h / dh [v][k]: transposed loads
@@ -472,7 +464,7 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
       if (cq <= rb) {  // column block above the diagonal: never needed
         // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
         uint32_t bn[4], bv[4];
-        dev::ldsm_b(bn, bVN, VSP, 16 * cq, 16 * kv);
+        dev::ldsm_b(bn, sVN, VSP, 16 * cq, 16 * kv);
         dev::ldsm_b(bv, bV, VSP, 16 * cq, 16 * kv);
         dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
         dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
@@ -1312,23 +1304,11 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   constexpr int NTH = kGradsThreads, NTK = K / 32;
   const GradsCtx<WT, K> c(p, smem, seq, ci, blockIdx.y);
   KF_GRADS_PHASE(0);
-  // The last chunk of a sequence with a final-state gradient (bf16) runs the V loop's second copy,
-  // whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
-  // dg at the sequence's last row is dG + dg^[last], which leaves sum_r kg_r dkg_r with
-  // dkg_r = v'_r dht: one product of two rounded vectors carries most of dA_log's error on short
-  // sequences with strong gates (docs/notes/2026-12-02-dalog-floor.md: on 17 inputs of
-  // strong_bounded_T200, v' and dht exact in this chunk only take dA_log's median from 2.9e-3 to
-  // 1.6e-3 and every input under the accuracy matrix's bound). fp16 keeps 8x more of each value and
-  // has no range for the low halves.
-  // kLoLast: the last chunk takes the second copy; kLoAlways: every CTA (kda_bwd_grads_last_kernel's
-  // grid is those chunks); kLoNever: no second copy is compiled.
-  // (evaluated where used, not held across the P phase: a live flag spilled in the kMid kernel)
-  auto lo = [&]() { return kLo == kLoAlways || (kLo == kLoLast && p.dht != nullptr && (ci + 1) * kChunk >= seq.len); };
 
   // P: every load of the chunk in flight first (the gate's first rows, then the bulk copies), then
   // the gate and the factors
   auto issue_bulk = [&]() {
-    grads_load_chunk(c, lo());
+    grads_load_chunk(c);
     grads_load_slice(c, 0, 0);
     dev::cp_async_commit();
   };
@@ -1351,7 +1331,17 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
 #pragma unroll
     for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
   float dec2[2] = {0.f, 0.f};
-  if (lo()) {
+  // The last chunk of a sequence with a final-state gradient (bf16) runs the V loop's second copy,
+  // whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
+  // dg at the sequence's last row is dG + dg^[last], which leaves sum_r kg_r dkg_r with
+  // dkg_r = v'_r dht: one product of two rounded vectors carries most of dA_log's error on short
+  // sequences with strong gates (docs/notes/2026-12-02-dalog-floor.md: on 17 inputs of
+  // strong_bounded_T200, v' and dht exact in this chunk only take dA_log's median from 2.9e-3 to
+  // 1.6e-3 and every input under the accuracy matrix's bound). fp16 keeps 8x more of each value and
+  // has no range for the low halves.
+  // kLoLast: the last chunk takes the second copy; kLoAlways: every CTA (kda_bwd_grads_last_kernel's
+  // grid is those chunks); kLoNever: no second copy is compiled.
+  if (kLo == kLoAlways || (kLo == kLoLast && p.dht != nullptr && (ci + 1) * kChunk >= seq.len)) {
     grads_contract<WT, K, kLo != kLoNever>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk,
                                            dec2);
   } else {

@@ -18,9 +18,8 @@
 // scans at prod8192, docs/notes/2026-12-01-kda-backward.md).
 // scale lives inside qg and Aqk (kda_fwd_intra), so it is never applied twice. h and v' are rounded
 // to WT as MMA operands; accumulation is fp32 everywhere.
-// The backward's re-scan runs this kernel with o = null (no qg loads, no OT products, no o stores),
-// h_ckpt set (the state before every chunk, [chunk][HV][V][K] in WT) and vnew set (v' per token,
-// [B*T][HV][V] in WT, in C's place): both for kda_bwd_grads.
+// The backward's re-scan runs this kernel with o = null (no qg loads, no OT products, no o stores)
+// and h_ckpt set: the state before every chunk, [chunk][HV][V][K] in WT, for kda_bwd_grads.
 //
 // Shared memory: dev::ScanStage (csrc/kda/device/scan.cuh), with sVal = v.
 #pragma once
@@ -130,11 +129,6 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
     }
     dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
                               HV, hv, V, v0 + vw, g, t);
-  } else if (p.vnew) {
-    // the re-scan: v' as this step used it (rounded to WT as va), so that kda_bwd_grads reads it
-    // instead of recomputing w h^T per value slice (its V phase is bound by shared-memory reads)
-    dev::store_token_tile<WT>(reinterpret_cast<WT*>(p.vnew), whT, seq.bos + static_cast<int64_t>(c) * kChunk,
-                              min(kChunk, seq.len - c * kChunk), HV, hv, V, v0 + vw, g, t);
   }
 
   dev::wgmma_wait<0>();

@@ -231,7 +231,7 @@ def forward_stages(q, k, v, g, beta, *, opts: KdaOptions, initial_state=None, ou
     return (out[0], (out[1] if output_final_state else None), (hs[:, :total] if hs is not None else None), ws)
 
 
-_BWD_WS = ("w", "qg", "kg", "Aqk", "Akk", "gdecay", "chunk_offsets", "M", "h_ckpt", "dh_ckpt", "vnew")
+_BWD_WS = ("w", "qg", "kg", "Aqk", "Akk", "gdecay", "chunk_offsets", "M", "h_ckpt", "dh_ckpt")
 
 
 def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial_state=None, cu_seqlens=None,
@@ -240,8 +240,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     grads = {dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0} (None where not applicable; dA_log /
     ddt_bias flat fp32 for the prepared A_log / dt_bias); st = {dA: scale * dAqk (i >= j), dL:
     -(M^T dM M^T) (i > j), both [B*T, HV, 64] fp32; h_ckpt, dh_ckpt: [max_chunks, HV, V, K], the state
-    before chunk c and the state gradient dh_{c+1} chunk c reads; vnew: [B*T, HV, V], the re-scan's
-    v' = Akk v - w h^T; M, and the recomputed forward
+    before chunk c and the state gradient dh_{c+1} chunk c reads; M, and the recomputed forward
     workspace; with profile also clock: kda_bwd_grads' clock64() at its phase boundaries, [CTAs, 16]}.
     pbias / pA (the per-chunk gate partials) come back as the gate-parameter passes leave them: rows
     0, 64, 128, ... hold the sums of their 64-chunk segments (kda_bwd_finish.cuh works in place).
