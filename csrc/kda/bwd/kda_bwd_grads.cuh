@@ -266,28 +266,6 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
   });
 }
 
-// Value slice s of h_c, dh_{c+1}, do and v into the L2, one slice ahead of its cp.async (issued at the
-// top of slice s - 1): the V loop's two stages leave one slice's copies in flight during a slice's
-// compute, and from DRAM they take longer than that (the phase ran at ~3.7k cycles per slice
-// whatever its compute: half of it removed, it went 29.4k -> 25.9k cycles at prod8192,
-// scripts/dev/experiments/README.md). The h / dh slices are contiguous (8 KB each at K = 128); do and
-// v two 32-byte sectors per token (one thread each).
-template <typename WT, int K>
-__device__ __forceinline__ void grads_prefetch_slice(const GradsCtx<WT, K>& c, int s) {
-  static_assert(kVS * sizeof(WT) == 64, "do / v rows of a slice: two sectors");
-  const KdaBwdParams& p = c.p;
-  const int tid = c.tid;
-  if (tid < 64) {  // one lane of warps 0 and 1: the bulk prefetch's address is uniform
-    const int64_t sb = ((static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * c.V + s * kVS) * K;
-    if (tid == 0) dev::prefetch_l2(reinterpret_cast<const WT*>(p.h_ckpt) + sb, kVS * K * sizeof(WT));
-    if (tid == 32) dev::prefetch_l2(reinterpret_cast<const WT*>(p.dh_ckpt) + sb, kVS * K * sizeof(WT));
-  } else if (tid < 64 + 4 * kChunk) {
-    const int i = tid - 64, r = i >> 2;
-    const WT* src = reinterpret_cast<const WT*>((i & 2) ? p.v : p.dout);
-    if (r < c.len) dev::prefetch_l2_sector(src + ((c.tok0 + r) * c.HV + c.hv) * c.V + s * kVS + (i & 1) * (kVS / 2));
-  }
-}
-
 // q, k (head h), w, kg, Aqk, Akk (full rows: the blocks above the diagonal are zeros) -> smem;
 // rows past the end zero-filled, sources never read. One commit group.
 template <typename WT, int K>
@@ -391,7 +369,6 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
     __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage, sVN / sDVN)
     if (s + 1 < nvs) grads_load_slice(c, s + 1, st ^ 1);
     dev::cp_async_commit();
-    if (s + 2 < nvs) grads_prefetch_slice(c, s + 2);
     const typename S::VStage& stage = c.vph().stage[st];
     const WT* bH = &stage.h[0][0];
     const WT* bDH = &stage.dh[0][0];
@@ -1327,9 +1304,6 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   constexpr int NTH = kGradsThreads, NTK = K / 32;
   const GradsCtx<WT, K> c(p, smem, seq, ci, blockIdx.y);
   KF_GRADS_PHASE(0);
-  // slice 1 into the L2 while P runs (its copies start at the top of slice 0); here, before the gate's
-  // registers are live (issued inside P's load hook, the prefetch made the V loop spill)
-  if (c.V > kVS) grads_prefetch_slice(c, 1);
 
   // P: every load of the chunk in flight first (the gate's first rows, then the bulk copies), then
   // the gate and the factors

@@ -362,26 +362,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
                "r"(src_bytes));
 #endif
 }
-// Brings [src, src + bytes) into the L2 (the TMA unit's bulk prefetch: src 16-byte aligned, bytes a
-// multiple of 16), so that a later load of those bytes hits the L2 instead of waiting for DRAM.
-// Nothing reaches the SM and nothing depends on it: a no-op in the emulator.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-#ifdef KF_EMU
-  (void)src;
-  (void)bytes;
-#else
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-// The L2 sector (32 bytes) holding src, the same way, one per thread (the bulk form takes a uniform
-// address: with a different one per lane it becomes a loop over the lanes).
-__device__ __forceinline__ void prefetch_l2_sector(const void* src) {
-#ifdef KF_EMU
-  (void)src;
-#else
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src) : "memory");
-#endif
-}
 #ifdef KF_EMU
 __device__ __forceinline__ void cp_async_commit() { kf_emu::cp_async_commit(); }
 template <int N>
