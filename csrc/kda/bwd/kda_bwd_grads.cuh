@@ -395,37 +395,16 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
       }
-      // u = Akk v: Akk[row][token'] nonzero for token' block jj <= rb; Aqk^T do: A[m = row][k =
-      // token'] = Aqk[token'][row], jj >= rb. B[k = token'][n = v]: transposed loads. A rolled loop
-      // over just those blocks, its operands' addresses stepped: unrolled over all four with a
-      // test per block, the loop recomputed each load's lane address and took a branch and a
-      // warpsync per block (the V loop is bound by its instruction issue, not by the tensor core)
-      if (kLo) {  // the second copy (one chunk per sequence) as it was: its kernel's registers
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          if (is_dv ? jj < rb : jj > rb) continue;
-          uint32_t a[4], b[4];
-          if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
-          else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
-          dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, 16 * vg);
-          dev::mma_16x16<WT>(acc[0], acc[1], a, b);
-        }
-      } else {
-        const int jj0 = is_dv ? rb : 0, njj = is_dv ? 4 - rb : rb + 1;
-        // lane l's rows and columns in ldsm_a's and ldsm_b_t's pattern (p1) and ldsm_a_t's (p2)
-        const int l = c.lane, p1r = ((l >> 3) & 1) * 8 + (l & 7), p1c = (l >> 4) * 8;
-        const int p2r = (l >> 4) * 8 + (l & 7), p2c = ((l >> 3) & 1) * 8;
-        const WT* pa = is_dv ? sAqk + (16 * jj0 + p2r) * AP + 16 * rb + p2c : sAkk + (16 * rb + p1r) * AP + p1c;
-        const int da = is_dv ? 16 * AP : 16;
-        const WT* pb = (is_dv ? bDo : bV) + (16 * jj0 + p1r) * VSP + 16 * vg + p1c;
-#pragma unroll 1
-        for (int i = 0; i < njj; ++i, pa += da, pb += 16 * VSP) {
-          uint32_t a[4], b[4];
-          if (is_dv) dev::ldsm_x4_t(a, pa);
-          else dev::ldsm_x4(a, pa);
-          dev::ldsm_x4_t(b, pb);
-          dev::mma_16x16<WT>(acc[0], acc[1], a, b);
-        }
+      for (int jj = 0; jj < 4; ++jj) {
+        // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
+        // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
+        if (is_dv ? jj < rb : jj > rb) continue;
+        uint32_t a[4], b[4];
+        if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
+        else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
+        dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, 16 * vg);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
       }
       WT* out = is_dv ? sDVN : sVN;
 #pragma unroll
