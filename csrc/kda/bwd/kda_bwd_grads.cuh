@@ -16,8 +16,10 @@
 //       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
 //           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only);
 //           sum_v h * dh per state row (the decay's gradient) from V2's h / dh fragments       |
-//       The phase is bound by shared-memory bandwidth (each warp's ldmatrix of its own operand
-//       fragments, ~37 ldmatrix.x4 per warp per slice): read nothing twice that a fragment holds.
+//       The phase is bound by its instruction issue, ~40% of it address arithmetic that ptxas
+//       rebuilds every slice (128 registers, ~66 of them the loop's accumulators); neither halving
+//       its ldmatrix reads nor serving its copies from the L2 made it faster
+//       (docs/notes/2026-12-01-kda-backward.md, fourteenth session).
 //   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
 //       dkB = exp2(G - g2) dkg (column-side k terms), dG += sum_i kg dkg                     |
 //       dAkk += dw kexp^T; dkA = exp2(g2) Akk^T dw (row-side k terms)                        |
@@ -359,7 +361,7 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
   const int vg = cq & 1;
   const bool is_dv = cq >> 1;
   // sum_v h dh from V2's own h / dh B fragments: one (k-step, n-pair) of them per warp (rb), so no
-  // extra smem reads (the V phase is bound by its ldmatrix traffic)
+  // extra smem reads or address arithmetic
   int dec_kv, dec_np;
   const bool dec_owner = grads_dec_owner<K>(rb, dec_kv, dec_np);
   const int nvs = c.V / kVS;
