@@ -6,6 +6,7 @@
 # (docs/notes/2026-12-02-fused-forward-groundwork.md, seventh session). Check a hot-kernel change
 # here before timing it.
 #   bash scripts/sass_size.sh [FILE.cu ...]   (default: the bf16 K=128 intra and grads kernels)
+#   SASS_OUT=DIR keeps each file's SASS as DIR/NAME.sass (scripts/dev/sass_phases.py reads it)
 set -eu
 cd "$(dirname "$0")/.."
 files=("$@")
@@ -29,6 +30,7 @@ for f in "${files[@]}"; do
   awk '/Compiling entry function/{match($0, /'"'"'[^'"'"']+'"'"'/); fn=substr($0, RSTART+1, RLENGTH-2)}
        /spill stores/{sp[fn]=$5 "/" $9} /Used [0-9]+ registers/{for(i=1;i<=NF;i++) if($i=="Used") rg[fn]=$(i+1)}
        END{for(k in rg) print k, rg[k], sp[k]}' "$tmp/ptxas.txt" > "$tmp/regs.txt"
+  [ -n "${SASS_OUT:-}" ] && mkdir -p "$SASS_OUT" && "$cuobjdump" -sass "$cubin" > "$SASS_OUT/$(basename "$f" .cu).sass" 2>/dev/null
   "$cuobjdump" -sass "$cubin" 2>/dev/null |
     awk '/Function :/{fn=$3} /^[[:space:]]+\/\*[0-9a-f][0-9a-f][0-9a-f][0-9a-f]+\*\/ /{n[fn]++} END{for(k in n) print k, n[k]}' |
     sort > "$tmp/count.txt"

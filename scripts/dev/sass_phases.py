@@ -1,5 +1,6 @@
-"""SASS of one kernel split at its phase stamps, compiled here (no GPU): per segment the static
-instruction count, the most frequent opcodes and the spill instructions (STL / LDL).
+"""SASS of one kernel split at its phase stamps: per segment the static instruction count, the most
+frequent opcodes and the spill instructions (STL / LDL). Compiled here by scripts/sass_size.sh (its
+flags, its summary of registers and spills per kernel first), no GPU.
 
 The per-chunk kernels stamp their phase boundaries with `clock64()` reads (KF_GRADS_PHASE,
 dev::stamp_clock), which compile to `CS2R ... SR_CLOCKLO`: segment i is the code after the i-th
@@ -17,30 +18,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _nvcc_flags() -> list[str]:
-    spec = importlib.util.spec_from_file_location("kf_setup", ROOT / "setup.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)
-    return setup.compile_flags(["90a"])[1] + [f"-I{ROOT / 'csrc'}", "-I" + setup._cutlass_include()]
-
-
-def _cuobjdump() -> str:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    import triton
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def main() -> None:
@@ -50,11 +34,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        subprocess.run(["nvcc", *_nvcc_flags(), "-cubin", str(ROOT / a.file), "-o", str(cubin)], check=True,
-                       cwd=ROOT)
-        sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        subprocess.run(["bash", str(ROOT / "scripts/sass_size.sh"), a.file], check=True, cwd=ROOT,
+                       env={**os.environ, "SASS_OUT": tmp})
+        sass = (Path(tmp) / (Path(a.file).stem + ".sass")).read_text()
     fn, segs = None, {}
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
