@@ -1265,8 +1265,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       const int64_t off = ((tok0 + r) * HV + hv) * K + 4 * s;
 #pragma unroll
       for (int m = 0; m < NM && r < len; ++m) {
-        *reinterpret_cast<float4*>(p.dqhat + off + 32 * m) = make_float4(xq[m][0], xq[m][1], xq[m][2], xq[m][3]);
-        *reinterpret_cast<float4*>(p.dkhat + off + 32 * m) = make_float4(xk[m][0], xk[m][1], xk[m][2], xk[m][3]);
+        dev::stg16(p.dqhat + off + 32 * m, xq[m][0], xq[m][1], xq[m][2], xq[m][3]);
+        dev::stg16(p.dkhat + off + 32 * m, xk[m][0], xk[m][1], xk[m][2], xk[m][3]);
       }
     } else {
       // the row's 8 lanes are adjacent and 8-aligned in the warp: xor 1, 2, 4 stays inside the row
@@ -1284,10 +1284,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
           oq[e] = p.opt.l2norm ? rq * (xq[m][e] - qh[m][e] * dq_dot) : xq[m][e];
           ok[e] = p.opt.l2norm ? rk * (xk[m][e] - kh[m][e] * dk_dot) : xk[m][e];
         }
-        *reinterpret_cast<uint2*>(reinterpret_cast<WT*>(p.dq) + off + 32 * m) =
-            make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3]));
-        *reinterpret_cast<uint2*>(reinterpret_cast<WT*>(p.dk) + off + 32 * m) =
-            make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3]));
+        dev::stg8(reinterpret_cast<WT*>(p.dq) + off + 32 * m, make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3])));
+        dev::stg8(reinterpret_cast<WT*>(p.dk) + off + 32 * m, make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3])));
       }
     }
   }

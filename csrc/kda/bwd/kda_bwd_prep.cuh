@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_bwd_prep_ker
       *reinterpret_cast<uint4*>(sKexp + r * KQ + d0) = make_uint4(px[0], px[1], px[2], px[3]);
       if (r < len) {  // rows past the end are never written
         const int64_t off = ((tok0 + r) * HV + hv) * K + d0;
-        *reinterpret_cast<uint4*>(qg + off) = make_uint4(pq[0], pq[1], pq[2], pq[3]);
-        *reinterpret_cast<uint4*>(kg + off) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        dev::stg16(qg + off, make_uint4(pq[0], pq[1], pq[2], pq[3]));
+        dev::stg16(kg + off, make_uint4(pk[0], pk[1], pk[2], pk[3]));
       }
     }
     if (tid < K) p.gdecay[(static_cast<int64_t>(gchunk) * HV + hv) * K + tid] = dev::fast_exp2(sGt[tid]);

@@ -233,6 +233,30 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
   }
 }
 
+// One 16-byte global store. nvcc splits `*reinterpret_cast<uint4*>(p) = v` into four 4-byte stores
+// in the per-chunk kernels (the PTX has st.global.u32 x 4: 4x the LSU instructions and, as each
+// lane's four stores land in different requests, ~4x the L2 sectors of the workspace writes; ncu,
+// 2026-12-03); the vector store says what is meant. p must be 16-byte aligned.
+__device__ __forceinline__ void stg16(void* p, const uint4& v) {
+#ifdef KF_EMU
+  *reinterpret_cast<uint4*>(p) = v;
+#else
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#endif
+}
+// One 8-byte global store (the same splitting: two 4-byte stores). p must be 8-byte aligned.
+__device__ __forceinline__ void stg8(void* p, const uint2& v) {
+#ifdef KF_EMU
+  *reinterpret_cast<uint2*>(p) = v;
+#else
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+#endif
+}
+__device__ __forceinline__ void stg16(void* p, float a, float b, float c, float d) {
+  stg16(p, make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d)));
+}
+
 // The two rows of a warp's fp32 C tile (acc[j][0..1]: row g, acc[j][2..3]: row g + 8; columns
 // 8 j + 2 t, + 1) packed to T into rows row_a / row_b of a row-major global tile (pointers at the
 // tile's column 0), skipping a row whose ok_ flag is false. Pair-wise stores would write every
@@ -251,7 +275,7 @@ __device__ __forceinline__ void store_c_rows16(T* row_a, T* row_b, bool ok_a, bo
       for (int i = 0; i < 4; ++i) w[i] = Elem<T>::pack2(acc[4 * m + i][2 * hh], acc[4 * m + i][2 * hh + 1]);
       quad_transpose(w, t);  // lane t: columns 8 (4 m + t) .. + 7
       if (hh == 0 ? ok_a : ok_b)
-        *reinterpret_cast<uint4*>((hh == 0 ? row_a : row_b) + 8 * (4 * m + t)) = make_uint4(w[0], w[1], w[2], w[3]);
+        stg16((hh == 0 ? row_a : row_b) + 8 * (4 * m + t), make_uint4(w[0], w[1], w[2], w[3]));
     }
 }
 

@@ -162,11 +162,11 @@ struct IntraToWorkspace {
   __device__ __forceinline__ int64_t row(const IntraCtx<WT, K>& c, int r) const { return (c.tok0 + r) * c.HV + c.hv; }
   __device__ __forceinline__ void qg_kg(const IntraCtx<WT, K>& c, int r, int c0, const uint4& q, const uint4& k) const {
     const int64_t off = row(c, r) * K + c0;
-    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.qg) + off) = q;
-    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.kg) + off) = k;
+    dev::stg16(reinterpret_cast<WT*>(c.p.qg) + off, q);
+    dev::stg16(reinterpret_cast<WT*>(c.p.kg) + off, k);
   }
   __device__ __forceinline__ void aqk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a) const {
-    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.Aqk) + row(c, r) * kChunk + c0) = a;
+    dev::stg16(reinterpret_cast<WT*>(c.p.Aqk) + row(c, r) * kChunk + c0, a);
   }
   __device__ __forceinline__ void gdecay(const IntraCtx<WT, K>& c, int k, float v) const {
     c.p.gdecay[(static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * K + k] = v;
@@ -176,8 +176,8 @@ struct IntraToWorkspace {
   }
   __device__ __forceinline__ void akk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a, const uint4& m) const {
     const int64_t off = row(c, r) * kChunk + c0;
-    *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.Akk) + off) = a;
-    if (c.p.M) *reinterpret_cast<uint4*>(reinterpret_cast<WT*>(c.p.M) + off) = m;
+    dev::stg16(reinterpret_cast<WT*>(c.p.Akk) + off, a);
+    if (c.p.M) dev::stg16(reinterpret_cast<WT*>(c.p.M) + off, m);
   }
 };
 
