@@ -157,6 +157,31 @@ __device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
   reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
+// The same in "slot order": slot e holds column e ^ (4 sw), i.e. with sw = 1 the 16-byte halves are
+// swapped. Why: when the lanes of a warp each take 8 consecutive floats (32 bytes) and consecutive
+// lanes consecutive 32-byte chunks, a 128-bit access phase (8 lanes) touches only every other group
+// of 4 banks, twice: a 2-way conflict on every LDS.128 / STS.128. With sw = bit 2 of the chunk index
+// ((d0 >> 5) & 1 for column d0), lanes 4-7 of a phase take the other half first and the phase is
+// conflict-free. Callers keep every 8-vector of one item in the same slot order (dev::half_swap).
+__device__ __forceinline__ void ld8_slots(float (&v)[8], const float* p, int sw) {
+  const float4 a = *reinterpret_cast<const float4*>(p + 4 * sw), b = *reinterpret_cast<const float4*>(p + 4 - 4 * sw);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void st8_slots(float* p, const float (&v)[8], int sw) {
+  *reinterpret_cast<float4*>(p + 4 * sw) = make_float4(v[0], v[1], v[2], v[3]);
+  *reinterpret_cast<float4*>(p + 4 - 4 * sw) = make_float4(v[4], v[5], v[6], v[7]);
+}
+// The slot order's swap bit of an 8-vector at column d0 (a multiple of 8).
+__device__ __forceinline__ int half_swap(int d0) { return (d0 >> 5) & 1; }
+// Four packed words (pairs of columns) between natural and slot order: words 0-1 and 2-3 swapped when
+// sw (an involution, so the same call converts either way).
+__device__ __forceinline__ void words_slots(uint32_t (&w)[4], int sw) {
+  const uint32_t w0 = w[0], w1 = w[1];
+  w[0] = sw ? w[2] : w0;
+  w[1] = sw ? w[3] : w1;
+  w[2] = sw ? w0 : w[2];
+  w[3] = sw ? w1 : w[3];
+}
 
 // The raw gate input g at token tok0 + r, value head hv, columns d0 .. d0 + 7 (8-aligned), as loaded
 // (dev::Raw8: convert with gate8_to_float where the values are needed, so that the loads of several
@@ -419,18 +444,21 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
 // the block sums: qg = fq q exp2(g2), kg = fk k exp2(G - g2) and, when wanted, kexp = fk k exp2(g2),
 // packed to WT pairs. g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks
 // after): sums of terms <= 0, so every exponent is <= 0 and free of cancellation across blocks.
+// sw: loc is in slot order (ld8_slots) and so are the block sums' loads here; the packed outputs come
+// back in natural order. sw = 0 (a constant at the call) is the plain form.
 template <typename WT, int K, int KQ>
 __device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const float* sBO, const float* sBT,
                                                const float* sBS, const WT* sQ, const WT* sK, float fq, float fk,
-                                               int r, int d0, uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
+                                               int r, int d0, uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp,
+                                               int sw = 0) {
   using E = Elem<WT>;
   float g2v[8], Gv[8];
   {
     const int b = r >> 4;
     float ov[8], tv[8], sv[8];
-    ld8(ov, sBO + b * K + d0);
-    ld8(tv, sBT + b * K + d0);
-    ld8(sv, sBS + b * K + d0);
+    ld8_slots(ov, sBO + b * K + d0, sw);
+    ld8_slots(tv, sBT + b * K + d0, sw);
+    ld8_slots(sv, sBS + b * K + d0, sw);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       Gv[e] = (tv[e] - loc[e]) + sv[e];  // G - g2
@@ -439,7 +467,9 @@ __device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const floa
   }
   const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
   const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-  const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
+  uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
+  words_slots(wq, sw);
+  words_slots(wk, sw);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float2 qv = E::to_float2(wq[e]), kv = E::to_float2(wk[e]);
@@ -448,6 +478,9 @@ __device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const floa
     pk[e] = E::pack2(fk * kv.x * fast_exp2(Gv[2 * e]), fk * kv.y * fast_exp2(Gv[2 * e + 1]));
     if (pkexp) pkexp[e] = E::pack2(fk * kv.x * x0, fk * kv.y * x1);
   }
+  words_slots(pq, sw);
+  words_slots(pk, sw);
+  if (pkexp) words_slots(*reinterpret_cast<uint32_t(*)[4]>(pkexp), sw);
 }
 
 // The same with the block-local g2 read from sG [64][KP].
@@ -456,8 +489,9 @@ __device__ __forceinline__ void gated_vec8(const float* sG, const float* sBO, co
                                            const WT* sQ, const WT* sK, float fq, float fk, int r, int d0,
                                            uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
   float loc[8];
-  ld8(loc, sG + r * KP + d0);
-  gated_vec8_loc<WT, K, KQ>(loc, sBO, sBT, sBS, sQ, sK, fq, fk, r, d0, pq, pk, pkexp);
+  const int sw = half_swap(d0);  // conflict-free phases (ld8_slots)
+  ld8_slots(loc, sG + r * KP + d0, sw);
+  gated_vec8_loc<WT, K, KQ>(loc, sBO, sBT, sBS, sQ, sK, fq, fk, r, d0, pq, pk, pkexp, sw);
 }
 
 }  // namespace kernel_fun::kda::dev

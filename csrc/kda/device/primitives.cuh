@@ -236,13 +236,14 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
 // One 16-byte global store. nvcc splits `*reinterpret_cast<uint4*>(p) = v` into four 4-byte stores
 // in the per-chunk kernels (the PTX has st.global.u32 x 4: 4x the LSU instructions and, as each
 // lane's four stores land in different requests, ~4x the L2 sectors of the workspace writes; ncu,
-// 2026-12-03); the vector store says what is meant. p must be 16-byte aligned.
+// 2026-12-03; __builtin_assume_aligned does not change it); the vector store says what is meant. p must
+// be 16-byte aligned. No "memory" clobber: for outputs the kernel never reads back (the compiler may
+// move other memory accesses across it).
 __device__ __forceinline__ void stg16(void* p, const uint4& v) {
 #ifdef KF_EMU
   *reinterpret_cast<uint4*>(p) = v;
 #else
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 #endif
 }
 // One 8-byte global store (the same splitting: two 4-byte stores). p must be 8-byte aligned.
@@ -250,7 +251,7 @@ __device__ __forceinline__ void stg8(void* p, const uint2& v) {
 #ifdef KF_EMU
   *reinterpret_cast<uint2*>(p) = v;
 #else
-  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y));
 #endif
 }
 __device__ __forceinline__ void stg16(void* p, float a, float b, float c, float d) {

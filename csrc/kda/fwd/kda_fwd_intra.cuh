@@ -619,11 +619,13 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, 
   for (int i = t2; i < kChunk * VPR; i += NT2) {
     const int r = i / VPR, d0 = (i % VPR) * 8;
     const float fk = gs.rk[r];
+    const int sw = dev::half_swap(d0);  // every 8-vector below in slot order: conflict-free phases
     float lv[8], ov[8], kx[8];
-    dev::ld8(lv, sG + r * KP + d0);
-    dev::ld8(ov, gs.BO + (r >> 4) * K + d0);
+    dev::ld8_slots(lv, sG + r * KP + d0, sw);
+    dev::ld8_slots(ov, gs.BO + (r >> 4) * K + d0, sw);
     const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-    const uint32_t wk[4] = {uk.x, uk.y, uk.z, uk.w};
+    uint32_t wk[4] = {uk.x, uk.y, uk.z, uk.w};
+    dev::words_slots(wk, sw);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 kv = E::to_float2(wk[e]);
@@ -635,7 +637,7 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, 
 #pragma unroll
     for (int e = 0; e < 8; ++e) kx[e] = dev::tf32_value(kx[e]);
     // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
-    dev::st8(sKexp + r * KP + d0, kx);
+    dev::st8_slots(sKexp + r * KP + d0, kx, sw);
   }
   for (int i = t2; i < kChunk * 8; i += NT2) {
     const int r = i / 8, s0 = (i % 8) * 8;
