@@ -171,6 +171,24 @@ __device__ __forceinline__ void st8_slots(float* p, const float (&v)[8], int sw)
   *reinterpret_cast<float4*>(p + 4 * sw) = make_float4(v[0], v[1], v[2], v[3]);
   *reinterpret_cast<float4*>(p + 4 - 4 * sw) = make_float4(v[4], v[5], v[6], v[7]);
 }
+// 8 floats in natural order, stored / loaded with the halves' instruction order swapped when ph = 1
+// (the memory and the registers are as st8 / ld8 leave them; only which half each of the two 16-byte
+// accesses carries changes, by selects). For the gate pass, whose sub-groups of one column group
+// must keep one element order for their shuffles (slot order is not possible there) and whose rows
+// 4 (or 2) apart land on the same banks: ph = bit 1 of the sub-group halves the conflict.
+__device__ __forceinline__ void st8_phased(float* p, const float (&v)[8], int ph) {
+  const bool s = ph != 0;
+  *reinterpret_cast<float4*>(p + 4 * ph) =
+      make_float4(s ? v[4] : v[0], s ? v[5] : v[1], s ? v[6] : v[2], s ? v[7] : v[3]);
+  *reinterpret_cast<float4*>(p + 4 - 4 * ph) =
+      make_float4(s ? v[0] : v[4], s ? v[1] : v[5], s ? v[2] : v[6], s ? v[3] : v[7]);
+}
+__device__ __forceinline__ void ld8_phased(float (&v)[8], const float* p, int ph) {
+  const float4 a = *reinterpret_cast<const float4*>(p + 4 * ph), b = *reinterpret_cast<const float4*>(p + 4 - 4 * ph);
+  const bool s = ph != 0;
+  v[0] = s ? b.x : a.x; v[1] = s ? b.y : a.y; v[2] = s ? b.z : a.z; v[3] = s ? b.w : a.w;
+  v[4] = s ? a.x : b.x; v[5] = s ? a.y : b.y; v[6] = s ? a.z : b.z; v[7] = s ? a.w : b.w;
+}
 // The slot order's swap bit of an 8-vector at column d0 (a multiple of 8).
 __device__ __forceinline__ int half_swap(int d0) { return (d0 >> 5) & 1; }
 // Four packed words (pairs of columns) between natural and slot order: words 0-1 and 2-3 swapped when
@@ -209,6 +227,10 @@ struct GateMap {
   __device__ __forceinline__ GateMap()
       : sub(threadIdx.x % SUBS), cg((threadIdx.x / SUBS) % CG), blk(threadIdx.x / (SUBS * CG)), d0(8 * cg),
         row0(16 * blk + RPT * sub) {}
+  // The half order of this thread's 16-byte smem accesses of a row (st8_phased): the sub-groups of one
+  // column group sit RPT rows apart, on the same banks at the fp32 row strides used (K + 8); with
+  // bit 1 of sub choosing the half, a 128-bit phase's 8 lanes are 2-way conflicted instead of 4-way.
+  __device__ __forceinline__ int phase() const { return (sub >> 1) & 1; }
 };
 
 // The pieces of the gate pass, on one thread's GateMap share: the row loads, the activation with a
@@ -281,7 +303,7 @@ struct GatePass {
   __device__ __forceinline__ void finish_row(float (&x)[8], int j, float* sBT) const {
 #pragma unroll
     for (int e = 0; e < 8; ++e) x[e] = (m.sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
-    if (m.sub == SUBS - 1 && j == RPT - 1) st8(sBT + m.blk * K + m.d0, x);
+    if (m.sub == SUBS - 1 && j == RPT - 1) st8(sBT + m.blk * K + m.d0, x);  // one sub-group: no conflict
   }
 };
 
@@ -327,7 +349,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
   using Map = GateMap<K, NTH>;
   constexpr int RPT = Map::RPT;
   GatePass<K, NTH> gp(p, tok0, len, hv);
-  const int row0 = gp.m.row0, d0 = gp.m.d0;
+  const int row0 = gp.m.row0, d0 = gp.m.d0, ph = gp.m.phase();
   if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
     Raw8 raw = gp.load_row(0);
     issue_bulk();
@@ -337,21 +359,21 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     for (int j = 0; j < RPT; ++j) {
       const Raw8 next = gp.load_row(j + 1);
       gp.activate_row(x, raw, j);
-      st8(sG + (row0 + j) * KP + d0, x);
+      st8_phased(sG + (row0 + j) * KP + d0, x, ph);
       raw = next;
     }
     gp.block_prefix();
 #pragma unroll 1
     for (int j = 0; j < RPT; ++j) {
-      ld8(x, sG + (row0 + j) * KP + d0);
+      ld8_phased(x, sG + (row0 + j) * KP + d0, ph);
       gp.finish_row(x, j, sBT);
-      st8(sG + (row0 + j) * KP + d0, x);
+      st8_phased(sG + (row0 + j) * KP + d0, x, ph);
     }
   } else {  // every row in registers from its load to its one store
     float xr[RPT][8];
     gate_rows<K, NTH>(gp, xr, sBT, sBeta, issue_bulk);
 #pragma unroll
-    for (int j = 0; j < RPT; ++j) st8(sG + (row0 + j) * KP + d0, xr[j]);
+    for (int j = 0; j < RPT; ++j) st8_phased(sG + (row0 + j) * KP + d0, xr[j], ph);
   }
 }
 
