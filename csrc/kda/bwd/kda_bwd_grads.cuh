@@ -16,10 +16,11 @@
 //       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
 //           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only);
 //           sum_v h * dh per state row (the decay's gradient) from V2's h / dh fragments       |
-//       The phase is bound by its instruction issue, ~40% of it address arithmetic that ptxas
-//       rebuilds every slice (128 registers, ~66 of them the loop's accumulators); neither halving
-//       its ldmatrix reads nor serving its copies from the L2 made it faster
-//       (docs/notes/2026-12-01-kda-backward.md, fourteenth session).
+//       Its busiest unit is the shared-memory pipe (~78% at prod8192: every warp re-reads its
+//       operand fragments by ldmatrix); a fifth fewer executed instructions changed nothing, and
+//       neither halving its ldmatrix reads nor serving its copies from the L2 made the kernel
+//       faster (docs/notes/2026-12-01-kda-backward.md, fourteenth session;
+//       docs/notes/2026-12-03-lsu-traffic.md).
 //   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
 //       dkB = exp2(G - g2) dkg (column-side k terms), dG += sum_i kg dkg                     |
 //       dAkk += dw kexp^T; dkA = exp2(g2) Akk^T dw (row-side k terms)                        |
