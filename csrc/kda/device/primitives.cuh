@@ -130,15 +130,40 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
   return make_uint4(Elem<T>::pack2(v[0], v[1]), Elem<T>::pack2(v[2], v[3]), Elem<T>::pack2(v[4], v[5]),
                     Elem<T>::pack2(v[6], v[7]));
 }
+// One 16-byte global store. nvcc splits `*reinterpret_cast<uint4*>(p) = v` into four 4-byte stores
+// in the per-chunk kernels (the PTX has st.global.u32 x 4: 4x the LSU instructions and, as each
+// lane's four stores land in different requests, ~4x the L2 sectors of the workspace writes; ncu,
+// 2026-12-03; __builtin_assume_aligned does not change it); the vector store says what is meant. p must
+// be 16-byte aligned. No "memory" clobber: for outputs the kernel never reads back (the compiler may
+// move other memory accesses across it).
+__device__ __forceinline__ void stg16(void* p, const uint4& v) {
+#ifdef KF_EMU
+  *reinterpret_cast<uint4*>(p) = v;
+#else
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+#endif
+}
+// One 8-byte global store (the same splitting: two 4-byte stores). p must be 8-byte aligned.
+__device__ __forceinline__ void stg8(void* p, const uint2& v) {
+#ifdef KF_EMU
+  *reinterpret_cast<uint2*>(p) = v;
+#else
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y));
+#endif
+}
+__device__ __forceinline__ void stg16(void* p, float a, float b, float c, float d) {
+  stg16(p, make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d)));
+}
+
+// 8 values to global memory in dtype t at element i (p global).
 __device__ __forceinline__ void store8_any(void* p, DType t, int64_t i, const float (&v)[8]) {
   const bool al16 = (reinterpret_cast<uintptr_t>(p) & 15) == 0;
   if (al16 && t == DType::kFloat32) {
-    float4* q = reinterpret_cast<float4*>(reinterpret_cast<float*>(p) + i);
-    q[0] = make_float4(v[0], v[1], v[2], v[3]);
-    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+    float* q = reinterpret_cast<float*>(p) + i;
+    stg16(q, v[0], v[1], v[2], v[3]);
+    stg16(q + 4, v[4], v[5], v[6], v[7]);
   } else if (packed16(p, t)) {
-    *reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p) + i) =
-        t == DType::kBFloat16 ? pack8<__nv_bfloat16>(v) : pack8<__half>(v);
+    stg16(reinterpret_cast<uint16_t*>(p) + i, t == DType::kBFloat16 ? pack8<__nv_bfloat16>(v) : pack8<__half>(v));
   } else {
     float tmp[8];
 #pragma unroll
@@ -231,31 +256,6 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
       else w[i + d] = recv;
     }
   }
-}
-
-// One 16-byte global store. nvcc splits `*reinterpret_cast<uint4*>(p) = v` into four 4-byte stores
-// in the per-chunk kernels (the PTX has st.global.u32 x 4: 4x the LSU instructions and, as each
-// lane's four stores land in different requests, ~4x the L2 sectors of the workspace writes; ncu,
-// 2026-12-03; __builtin_assume_aligned does not change it); the vector store says what is meant. p must
-// be 16-byte aligned. No "memory" clobber: for outputs the kernel never reads back (the compiler may
-// move other memory accesses across it).
-__device__ __forceinline__ void stg16(void* p, const uint4& v) {
-#ifdef KF_EMU
-  *reinterpret_cast<uint4*>(p) = v;
-#else
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-#endif
-}
-// One 8-byte global store (the same splitting: two 4-byte stores). p must be 8-byte aligned.
-__device__ __forceinline__ void stg8(void* p, const uint2& v) {
-#ifdef KF_EMU
-  *reinterpret_cast<uint2*>(p) = v;
-#else
-  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y));
-#endif
-}
-__device__ __forceinline__ void stg16(void* p, float a, float b, float c, float d) {
-  stg16(p, make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d)));
 }
 
 // The two rows of a warp's fp32 C tile (acc[j][0..1]: row g, acc[j][2..3]: row g + 8; columns
