@@ -21,6 +21,18 @@ import csv
 import gzip
 
 
+def segmented(data: list, ix: dict):
+    """(segment, opcode with its modifiers, row) per SASS row: a new segment at each phase stamp."""
+    seg = 0
+    for r in data:
+        src = r[ix["Source"]].strip()
+        if "SR_CLOCKLO" in src:
+            seg += 1
+        words = src.split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
+        yield seg, op, r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv_gz")
@@ -37,17 +49,12 @@ def main() -> None:
     if a.memory:
         memory_table(data, ix, ctas, a.top)
         return
-    seg, executed, samples = 0, collections.Counter(), collections.Counter()
+    executed, samples = collections.Counter(), collections.Counter()
     why, ops = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
-    for r in data:
-        src = r[ix["Source"]].strip()
-        if "SR_CLOCKLO" in src:
-            seg += 1
+    for seg, op, r in segmented(data, ix):
         e = int(r[ix["Instructions Executed"]] or 0)
         executed[seg] += e
         samples[seg] += int(r[ix["Warp Stall Sampling (All Samples)"]] or 0)
-        words = src.split()
-        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
         ops[seg][op.split(".")[0]] += e
         for h in stalls:
             why[seg][h[6:]] += int(r[ix[h]] or 0)
@@ -72,14 +79,8 @@ def memory_table(data: list, ix: dict, ctas: int, top: int) -> None:
         except ValueError:
             return 0.0
 
-    seg = 0
     agg: dict = collections.defaultdict(lambda: [0.0] * len(MEMORY_COLUMNS))
-    for r in data:
-        src = r[ix["Source"]].strip()
-        if "SR_CLOCKLO" in src:
-            seg += 1
-        words = src.split()
-        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
+    for seg, op, r in segmented(data, ix):
         v = agg[(seg, op)]
         for i, h in enumerate(MEMORY_COLUMNS):
             v[i] += num(r, h)

@@ -5,10 +5,10 @@ flags, its summary of registers and spills per kernel first), no GPU.
 The per-chunk kernels stamp their phase boundaries with `clock64()` reads (KF_GRADS_PHASE,
 dev::stamp_clock), which compile to `CS2R ... SR_CLOCKLO`: segment i is the code after the i-th
 such read (for kda_bwd_grads: 1 = P, 2 = the V loop, 3 = E, ...). A loop's body appears once, so
-a segment's count is per iteration for a loop. What it is for: the V loop of kda_bwd_grads is bound
-by its instruction issue, ~40% of it address arithmetic, and its two kernels (SIMT and kMid) spill
-differently for the same source change (docs/notes/2026-12-01-kda-backward.md, fourteenth session):
-see where an edit moves instructions and spills before timing it.
+a segment's count is per iteration for a loop. What it is for: kda_bwd_grads' two kernels (SIMT and
+kMid) spill differently for the same source change, and a spill reload inside the V loop costs
+every slice (docs/notes/2026-12-01-kda-backward.md, fourteenth session; scripts/dev/experiments/README.md,
+fifteenth): see where an edit moves instructions and spills before timing it.
 
     python3 scripts/dev/sass_phases.py [--file F.cu] [--kernel SUBSTRING] [--top N]
 
