@@ -191,9 +191,9 @@ __device__ __forceinline__ void ld8_phased(float (&v)[8], const float* p, int ph
 }
 // The slot order's swap bit of an 8-vector at column d0 (a multiple of 8).
 __device__ __forceinline__ int half_swap(int d0) { return (d0 >> 5) & 1; }
-// Four packed words (pairs of columns) between natural and slot order: words 0-1 and 2-3 swapped when
-// sw (an involution, so the same call converts either way).
-__device__ __forceinline__ void words_slots(uint32_t (&w)[4], int sw) {
+// Four packed words w[0..3] (pairs of columns) between natural and slot order: words 0-1 and 2-3
+// swapped when sw (an involution, so the same call converts either way).
+__device__ __forceinline__ void words_slots(uint32_t* w, int sw) {
   const uint32_t w0 = w[0], w1 = w[1];
   w[0] = sw ? w[2] : w0;
   w[1] = sw ? w[3] : w1;
@@ -502,7 +502,7 @@ __device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const floa
   }
   words_slots(pq, sw);
   words_slots(pk, sw);
-  if (pkexp) words_slots(*reinterpret_cast<uint32_t(*)[4]>(pkexp), sw);
+  if (pkexp) words_slots(pkexp, sw);
 }
 
 // The same with the block-local g2 read from sG [64][KP].
