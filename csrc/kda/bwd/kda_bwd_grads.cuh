@@ -1285,8 +1285,10 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
           oq[e] = p.opt.l2norm ? rq * (xq[m][e] - qh[m][e] * dq_dot) : xq[m][e];
           ok[e] = p.opt.l2norm ? rk * (xk[m][e] - kh[m][e] * dk_dot) : xk[m][e];
         }
-        dev::stg8(reinterpret_cast<WT*>(p.dq) + off + 32 * m, make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3])));
-        dev::stg8(reinterpret_cast<WT*>(p.dk) + off + 32 * m, make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3])));
+        dev::stg8(reinterpret_cast<WT*>(p.dq) + off + 32 * m,
+                  make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3])));
+        dev::stg8(reinterpret_cast<WT*>(p.dk) + off + 32 * m,
+                  make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3])));
       }
     }
   }
