@@ -42,11 +42,11 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
   dev::load_state<K>(dhT, p.dht, pl.sbase, p, col0, t);
 
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
-  auto load_chunk = [&](int cc, int st) {
-    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, true);
+  auto load_chunk = [&](int cc, int st, bool go) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, true, go);
   };
 
-  if (nchunks > 0) load_chunk(nchunks - 1, 0);
+  load_chunk(nchunks - 1, 0, nchunks > 0);
   dev::cp_async_commit();
 
   WT* dv = reinterpret_cast<WT*>(p.dv);
@@ -58,15 +58,10 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     dev::cp_async_wait<0>();
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c + 1)
     __syncthreads();
-    if (c > 0) load_chunk(c - 1, st ^ 1);
-    dev::cp_async_commit();
 
     const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
     const float* sDec = op.dec;
-
-    // ---------------- 0: the checkpoint dh_{c+1} for chunk c, [chunk][hv][v][k]
-    dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 
     // ---------------- A: dv'T = dhT @ kg^T + doT @ Aqk   ([16 v] x [64 tokens], n-tiles of 8 tokens)
     // wgmma: the warpgroup's 64 value rows at once, B = the swizzled kg tile (K-major); in flight
@@ -81,6 +76,13 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
       dev::wgmma_fence();
       dev::wgmma_state_tile_t<WT, K>(dvT, ha, sKg, false);
       dev::wgmma_commit();
+      // In A's shadow (dhT itself is no operand of A, its packed copy ha is): chunk c - 1 into stage
+      // st ^ 1 (free since the barrier), then step 0, the checkpoint dh_{c+1} for chunk c
+      // ([chunk][hv][v][k]). Ahead of A, both sat on every step's critical path; branch-free, since a
+      // branch here makes ptxas wait for A at the branch.
+      load_chunk(c - 1, st ^ 1, c > 0);
+      dev::cp_async_commit();
+      dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll

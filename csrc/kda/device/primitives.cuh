@@ -151,6 +151,18 @@ __device__ __forceinline__ void stg8(void* p, const uint2& v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y));
 #endif
 }
+// stg16 under a predicate, as one predicated instruction rather than a branch: between a wgmma's
+// commit and its wait, a branch makes ptxas wait for the wgmma there (the scans' checkpoint stores
+// run in that window).
+__device__ __forceinline__ void stg16_if(void* p, const uint4& v, bool pred) {
+#ifdef KF_EMU
+  if (pred) *reinterpret_cast<uint4*>(p) = v;
+#else
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n @q st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(p),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<int>(pred)));
+#endif
+}
 __device__ __forceinline__ void stg16(void* p, float a, float b, float c, float d) {
   stg16(p, make_uint4(__float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d)));
 }
@@ -275,8 +287,7 @@ __device__ __forceinline__ void store_c_rows16(T* row_a, T* row_b, bool ok_a, bo
 #pragma unroll
       for (int i = 0; i < 4; ++i) w[i] = Elem<T>::pack2(acc[4 * m + i][2 * hh], acc[4 * m + i][2 * hh + 1]);
       quad_transpose(w, t);  // lane t: columns 8 (4 m + t) .. + 7
-      if (hh == 0 ? ok_a : ok_b)
-        stg16((hh == 0 ? row_a : row_b) + 8 * (4 * m + t), make_uint4(w[0], w[1], w[2], w[3]));
+      stg16_if((hh == 0 ? row_a : row_b) + 8 * (4 * m + t), make_uint4(w[0], w[1], w[2], w[3]), hh == 0 ? ok_a : ok_b);
     }
 }
 
@@ -385,6 +396,18 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 #else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(src_bytes));
+#endif
+}
+// cp_async16 under a predicate (no copy, no zero fill when false), one predicated instruction rather
+// than a branch (see stg16_if: the scans issue their loads while a wgmma is in flight).
+__device__ __forceinline__ void cp_async16_if(void* dst, const void* src, int src_bytes, bool pred) {
+#ifdef KF_EMU
+  if (pred) kf_emu::cp_async_cg16(dst, src, src_bytes);
+#else
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(src_bytes), "r"(static_cast<int>(pred)));
 #endif
 }
 #ifdef KF_EMU

@@ -186,56 +186,69 @@ struct ScanOperands {
 };
 
 // Async load of chunk cc's value slice [64 tokens][v0, v0 + BV) of val ([B*T, HV, V]: v, or do
-// for the dh scan) into the stage at base (rows past the sequence end zero-filled).
+// for the dh scan) into the stage at base (rows past the sequence end zero-filled); nothing when
+// go is false. Branch-free (fixed trip counts, predicated copies): the scans issue it while a
+// wgmma is in flight, and a branch there makes ptxas wait for the wgmma first.
 template <typename WT, int K, int BV, int NT>
 __device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const KdaProblem& p, const SeqInfo& seq,
-                                                 int cc, int hv, int v0) {
+                                                 int cc, int hv, int v0, bool go = true) {
   using S = ScanStage<WT, K, BV>;
   const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
   const int rows = min(kChunk, seq.len - cc * kChunk);
-  constexpr int BV8 = BV / 8;
-  for (int i = threadIdx.x; i < kChunk * BV8; i += NT) {
+  constexpr int BV8 = BV / 8, N = kChunk * BV8;
+#pragma unroll
+  for (int it = 0; it < (N + NT - 1) / NT; ++it) {
+    const int i = static_cast<int>(threadIdx.x) + it * NT;
     const int r = i / BV8, c8 = (i % BV8) * 8;
     const bool ok = r < rows;
     const int64_t off = ((tok0 + (ok ? r : 0)) * p.HV + hv) * p.V + v0 + c8;
-    cp_async16(base + S::kVal + r * S::VP + c8, val + off, ok ? 16 : 0);
+    cp_async16_if(base + S::kVal + r * S::VP + c8, val + off, ok ? 16 : 0, go && (N % NT == 0 || i < N));
   }
 }
 
 // Async load of chunk cc of sequence seq into the stage at base (rows past the sequence end are
-// zero-filled). with_q = false skips qg and Aqk (the backward's re-scan computes no output).
+// zero-filled); nothing when go is false. with_q = false skips qg and Aqk (the backward's re-scan
+// computes no output). Branch-free, as scan_load_values.
 template <typename WT, int K, int BV, int NT>
 __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>& src, const KdaProblem& p,
-                                                const SeqInfo& seq, int cc, int hv, int v0, bool with_q) {
+                                                const SeqInfo& seq, int cc, int hv, int v0, bool with_q,
+                                                bool go = true) {
   using S = ScanStage<WT, K, BV>;
   const int tid = threadIdx.x, HV = p.HV;
   const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
   const int rows = min(kChunk, seq.len - cc * kChunk);
-  constexpr int KV8 = K / 8;
-  for (int i = tid; i < kChunk * KV8; i += NT) {
+  constexpr int KV8 = K / 8, NK = kChunk * KV8, NA = kChunk * 8;
+#pragma unroll
+  for (int it = 0; it < (NK + NT - 1) / NT; ++it) {
+    const int i = tid + it * NT;
+    const bool in = go && (NK % NT == 0 || i < NK);
     const int r = i / KV8, q = i % KV8;
     const bool ok = r < rows;
     const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * K + 8 * q;
     const int nb = ok ? 16 : 0;
     const int so = S::tile_index(r, 8 * q);  // swizzled
-    cp_async16(base + S::kW + so, src.w + off, nb);
-    if (with_q) cp_async16(base + S::kQg + so, src.qg + off, nb);
-    cp_async16(base + S::kKg + so, src.kg + off, nb);
+    cp_async16_if(base + S::kW + so, src.w + off, nb, in);
+    cp_async16_if(base + S::kQg + so, src.qg + off, nb, in && with_q);
+    cp_async16_if(base + S::kKg + so, src.kg + off, nb, in);
   }
-  for (int i = tid; i < kChunk * 8; i += NT) {
+#pragma unroll
+  for (int it = 0; it < (NA + NT - 1) / NT; ++it) {
+    const int i = tid + it * NT;
     const int r = i / 8, c8 = (i % 8) * 8;
-    if ((c8 >> 4) > (r >> 4)) continue;  // above the diagonal: never read
+    // above the diagonal: never read
+    const bool in = go && (NA % NT == 0 || i < NA) && (c8 >> 4) <= (r >> 4);
     const bool ok = r < rows;
     const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8;
     const int nb = ok ? 16 : 0;
     const int so = r * S::AP + c8;
-    if (with_q) cp_async16(base + S::kAqk + so, src.Aqk + off, nb);
-    cp_async16(base + S::kAkk + so, src.Akk + off, nb);
+    cp_async16_if(base + S::kAqk + so, src.Aqk + off, nb, in && with_q);
+    cp_async16_if(base + S::kAkk + so, src.Akk + off, nb, in);
   }
-  scan_load_values<WT, K, BV, NT>(base, src.val, p, seq, cc, hv, v0);
+  scan_load_values<WT, K, BV, NT>(base, src.val, p, seq, cc, hv, v0, go);
   float* dec = reinterpret_cast<float*>(base + S::kDec);
   const float* gdec = src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K;
-  for (int i = tid; i < K / 4; i += NT) cp_async16(dec + 4 * i, gdec + 4 * i, 16);
+  static_assert(K / 4 <= NT, "one exp2(G) piece per thread");
+  cp_async16_if(dec + 4 * tid, gdec + 4 * tid, 16, go && tid < K / 4);
 }
 
 // Offset of state element (j, e) of this lane in a [K, V] (or, state_v_first, [V, K]) state.
@@ -274,10 +287,11 @@ __device__ __forceinline__ void store_state(OT* dst, int64_t base, const float (
 // has value columns col0, col0 + 8 as rows and k as columns. Whole-sector stores matter here: the
 // pair-wise stores they replaced cost the re-scan and the dh scan ~0.6 ms each at prod8192
 // (docs/notes/2026-12-01-kda-backward.md, fifth session).
+// go = false stores nothing (predicated, no branch: it runs while a wgmma is in flight).
 template <typename WT, int K>
-__device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t) {
-  store_c_rows16<WT, K / 8>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, true, true,
-                            sT, t);
+__device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t, bool go = true) {
+  store_c_rows16<WT, K / 8>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, go, go, sT,
+                            t);
 }
 
 // sT[:, k] *= exp2(G)[k]: the chunk's decay of every state row.

@@ -31,14 +31,17 @@
 
 namespace kernel_fun::kda {
 
-// One chunk of the recurrence for this warp's 16 value columns (the CTA's warps < BV / 16): the
-// checkpoints of the state it reads (backward re-scan, h_states), then A-D of the header on the
-// landed stage `op`, o for the chunk's tokens, hT advanced past chunk c. The body of fwd_scan_cta's
-// chunk loop and of a fused forward's state warps.
-template <typename WT, int K, int BV>
+// One chunk of the recurrence for this warp's 16 value columns (the CTA's warps < BV / 16): A-D of
+// the header on the landed stage `op`, o for the chunk's tokens, hT advanced past chunk c, and the
+// checkpoints of the state it reads (backward re-scan, h_states). The body of fwd_scan_cta's chunk
+// loop and of a fused forward's state warps.
+// `beside_a()` runs while product A is in flight (between its commit and its wait), as do the
+// checkpoint stores: work that neither reads A's operands nor its results (the next chunk's loads)
+// is then issued in the tensor cores' shadow instead of ahead of the chain h -> A -> v' -> h.
+template <typename WT, int K, int BV, typename BesideA>
 __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
                                               const dev::ScanOperands<WT, K, BV>& op, int c, bool with_o,
-                                              float (&hT)[K / 8][4]) {
+                                              float (&hT)[K / 8][4], BesideA&& beside_a) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int AP = S::AP, VP = S::VP;
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
@@ -49,14 +52,10 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
   const float* sDec = op.dec;
 
-  if (p.h_ckpt)  // the backward's checkpoint of the state read by chunk c: [chunk][hv][v][k]
-    dev::store_state_ckpt<WT, K>(
-        reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t);
-  if (hst)  // the state read by chunk c (fla's h), in the output dtype
-    dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
-
   // ---------------- A: WHT = hT @ w^T, OT = hT @ qg^T   ([16 v] x [64 tokens] per warp; wgmma, the
   // warpgroup's 64 value rows at once, B = the swizzled w / qg tiles, K-major)
+  if (hst)  // the state read by chunk c (fla's h), in the output dtype
+    dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
   float whT[8][4], oT[8][4];
   {
     uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
@@ -65,16 +64,29 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
     dev::fence_regs(ha);
     // uniform; each branch has its own fence-to-wait window (a branch between the fence and a
     // wgmma makes ptxas inject a warpgroup.arrive)
+    // In A's shadow (hT itself is no operand of A, its packed copy ha is): the backward's checkpoint
+    // of the state read by chunk c ([chunk][hv][v][k]), then the caller's work. Branch-free
+    // (predicated stores): a branch here makes ptxas wait for A at the branch.
+    auto shadow = [&] {
+      dev::store_state_ckpt<WT, K>(
+          reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t,
+          p.h_ckpt != nullptr);
+      beside_a();
+    };
+    // Each branch waits for its own products: one wait after the branches merge (oT undefined on one
+    // path) made ptxas serialize every wgmma (C7515).
     if (with_o) {
       dev::wgmma_fence();
       dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
       dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
       dev::wgmma_commit();
+      shadow();
       dev::wgmma_wait<0>();
     } else {
       dev::wgmma_fence();
       dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
       dev::wgmma_commit();
+      shadow();
       dev::wgmma_wait<0>();
     }
     dev::fence_regs(ha);
@@ -168,8 +180,8 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
 
   const bool with_o = p.o != nullptr;  // uniform: the backward's re-scan wants only the states
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
-  auto load_chunk = [&](int cc, int st) {
-    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o);
+  auto load_chunk = [&](int cc, int st, bool go) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o, go);
   };
   // chunk cc's flag (pass 1): published by the intra CTA of (global chunk, value head)
   auto flag = [&](int cc) { return p.chunk_ready + static_cast<int64_t>(seq.chunk0 + cc) * p.HV + hv; };
@@ -192,7 +204,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
       return;
     }
   }
-  if (c_begin < nchunks) load_chunk(c_begin, c_begin & 1);
+  load_chunk(c_begin, c_begin & 1, c_begin < nchunks);
   dev::cp_async_commit();
 
   int c = c_begin;
@@ -206,10 +218,13 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
     // thread 0 has seen chunk c + 1 published, or given up on it
     __syncthreads();
     stopped = p.scan_pass == 1 && !next_ready[st];
-    if (c + 1 < nchunks && !stopped) load_chunk(c + 1, st ^ 1);
     if (p.scan_pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
-    dev::cp_async_commit();
-    fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, with_o, hT);
+    // chunk c + 1 into stage st ^ 1 (free since the barrier), issued while product A of chunk c is in
+    // flight (ahead of A, its address and copy instructions sat on every step's critical path)
+    fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, with_o, hT, [&] {
+      load_chunk(c + 1, st ^ 1, c + 1 < nchunks && !stopped);
+      dev::cp_async_commit();
+    });
   }
   dev::cp_async_wait<0>();
   // A stopped chain saves the state before chunk c + 1 and its resume chunk for pass 2 (one store
