@@ -38,16 +38,18 @@ namespace kernel_fun::kda {
 // `beside_a()` runs while product A is in flight (between its commit and its wait), as do the
 // checkpoint stores: work that neither reads A's operands nor its results (the next chunk's loads)
 // is then issued in the tensor cores' shadow instead of ahead of the chain h -> A -> v' -> h.
-template <typename WT, int K, int BV, typename BesideA>
+// kWithO: the forward (o wanted) or the backward's re-scan (states only); a template parameter, so
+// that product OT can stay in flight across B without a branch merge in its window.
+template <typename WT, int K, int BV, bool kWithO, typename BesideA>
 __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
-                                              const dev::ScanOperands<WT, K, BV>& op, int c, bool with_o,
-                                              float (&hT)[K / 8][4], BesideA&& beside_a) {
+                                              const dev::ScanOperands<WT, K, BV>& op, int c, float (&hT)[K / 8][4],
+                                              BesideA&& beside_a) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int AP = S::AP, VP = S::VP;
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
   const int HV = p.HV, V = p.V;
   const dev::SeqInfo& seq = pl.seq;
-  WT* o = reinterpret_cast<WT*>(p.o);  // with_o = (o != null), uniform: the re-scan wants only states
+  WT* o = reinterpret_cast<WT*>(p.o);  // set iff kWithO: the re-scan wants only states
   WT* hst = reinterpret_cast<WT*>(p.h_states);
   const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sV = op.val;
   const float* sDec = op.dec;
@@ -57,42 +59,44 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   if (hst)  // the state read by chunk c (fla's h), in the output dtype
     dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
   float whT[8][4], oT[8][4];
-  {
-    uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
+  uint32_t ha[K / 16][4];  // hT packed to WT: live until the products reading it have landed
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
-    dev::fence_regs(ha);
-    // uniform; each branch has its own fence-to-wait window (a branch between the fence and a
-    // wgmma makes ptxas inject a warpgroup.arrive)
-    // In A's shadow (hT itself is no operand of A, its packed copy ha is): the backward's checkpoint
-    // of the state read by chunk c ([chunk][hv][v][k]), then the caller's work. Branch-free
-    // (predicated stores): a branch here makes ptxas wait for A at the branch.
-    auto shadow = [&] {
-      dev::store_state_ckpt<WT, K>(
-          reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t,
-          p.h_ckpt != nullptr);
-      beside_a();
-    };
-    // Each branch waits for its own products: one wait after the branches merge (oT undefined on one
-    // path) made ptxas serialize every wgmma (C7515).
-    if (with_o) {
-      dev::wgmma_fence();
-      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-      dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
-      dev::wgmma_commit();
-      shadow();
-      dev::wgmma_wait<0>();
-    } else {
-      dev::wgmma_fence();
-      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-      dev::wgmma_commit();
-      shadow();
-      dev::wgmma_wait<0>();
-    }
-    dev::fence_regs(ha);
-    dev::fence_regs(whT);
-    dev::fence_regs(oT);
+  for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
+  dev::fence_regs(ha);
+  // The backward's checkpoint of the state read by chunk c ([chunk][hv][v][k], from ha: the same
+  // WT values): the re-scan's (states only) in A's shadow below; the forward writes none, so there it
+  // is a branch out of the wgmma window (predicated in the window, its quad transposes would run
+  // regardless).
+  auto store_ckpt = [&](bool go) {
+    dev::store_state_ckpt<WT, K>(
+        reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, ha, col0, t, go);
+  };
+  if constexpr (kWithO) {
+    if (p.h_ckpt) store_ckpt(true);
   }
+  // In A's shadow (hT itself is no operand of A, its packed copy ha is): the re-scan's checkpoint and
+  // D's decay of hT (off the chain between B and D), then the caller's work. Branch-free (predicated
+  // stores): a branch here makes ptxas wait for A at the branch. With o, the decay stays before D:
+  // in the shadow of the two commit groups it made ptxas wait for both (the SASS).
+  auto shadow = [&] {
+    if constexpr (!kWithO) {
+      store_ckpt(p.h_ckpt != nullptr);
+      dev::decay_state<K>(hT, sDec, t);
+    }
+    beside_a();
+  };
+  // WHT and OT in two commit groups: only WHT is on the chain h -> v' -> h, so B waits for WHT alone
+  // and OT lands while B runs (it is waited for before C).
+  dev::wgmma_fence();
+  dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+  dev::wgmma_commit();
+  if constexpr (kWithO) {
+    dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
+    dev::wgmma_commit();
+  }
+  shadow();
+  dev::wgmma_wait<kWithO ? 1 : 0>();
+  dev::fence_regs(whT);
 
   // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
 #pragma unroll
@@ -117,9 +121,10 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
 
-  // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major),
-  // in flight while C runs: hT and va belong to it until the wait
-  dev::decay_state<K>(hT, sDec, t);
+  // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major;
+  // the re-scan applied the decay in A's shadow), in flight while C runs: hT and va belong to it
+  // until the wait
+  if constexpr (kWithO) dev::decay_state<K>(hT, sDec, t);
   dev::fence_regs(hT);
   dev::fence_regs(va);
   dev::wgmma_fence();
@@ -127,7 +132,10 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   dev::wgmma_commit();
 
   // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
-  if (with_o) {
+  if constexpr (kWithO) {
+    dev::wgmma_wait<1>();  // OT (D, the latest group, stays in flight)
+    dev::fence_regs(oT);
+    dev::fence_regs(ha);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t a[4];
@@ -146,11 +154,12 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   dev::wgmma_wait<0>();
   dev::fence_regs(hT);
   dev::fence_regs(va);
+  if constexpr (!kWithO) dev::fence_regs(ha);
 }
 
 // One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
-// body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel.
-template <typename WT, int K, int BV>
+// body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel. kWithO = (p.o set).
+template <typename WT, int K, int BV, bool kWithO>
 __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int NT = dev::scan_threads<BV>();
@@ -178,10 +187,9 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   float hT[NK][4];  // the state, in ScanPlace's fragment layout
   dev::load_state<K>(hT, p.scan_pass == 2 && c_begin > 0 ? p.scan_save : p.h0, pl.sbase, p, col0, t);
 
-  const bool with_o = p.o != nullptr;  // uniform: the backward's re-scan wants only the states
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
   auto load_chunk = [&](int cc, int st, bool go) {
-    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, with_o, go);
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, kWithO, go);
   };
   // chunk cc's flag (pass 1): published by the intra CTA of (global chunk, value head)
   auto flag = [&](int cc) { return p.chunk_ready + static_cast<int64_t>(seq.chunk0 + cc) * p.HV + hv; };
@@ -221,7 +229,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
     if (p.scan_pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
     // chunk c + 1 into stage st ^ 1 (free since the barrier), issued while product A of chunk c is in
     // flight (ahead of A, its address and copy instructions sat on every step's critical path)
-    fwd_scan_step<WT, K, BV>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, with_o, hT, [&] {
+    fwd_scan_step<WT, K, BV, kWithO>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, hT, [&] {
       load_chunk(c + 1, st ^ 1, c + 1 < nchunks && !stopped);
       dev::cp_async_commit();
     });
@@ -237,7 +245,9 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  fwd_scan_cta<WT, K, BV>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+  // the forward (o) or the backward's re-scan when not paired with the dh scan (states only)
+  if (p.o) fwd_scan_cta<WT, K, BV, true>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+  else fwd_scan_cta<WT, K, BV, false>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
 }
 
 // The launch (kda_launch_shape.h): one CTA per (V-slice, value head, sequence); launch_scan's and
