@@ -8,9 +8,7 @@
 //                                              tile, K-major), with doT @ Aqk on mma.sync (ldmatrix.trans
 //                                              of do and Aqk; blocks jj >= pp) while it is in flight
 //   C   dhT  = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   wgmma m64nKk16 (B = the swizzled qg / w
-//                                              tiles, MN-major): the qg product needs no dv', so it
-//                                              is issued right behind A, off the chain dh -> dv' -> dh;
-//                                              the w product is in flight during B
+//                                              tiles, MN-major), in flight during B
 //   B   dvT  = dv'T @ Akk -> dv                mma.sync (v enters the forward only through u = Akk v)
 // after chunk 0: dh0 = dhT. scale lives inside qg (the forward intra's workspace), never applied
 // twice. Operands are rounded to WT, accumulation is fp32, as in the forward scan.
@@ -70,51 +68,40 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     // while doT @ Aqk runs on mma.sync into its own accumulator
     float dvT[8][4], u[8][4];
     uint32_t adoT[4][4];  // doT as A fragments per 16-token block jj (transposed loads), kept for C
-    uint32_t ha[K / 16][4];  // dhT packed to WT: live until the wait (wgmma reads A asynchronously)
+    {
+      uint32_t ha[K / 16][4];  // dhT packed to WT: live until the wait (wgmma reads A asynchronously)
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], dhT[2 * kk], dhT[2 * kk + 1]);
-    dev::fence_regs(ha);
-    // C's decay, dhT *= exp2(G)[k], before A is issued: the qg product below accumulates into dhT
-    // without waiting for A, and a non-wgmma write of its accumulator after A's issue makes ptxas
-    // wait for A first
-    dev::decay_state<K>(dhT, sDec, t);
-    dev::wgmma_fence();
-    dev::wgmma_state_tile_t<WT, K>(dvT, ha, sKg, false);
-    dev::wgmma_commit();
-    // In A's shadow: chunk c - 1 into stage st ^ 1 (free since the barrier), then step 0, the
-    // checkpoint dh_{c+1} for chunk c ([chunk][hv][v][k], from ha: the same WT values). Ahead of A,
-    // both sat on every step's critical path; branch-free, since a branch here makes ptxas wait for
-    // A at the branch.
-    load_chunk(c - 1, st ^ 1, c > 0);
-    dev::cp_async_commit();
-    dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, ha, col0, t, true);
+      for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], dhT[2 * kk], dhT[2 * kk + 1]);
+      dev::fence_regs(ha);
+      dev::wgmma_fence();
+      dev::wgmma_state_tile_t<WT, K>(dvT, ha, sKg, false);
+      dev::wgmma_commit();
+      // In A's shadow (dhT itself is no operand of A, its packed copy ha is): chunk c - 1 into stage
+      // st ^ 1 (free since the barrier), then step 0, the checkpoint dh_{c+1} for chunk c
+      // ([chunk][hv][v][k]). Ahead of A, both sat on every step's critical path; branch-free, since a
+      // branch here makes ptxas wait for A at the branch.
+      load_chunk(c - 1, st ^ 1, c > 0);
+      dev::cp_async_commit();
+      dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) dev::ldsm_a_t(adoT[jj], sDo, VP, 16 * jj, vw);
-    // ---------------- C, first part: dhT += doT @ qg   (wgmma, B = the swizzled qg tile, MN-major): it
-    // does not need dv', so it is issued behind A (a second commit group) and leaves the chain
-    // dh -> dv' -> dh; dhT and adoT belong to it until the last wait
-    dev::fence_regs(dhT);
-    dev::fence_regs(adoT);
-    dev::wgmma_fence();
-    dev::wgmma_tokens_tile<WT, K>(dhT, adoT, sQg);
-    dev::wgmma_commit();
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) u[j][e] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) u[j][e] = 0.f;
+      for (int jj = 0; jj < 4; ++jj) {
+        dev::ldsm_a_t(adoT[jj], sDo, VP, 16 * jj, vw);
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int pp = 0; pp <= jj; ++pp) {
-        // B[k = token][n = token'] = Aqk[token][token'] (nonzero for token >= token': pp <= jj)
-        uint32_t b[4];
-        dev::ldsm_b_t(b, sAqk, AP, 16 * jj, 16 * pp);
-        dev::mma_16x16<WT>(u[2 * pp], u[2 * pp + 1], adoT[jj], b);
+        for (int pp = 0; pp <= jj; ++pp) {
+          // B[k = token][n = token'] = Aqk[token][token'] (nonzero for token >= token': pp <= jj)
+          uint32_t b[4];
+          dev::ldsm_b_t(b, sAqk, AP, 16 * jj, 16 * pp);
+          dev::mma_16x16<WT>(u[2 * pp], u[2 * pp + 1], adoT[jj], b);
+        }
       }
+      dev::wgmma_wait<0>();
+      dev::fence_regs(ha);
+      dev::fence_regs(dvT);
     }
-    dev::wgmma_wait<1>();  // A (the qg product may still be in flight)
-    dev::fence_regs(ha);
-    dev::fence_regs(dvT);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -127,11 +114,14 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
       dev::pack_a<WT, true>(vn[jj], dvT[2 * jj], dvT[2 * jj + 1]);
     }
 
-    // ---------------- C, second part: dhT -= dv'T @ w   (wgmma, B = the swizzled w tile, MN-major),
-    // behind the qg product into the same accumulator, in flight while B runs: dhT, adoT and vn
-    // belong to it until the wait
+    // ---------------- C: dhT = dhT * exp2(G)[k] + doT @ qg - dv'T @ w   (wgmma, B = the swizzled
+    // qg / w tiles, MN-major), in flight while B runs: dhT, adoT and vn belong to it until the wait
+    dev::decay_state<K>(dhT, sDec, t);
+    dev::fence_regs(dhT);
+    dev::fence_regs(adoT);
     dev::fence_regs(vn);
     dev::wgmma_fence();
+    dev::wgmma_tokens_tile<WT, K>(dhT, adoT, sQg);
     dev::wgmma_tokens_tile<WT, K>(dhT, vn, sW);
     dev::wgmma_commit();
 

@@ -29,6 +29,10 @@
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
 
+#ifndef KF_SCAN_SPLIT_OT
+#define KF_SCAN_SPLIT_OT 1
+#endif
+
 namespace kernel_fun::kda {
 
 // One chunk of the recurrence for this warp's 16 value columns (the CTA's warps < BV / 16): A-D of
@@ -85,18 +89,21 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
     }
     beside_a();
   };
-  // WHT and OT in two commit groups: only WHT is on the chain h -> v' -> h, so B waits for WHT alone
-  // and OT lands while B runs (it is waited for before C).
+  // kSplitOT: WHT and OT in two commit groups. Only WHT is on the chain h -> v' -> h, so B waits for
+  // WHT alone and OT lands while B runs (it is waited for before C).
+  constexpr bool kSplitOT = kWithO && KF_SCAN_SPLIT_OT;
   dev::wgmma_fence();
   dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+  if constexpr (kSplitOT) dev::wgmma_commit();
+  if constexpr (kWithO) dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
   dev::wgmma_commit();
-  if constexpr (kWithO) {
-    dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
-    dev::wgmma_commit();
-  }
   shadow();
-  dev::wgmma_wait<kWithO ? 1 : 0>();
+  dev::wgmma_wait<kSplitOT ? 1 : 0>();
   dev::fence_regs(whT);
+  if constexpr (!kSplitOT) {
+    dev::fence_regs(oT);
+    dev::fence_regs(ha);
+  }
 
   // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
 #pragma unroll
@@ -133,9 +140,11 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 
   // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
   if constexpr (kWithO) {
-    dev::wgmma_wait<1>();  // OT (D, the latest group, stays in flight)
-    dev::fence_regs(oT);
-    dev::fence_regs(ha);
+    if constexpr (kSplitOT) {
+      dev::wgmma_wait<1>();  // OT (D, the latest group, stays in flight)
+      dev::fence_regs(oT);
+      dev::fence_regs(ha);
+    }
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t a[4];
@@ -154,7 +163,6 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   dev::wgmma_wait<0>();
   dev::fence_regs(hT);
   dev::fence_regs(va);
-  if constexpr (!kWithO) dev::fence_regs(ha);
 }
 
 // One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
