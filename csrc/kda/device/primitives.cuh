@@ -291,25 +291,6 @@ __device__ __forceinline__ void store_c_rows16(T* row_a, T* row_b, bool ok_a, bo
     }
 }
 
-// The same rows as store_c_rows16 from the tile already packed as A fragments (pack_a of n-tiles
-// 2 kk, 2 kk + 1 into a[kk]: word 2 (j & 1) + hh of a[j >> 1] is store_c_rows16's pack2 of n-tile
-// j's row hh, bit for bit), so the packing is not done twice.
-template <typename T, int NKK>
-__device__ __forceinline__ void store_a_rows16(T* row_a, T* row_b, bool ok_a, bool ok_b, const uint32_t (&a)[NKK][4],
-                                               int t) {
-  static_assert((2 * NKK) % 4 == 0, "the quad transpose covers four n-tiles");
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-    for (int m = 0; m < 2 * NKK / 4; ++m) {
-      uint32_t w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = a[(4 * m + i) >> 1][2 * ((4 * m + i) & 1) + hh];
-      quad_transpose(w, t);  // lane t: columns 8 (4 m + t) .. + 7
-      stg16_if((hh == 0 ? row_a : row_b) + 8 * (4 * m + t), make_uint4(w[0], w[1], w[2], w[3]), hh == 0 ? ok_a : ok_b);
-    }
-}
-
 // tf32 m16n8k8 (fp32 range, 10-bit mantissa): the intra kernel's products of gate-scaled operands.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
 #ifdef KF_EMU

@@ -287,17 +287,11 @@ __device__ __forceinline__ void store_state(OT* dst, int64_t base, const float (
 // has value columns col0, col0 + 8 as rows and k as columns. Whole-sector stores matter here: the
 // pair-wise stores they replaced cost the re-scan and the dh scan ~0.6 ms each at prod8192
 // (docs/notes/2026-12-01-kda-backward.md, fifth session).
+// go = false stores nothing (predicated, no branch: it runs while a wgmma is in flight).
 template <typename WT, int K>
-__device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t) {
-  store_c_rows16<WT, K / 8>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, true, true,
-                            sT, t);
-}
-// The same checkpoint from the state already packed as wgmma A fragments (sa = pack_a of sT: the same
-// WT values). go = false stores nothing (predicated, no branch: it runs while a wgmma is in flight).
-template <typename WT, int K>
-__device__ __forceinline__ void store_state_ckpt(WT* hc, const uint32_t (&sa)[K / 16][4], int col0, int t, bool go) {
-  store_a_rows16<WT, K / 16>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, go, go, sa,
-                             t);
+__device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8][4], int col0, int t, bool go = true) {
+  store_c_rows16<WT, K / 8>(hc + static_cast<int64_t>(col0) * K, hc + static_cast<int64_t>(col0 + 8) * K, go, go, sT,
+                            t);
 }
 
 // sT[:, k] *= exp2(G)[k]: the chunk's decay of every state row.

@@ -29,10 +29,6 @@
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
 
-#ifndef KF_SCAN_SPLIT_OT
-#define KF_SCAN_SPLIT_OT 1
-#endif
-
 namespace kernel_fun::kda {
 
 // One chunk of the recurrence for this warp's 16 value columns (the CTA's warps < BV / 16): A-D of
@@ -42,8 +38,8 @@ namespace kernel_fun::kda {
 // `beside_a()` runs while product A is in flight (between its commit and its wait), as do the
 // checkpoint stores: work that neither reads A's operands nor its results (the next chunk's loads)
 // is then issued in the tensor cores' shadow instead of ahead of the chain h -> A -> v' -> h.
-// kWithO: the forward (o wanted) or the backward's re-scan (states only); a template parameter, so
-// that product OT can stay in flight across B without a branch merge in its window.
+// kWithO: the forward (o wanted) or the backward's re-scan (states only), compiled apart: with a
+// runtime flag both paths carried the other's loads and branches.
 template <typename WT, int K, int BV, bool kWithO, typename BesideA>
 __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
                                               const dev::ScanOperands<WT, K, BV>& op, int c, float (&hT)[K / 8][4],
@@ -63,46 +59,47 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   if (hst)  // the state read by chunk c (fla's h), in the output dtype
     dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
   float whT[8][4], oT[8][4];
-  uint32_t ha[K / 16][4];  // hT packed to WT: live until the products reading it have landed
+  {
+    uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
-  dev::fence_regs(ha);
-  // The backward's checkpoint of the state read by chunk c ([chunk][hv][v][k], from ha: the same
-  // WT values): the re-scan's (states only) in A's shadow below; the forward writes none, so there it
-  // is a branch out of the wgmma window (predicated in the window, its quad transposes would run
-  // regardless).
-  auto store_ckpt = [&](bool go) {
-    dev::store_state_ckpt<WT, K>(
-        reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, ha, col0, t, go);
-  };
-  if constexpr (kWithO) {
-    if (p.h_ckpt) store_ckpt(true);
-  }
-  // In A's shadow (hT itself is no operand of A, its packed copy ha is): the re-scan's checkpoint and
-  // D's decay of hT (off the chain between B and D), then the caller's work. Branch-free (predicated
-  // stores): a branch here makes ptxas wait for A at the branch. With o, the decay stays before D:
-  // in the shadow of the two commit groups it made ptxas wait for both (the SASS).
-  auto shadow = [&] {
-    if constexpr (!kWithO) {
-      store_ckpt(p.h_ckpt != nullptr);
-      dev::decay_state<K>(hT, sDec, t);
-    }
-    beside_a();
-  };
-  // kSplitOT: WHT and OT in two commit groups. Only WHT is on the chain h -> v' -> h, so B waits for
-  // WHT alone and OT lands while B runs (it is waited for before C).
-  constexpr bool kSplitOT = kWithO && KF_SCAN_SPLIT_OT;
-  dev::wgmma_fence();
-  dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-  if constexpr (kSplitOT) dev::wgmma_commit();
-  if constexpr (kWithO) dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
-  dev::wgmma_commit();
-  shadow();
-  dev::wgmma_wait<kSplitOT ? 1 : 0>();
-  dev::fence_regs(whT);
-  if constexpr (!kSplitOT) {
-    dev::fence_regs(oT);
+    for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
     dev::fence_regs(ha);
+    // The backward's checkpoint of the state read by chunk c ([chunk][hv][v][k]): the re-scan's in
+    // A's shadow below; the forward writes none, so there it is a branch before the wgmma window
+    // (predicated inside it, the quad transposes would run regardless).
+    auto store_ckpt = [&](bool go) {
+      dev::store_state_ckpt<WT, K>(
+          reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t, go);
+    };
+    if constexpr (kWithO) {
+      if (p.h_ckpt) store_ckpt(true);
+    }
+    // In A's shadow (hT itself is no operand of A, its packed copy ha is): the re-scan's checkpoint,
+    // then the caller's work. Branch-free (predicated stores): a branch here makes ptxas wait for A at
+    // the branch.
+    auto shadow = [&] {
+      if constexpr (!kWithO) store_ckpt(p.h_ckpt != nullptr);
+      beside_a();
+    };
+    // One commit group for WHT and OT: OT in a second group, waited for only before C, measured
+    // slower (B's mma.sync then shares the tensor cores with OT on the chain).
+    if constexpr (kWithO) {
+      dev::wgmma_fence();
+      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+      dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
+      dev::wgmma_commit();
+      shadow();
+      dev::wgmma_wait<0>();
+    } else {
+      dev::wgmma_fence();
+      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+      dev::wgmma_commit();
+      shadow();
+      dev::wgmma_wait<0>();
+    }
+    dev::fence_regs(ha);
+    dev::fence_regs(whT);
+    dev::fence_regs(oT);
   }
 
   // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
@@ -128,10 +125,9 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
 
-  // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major;
-  // the re-scan applied the decay in A's shadow), in flight while C runs: hT and va belong to it
-  // until the wait
-  if constexpr (kWithO) dev::decay_state<K>(hT, sDec, t);
+  // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major),
+  // in flight while C runs: hT and va belong to it until the wait
+  dev::decay_state<K>(hT, sDec, t);
   dev::fence_regs(hT);
   dev::fence_regs(va);
   dev::wgmma_fence();
@@ -140,11 +136,6 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 
   // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
   if constexpr (kWithO) {
-    if constexpr (kSplitOT) {
-      dev::wgmma_wait<1>();  // OT (D, the latest group, stays in flight)
-      dev::fence_regs(oT);
-      dev::fence_regs(ha);
-    }
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t a[4];
