@@ -14,8 +14,9 @@ namespace kernel_fun::kda {
 // warp's ldmatrix reads of the K-wide tiles (~60 KB per warp per chunk at K=128), with a floor of
 // one warp's own serial chain. Modelled cost = waves x per-chunk time; the smallest wins.
 // Since the fifth backward session the scans read the K-wide tiles once per warpgroup (wgmma), not
-// per warp: this model, and its picks (compared with forced widths by scripts/bench_kda_scan.py),
-// predate that and have not been re-measured.
+// per warp: this model predates that. Its fixed-length picks were re-measured against forced widths
+// on 2026-12-03 (scripts/bench_kda_scan.py, docs/notes/2026-12-03-scan-shadow.md): each within 0.5%
+// of the other width or faster.
 // BV=32 is not supported: on the H200 it never won (B1 T32768 H32: 1.65 ms at 32 vs 1.53 at 64;
 // B1 T8192 H16: 0.415 vs 0.400; K=V=64: 0.182 vs 0.152).
 struct ScanChoice {
