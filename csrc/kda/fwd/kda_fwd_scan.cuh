@@ -74,29 +74,17 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
     if constexpr (kWithO) {
       if (p.h_ckpt) store_ckpt(true);
     }
-    // In A's shadow (hT itself is no operand of A, its packed copy ha is): the re-scan's checkpoint,
-    // then the caller's work. Branch-free (predicated stores): a branch here makes ptxas wait for A at
-    // the branch.
-    auto shadow = [&] {
-      if constexpr (!kWithO) store_ckpt(p.h_ckpt != nullptr);
-      beside_a();
-    };
-    // One commit group for WHT and OT: OT in a second group, waited for only before C, measured
-    // slower (B's mma.sync then shares the tensor cores with OT on the chain).
-    if constexpr (kWithO) {
-      dev::wgmma_fence();
-      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-      dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
-      dev::wgmma_commit();
-      shadow();
-      dev::wgmma_wait<0>();
-    } else {
-      dev::wgmma_fence();
-      dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-      dev::wgmma_commit();
-      shadow();
-      dev::wgmma_wait<0>();
-    }
+    // One commit group for WHT and OT (OT in a second group, waited for only before C, measured
+    // slower: B's mma.sync then shares the tensor cores with OT on the chain). In A's shadow (hT
+    // itself is no operand of A, its packed copy ha is): the re-scan's checkpoint, then the caller's
+    // work. Branch-free (predicated stores): a branch here makes ptxas wait for A at the branch.
+    dev::wgmma_fence();
+    dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
+    if constexpr (kWithO) dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
+    dev::wgmma_commit();
+    if constexpr (!kWithO) store_ckpt(p.h_ckpt != nullptr);
+    beside_a();
+    dev::wgmma_wait<0>();
     dev::fence_regs(ha);
     dev::fence_regs(whT);
     dev::fence_regs(oT);
