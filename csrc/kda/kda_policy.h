@@ -28,19 +28,18 @@ constexpr int kPolicySMs = 132;  // the H100 / H200 SM count the models assume
 inline double scan_fill_kb(int K, int bv) { return 52.0 * (K / 128.0) + 18.0 + bv / 8.0; }
 // scan CTAs one SM holds (double-buffered stages)
 inline int scan_ctas_per_sm(int K, int bv) { return 2 * scan_fill_kb(K, bv) <= 110 ? 2 : 1; }
-// Varlen batches take BV = 128 wherever V allows: their documents' chains differ in length, so the
-// wave count below does not describe them, and on the H200 (2026-12-03, sixteenth session, after the
-// scans' loads moved into the wgmma shadow; scripts/bench_kda_scan.py) the 6-document H32 case's
-// forward scan took 0.254 ms at 128 against 0.331 at 64, the model's pick. Fixed-length shapes
-// measured in the same run: the model's picks within 0.5% of the other width or faster.
+// Varlen batches consider only BV = 128 wherever V allows: their documents' chains differ in length,
+// so the wave count below does not describe them, and on the H200 (2026-12-03, sixteenth session;
+// scripts/bench_kda_scan.py) the 6-document H32 case's forward scan took 0.254 ms at 128 against
+// 0.331 at 64, the model's pick.
 inline ScanChoice scan_choice(const KdaProblem& p) {
   constexpr int kSMs = kPolicySMs;
-  if (p.cu_seqlens && p.V % 128 == 0) return {128, 0.0};
   const long rows = static_cast<long>(p.HV) * p.N;
   const double kw = p.K / 128.0;
+  const bool varlen_wide = p.cu_seqlens && p.V % 128 == 0;
   ScanChoice best{64, 0.0};
   for (int bv : {128, 64}) {
-    if (p.V % bv != 0) continue;
+    if (p.V % bv != 0 || (varlen_wide && bv != 128)) continue;
     const int warps = bv / 16;
     const double fill_kb = scan_fill_kb(p.K, bv);
     const double warp_kb = 48.0 * kw + 12.0;  // ldmatrix bytes one warp reads
