@@ -30,9 +30,9 @@ for f in "${files[@]}"; do
   awk '/Compiling entry function/{match($0, /'"'"'[^'"'"']+'"'"'/); fn=substr($0, RSTART+1, RLENGTH-2)}
        /spill stores/{sp[fn]=$5 "/" $9} /Used [0-9]+ registers/{for(i=1;i<=NF;i++) if($i=="Used") rg[fn]=$(i+1)}
        END{for(k in rg) print k, rg[k], sp[k]}' "$tmp/ptxas.txt" > "$tmp/regs.txt"
-  [ -n "${SASS_OUT:-}" ] && mkdir -p "$SASS_OUT" && "$cuobjdump" -sass "$cubin" > "$SASS_OUT/$(basename "$f" .cu).sass" 2>/dev/null
-  "$cuobjdump" -sass "$cubin" 2>/dev/null |
-    awk '/Function :/{fn=$3} /^[[:space:]]+\/\*[0-9a-f][0-9a-f][0-9a-f][0-9a-f]+\*\/ /{n[fn]++} END{for(k in n) print k, n[k]}' |
+  "$cuobjdump" -sass "$cubin" > "$tmp/sass.txt" 2>/dev/null
+  [ -n "${SASS_OUT:-}" ] && mkdir -p "$SASS_OUT" && cp "$tmp/sass.txt" "$SASS_OUT/$(basename "$f" .cu).sass"
+  awk '/Function :/{fn=$3} /^[[:space:]]+\/\*[0-9a-f][0-9a-f][0-9a-f][0-9a-f]+\*\/ /{n[fn]++} END{for(k in n) print k, n[k]}' "$tmp/sass.txt" |
     sort > "$tmp/count.txt"
   echo "== $f"
   join <(sort "$tmp/count.txt") <(sort "$tmp/regs.txt") |
