@@ -168,6 +168,8 @@ struct Wgmma {
   const uint32_t* a_src;  // the A registers, checked unchanged at the wait
   uint32_t a[4];          // their values at the issue (what is multiplied)
   uint64_t desc;
+  uint64_t desc_a;        // ss: A's descriptor (A from shared memory, read at the wait)
+  bool ss;
   bool trans_b, acc;
   bool chained;           // an earlier operation in flight owns d: C is that operation's result
   float c[128];           // d at the issue (acc, not chained): C
@@ -945,8 +947,8 @@ uint32_t wgmma_b_elem(const detail::Worker& w, const char* sm, uint64_t desc, bo
                           : start + (n / 8) * sbo + (n % 8) * 128 + 2 * k;
   addr ^= ((addr >> 7) & 7) << 4;
   if (addr + 2 > w.smem_bytes)
-    failf("wgmma: B element (%d, %d) at smem offset %u is outside the dynamic shared memory (%zu bytes)", k, n, addr,
-          w.smem_bytes);
+    failf("wgmma: operand element (%d, %d) at smem offset %u is outside the dynamic shared memory (%zu bytes)", k, n,
+          addr, w.smem_bytes);
   uint16_t v;
   std::memcpy(&v, sm + addr, 2);
   return v;
@@ -964,11 +966,21 @@ void wgmma_perform(detail::Worker& w, const detail::Wgmma& x) {
               i, nreg);
     }
   }
-  if (std::memcmp(x.a_src, x.a, sizeof x.a) != 0)
+  if (!x.ss && std::memcmp(x.a_src, x.a, sizeof x.a) != 0)
     failf("wgmma: the A operand registers of a wgmma.mma_async changed (or went out of scope) before the "
           "wgmma.wait_group that completes it");
   const int lane = w.cur->lane, g = lane >> 2, t = lane & 3;
   const char* sm = detail::cur_cta(w).smem;  // wgmma reads its own CTA's shared memory
+  uint32_t a[4];
+  std::memcpy(a, x.a, sizeof a);
+  if (x.ss) {  // A K-major: element (m, k) is B's K-major element (k, n = m); this warp's 16 rows
+    const int m0 = 16 * (w.cur->warp % 4) + g;
+    auto ae = [&](int m, int k) { return wgmma_b_elem(w, sm, x.desc_a, false, k, m); };
+    a[0] = ae(m0, 2 * t) | (ae(m0, 2 * t + 1) << 16);
+    a[1] = ae(m0 + 8, 2 * t) | (ae(m0 + 8, 2 * t + 1) << 16);
+    a[2] = ae(m0, 2 * t + 8) | (ae(m0, 2 * t + 9) << 16);
+    a[3] = ae(m0 + 8, 2 * t + 8) | (ae(m0 + 8, 2 * t + 9) << 16);
+  }
   for (int j = 0; j < x.N / 8; ++j) {
     const int n = 8 * j + g;
     const uint32_t b0 = wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t, n) | (wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t + 1, n) << 16);
@@ -976,19 +988,23 @@ void wgmma_perform(detail::Worker& w, const detail::Wgmma& x) {
         wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t + 8, n) | (wgmma_b_elem(w, sm, x.desc, x.trans_b, 2 * t + 9, n) << 16);
     float c[4];
     for (int e = 0; e < 4; ++e) c[e] = !x.acc ? 0.f : (x.chained ? d[4 * j + e] : x.c[4 * j + e]);
-    detail::mma_call(x.op, c, x.a, b0, b1);
+    detail::mma_call(x.op, c, a, b0, b1);
     for (int e = 0; e < 4; ++e) d[4 * j + e] = c[e];
   }
 }
 }  // namespace
 
-void wgmma_issue(int op, float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc) {
+namespace {
+void wgmma_issue_any(int op, float* d, int N, const uint32_t* a, uint64_t desc_a, bool ss, uint64_t desc,
+                     bool trans_b, bool acc) {
   detail::Worker& w = need_fiber("wgmma.mma_async");
   detail::Fiber& f = *w.cur;
   if (N < 8 || N > 256 || N % 8) failf("wgmma: N=%d is not a multiple of 8 in [8, 256]", N);
-  if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0)
-    failf("wgmma: descriptor %#llx: only the 128-byte swizzle with base offset 0 is emulated",
-          static_cast<unsigned long long>(desc));
+  for (uint64_t dd : {desc, ss ? desc_a : desc}) {
+    if ((dd >> 62) != 1 || ((dd >> 49) & 7) != 0)
+      failf("wgmma: descriptor %#llx: only the 128-byte swizzle with base offset 0 is emulated",
+            static_cast<unsigned long long>(dd));
+  }
   if (!f.wg_fenced)
     failf("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group (the fence orders the earlier "
           "register accesses before the asynchronous reads and writes)");
@@ -997,8 +1013,11 @@ void wgmma_issue(int op, float* d, int N, const uint32_t (&a)[4], uint64_t desc,
   x.d = d;
   x.N = N;
   x.a_src = a;
-  std::memcpy(x.a, a, sizeof x.a);
+  if (ss) std::memset(x.a, 0, sizeof x.a);
+  else std::memcpy(x.a, a, sizeof x.a);
   x.desc = desc;
+  x.desc_a = desc_a;
+  x.ss = ss;
   x.trans_b = trans_b;
   x.acc = acc;
   x.chained = false;
@@ -1018,6 +1037,14 @@ void wgmma_issue(int op, float* d, int N, const uint32_t (&a)[4], uint64_t desc,
     wgmma_poison(d, nreg);
   }
   f.wg_open.push_back(x);
+}
+}  // namespace
+
+void wgmma_issue(int op, float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc) {
+  wgmma_issue_any(op, d, N, a, 0, false, desc, trans_b, acc);
+}
+void wgmma_issue_ss(int op, float* d, int N, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool acc) {
+  wgmma_issue_any(op, d, N, nullptr, desc_a, true, desc_b, trans_b, acc);
 }
 
 void wgmma_fence() { need_fiber("wgmma.fence").cur->wg_fenced = true; }

@@ -225,6 +225,13 @@ template <typename T>
 inline void wgmma_rs_m64k16(float* d, int N, const uint32_t (&a)[4], uint64_t desc, bool trans_b, bool acc) {
   wgmma_issue(detail::MmaOp<T>::op, d, N, a, desc, trans_b, acc);
 }
+// The same with A from shared memory too (wgmma.mma_async ... d, desc_a, desc_b): A K-major,
+// element (m, k) of the warpgroup's 64 rows at start + (m / 8) SBO + (m % 8) 128 + 2 k, swizzled as B.
+void wgmma_issue_ss(int op, float* d, int N, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool acc);
+template <typename T>
+inline void wgmma_ss_m64k16(float* d, int N, uint64_t desc_a, uint64_t desc_b, bool trans_b, bool acc) {
+  wgmma_issue_ss(detail::MmaOp<T>::op, d, N, desc_a, desc_b, trans_b, acc);
+}
 void wgmma_fence();     // wgmma.fence.sync.aligned
 void wgmma_commit();    // wgmma.commit_group.sync.aligned
 void wgmma_wait(int n);  // wgmma.wait_group.sync.aligned n: all but the n most recent groups land

@@ -11,16 +11,17 @@
 //   P   q, k, Aqk, Akk, w, kg and the first V-slice -> smem (cp.async); gate + block-local cumsum,
 //       beta; block offsets; l2norm factors                                                   |
 //   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v slices):
-//       V1  v' = Akk v - w h^T  /  dv' = Aqk^T do + kg dh^T  (one 16 x 16 tile of one of them per
-//           warp) -> smem                                                                     |
-//       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp, register accumulators)
+//       V1  v' = Akk v - w h^T (warpgroup 0)  /  dv' = Aqk^T do + kg dh^T (warpgroup 1), [64 x 32]
+//           each: the K-wide part on wgmma with A and B from smem, the triangular part on
+//           mma.sync into the same registers -> smem                                           |
+//       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp: wgmma per warpgroup =
+//           column quarter, B = the h / dh tiles from smem);
 //           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only);
-//           sum_v h * dh per state row (the decay's gradient) from V2's h / dh fragments       |
-//       Its busiest unit is the shared-memory pipe (~78% at prod8192: every warp re-reads its
-//       operand fragments by ldmatrix); a fifth fewer executed instructions changed nothing, and
-//       neither halving its ldmatrix reads nor serving its copies from the L2 made the kernel
-//       faster (docs/notes/2026-12-01-kda-backward.md, fourteenth session;
-//       docs/notes/2026-12-03-lsu-traffic.md).
+//           sum_v h * dh per state row (the decay's gradient) from ldmatrix fragments of h / dh |
+//       Before wgmma (2026-12-03, seventeenth session) every warp re-read its operand fragments by
+//       ldmatrix and the shared-memory pipe was the busiest unit (~78% at prod8192); with B (and
+//       V1's A) read once per warpgroup the V phase went 29.4k -> 26.8k cycles per CTA at prod8192
+//       (docs/notes/2026-12-03-grads-wgmma.md).
 //   E   dA1 = scale dAqk (i >= j), dAkk, dw, kexp -> smem; dq^ = scale exp2(g2) dqg,
 //       dkB = exp2(G - g2) dkg (column-side k terms), dG += sum_i kg dkg                     |
 //       dAkk += dw kexp^T; dkA = exp2(g2) Akk^T dw (row-side k terms)                        |
@@ -77,17 +78,20 @@ struct GradsSmem {
   static constexpr int VSP = kVS + 8;  // WT row stride of [64][32] slices
   static constexpr int NPART = 2;  // partial sums of sum_v h dh per state row (one per 16-row half of a slice)
   // One stage of the V loop's double buffer: this slice of h_c and dh_{c+1}, and of do and v.
+  // h and dh are [kVS][K] tiles in the 128-byte swizzle (dev::sw128_index<kVS>): the B operands of
+  // the V phase's wgmma products (K-major in V1, MN-major in V2), read through descriptors; every
+  // swizzled tile starts on a 1024-byte boundary (asserted below).
   struct VStage {
-    WT h[kVS][KQ];
-    WT dh[kVS][KQ];
+    WT h[kVS * K];
+    WT dh[kVS * K];
     WT do_[kChunk][VSP];  // [64 tok][VSP]
     WT v[kChunk][VSP];
   };
   struct VPhase {
     WT aqk[kChunk][AP];
     WT akk[kChunk][AP];
-    WT kg[kChunk][KQ];
-    WT w[kChunk][KQ];
+    WT kg[kChunk * K];  // [64][K] in the 128-byte swizzle (sw128_index<kChunk>): A of V1's wgmma
+    WT w[kChunk * K];
     VStage stage[2];
     WT vn[kChunk][VSP];
     WT dvn[kChunk][VSP];
@@ -96,7 +100,7 @@ struct GradsSmem {
     // that feed dg's last row (kg dkg with dh = dht) see v' and dht unrounded. Fits beside the V
     // tiles without growing the phase union (the E / I phases are larger).
     WT vnlo[kChunk][VSP];
-    WT dhlo[kVS][KQ];
+    WT dhlo[kVS * K];  // swizzled as stage.dh
   };
   struct EPhase {
     WT m[kChunk][AP];      // over V's aqk
@@ -135,7 +139,7 @@ struct GradsSmem {
   // added by the row-block-0 warps after the barrier (grads_offdiag): per column quarter, per lane,
   // its C fragment (K / 32 tiles x 4 floats). Live from I1 to the start of I2 only.
   float colpart[4][32][K / 8];
-  union {
+  alignas(1024) union {
     VPhase v;
     EIPhases ei;
   } u;
@@ -155,6 +159,11 @@ struct GradsCtx : dev::ChunkPlace {
   using E = dev::Elem<WT>;
   static constexpr int NTH = kGradsThreads;
   static_assert(sizeof(S) <= 227 * 1024, "grads shared memory exceeds the sm_90 per-CTA limit");
+  static_assert(offsetof(S, u) % 1024 == 0 && offsetof(typename S::VPhase, kg) % 1024 == 0 &&
+                    offsetof(typename S::VPhase, w) % 1024 == 0 && offsetof(typename S::VPhase, stage) % 1024 == 0 &&
+                    sizeof(typename S::VStage) % 1024 == 0 && offsetof(typename S::VStage, dh) % 1024 == 0 &&
+                    offsetof(typename S::VPhase, dhlo) % 1024 == 0,
+                "the swizzled tiles start on 1024-byte boundaries");
   static_assert(offsetof(typename S::EPhase, akk) == offsetof(typename S::VPhase, akk), "the E phase keeps Akk in place");
   static_assert((kGradsThreads / (K / 8)) * K <= kChunk * S::AF, "F's gate partials fit in dA1's place");
   static constexpr int KQ = S::KQ, KP = S::KP, AP = S::AP, AF = S::AF, VSP = S::VSP;
@@ -241,11 +250,11 @@ using Tile = float[NTK][4];
 template <typename WT, int K>
 __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s, int st) {
   using S = GradsSmem<WT, K>;
-  constexpr int KQ = S::KQ, VSP = S::VSP, NTH = kGradsThreads;
+  constexpr int VSP = S::VSP, NTH = kGradsThreads;
   const KdaBwdParams& p = c.p;
   typename S::VStage& stage = c.vph().stage[st];
-  WT* bH = &stage.h[0][0];
-  WT* bDH = &stage.dh[0][0];
+  WT* bH = stage.h;
+  WT* bDH = stage.dh;
   WT* bDo = &stage.do_[0][0];
   WT* bV = &stage.v[0][0];
   const int64_t sb = (static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * c.V * K;
@@ -257,8 +266,9 @@ __device__ __forceinline__ void grads_load_slice(const GradsCtx<WT, K>& c, int s
   constexpr int VPR = K / 8;
   dev::strided<kVS * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
-    dev::cp_async16(bH + r * KQ + c8, gh + static_cast<int64_t>(v0 + r) * K + c8, 16);
-    dev::cp_async16(bDH + r * KQ + c8, gdh + static_cast<int64_t>(v0 + r) * K + c8, 16);
+    const int so = dev::sw128_index<kVS>(r, c8);
+    dev::cp_async16(bH + so, gh + static_cast<int64_t>(v0 + r) * K + c8, 16);
+    dev::cp_async16(bDH + so, gdh + static_cast<int64_t>(v0 + r) * K + c8, 16);
   });
   dev::strided<kChunk * (kVS / 8), NTH>(c.tid, [&](int i) {
     const int r = i / (kVS / 8), c8 = (i % (kVS / 8)) * 8;
@@ -280,18 +290,19 @@ __device__ __forceinline__ void grads_load_chunk(const GradsCtx<WT, K>& c) {
   const WT* k = reinterpret_cast<const WT*>(p.k);
   const WT* gw = reinterpret_cast<const WT*>(p.w);
   const WT* gkg = reinterpret_cast<const WT*>(p.kg);
-  WT* sW = &c.vph().w[0][0];
-  WT* sKg = &c.vph().kg[0][0];
+  WT* sW = c.vph().w;
+  WT* sKg = c.vph().kg;
   constexpr int VPR = K / 8;
   dev::strided<kChunk * VPR, NTH>(c.tid, [&](int i) {
     const int r = i / VPR, c8 = (i % VPR) * 8;
     const bool ok = r < c.len;
     const int rr = ok ? r : 0;
     const int nb = ok ? 16 : 0;
+    const int so = dev::sw128_index<kChunk>(r, c8);
     dev::cp_async16(c.sQ() + r * KQ + c8, q + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
     dev::cp_async16(c.sK() + r * KQ + c8, k + ((c.tok0 + rr) * p.H + c.h) * K + c8, nb);
-    dev::cp_async16(sW + r * KQ + c8, gw + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
-    dev::cp_async16(sKg + r * KQ + c8, gkg + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
+    dev::cp_async16(sW + so, gw + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
+    dev::cp_async16(sKg + so, gkg + ((c.tok0 + rr) * c.HV + c.hv) * K + c8, nb);
   });
   const WT* gAqk = reinterpret_cast<const WT*>(p.Aqk);
   const WT* gAkk = reinterpret_cast<const WT*>(p.Akk);
@@ -316,16 +327,17 @@ __device__ __forceinline__ void grads_dht_lo(const GradsCtx<WT, K>& c, const flo
                                              const WT* bDH) {
   using S = GradsSmem<WT, K>;
   using E = dev::Elem<WT>;
-  constexpr int KQ = S::KQ;
-  WT* lo = &c.vph().dhlo[0][0];
+  WT* lo = c.vph().dhlo;
   const int v0 = s * kVS;
   dev::strided<kVS * K / 2, kGradsThreads>(c.tid, [&](int i) {
     const int r = i / (K / 2), k2 = 2 * (i % (K / 2));
     const float d0 = dht[dev::state_offset<K>(c.p, k2, v0 + r)];
     const float d1 = dht[dev::state_offset<K>(c.p, k2 + 1, v0 + r)];
-    const float2 h = E::to_float2(*reinterpret_cast<const uint32_t*>(bDH + r * KQ + k2));
-    *reinterpret_cast<uint32_t*>(lo + r * KQ + k2) = E::pack2(d0 - h.x, d1 - h.y);
+    const int so = dev::sw128_index<kVS>(r, k2);
+    const float2 h = E::to_float2(*reinterpret_cast<const uint32_t*>(bDH + so));
+    *reinterpret_cast<uint32_t*>(lo + so) = E::pack2(d0 - h.x, d1 - h.y);
   });
+  dev::fence_proxy_async();  // V2's wgmma reads dhlo (async proxy) after the next barrier
 }
 
 // sum_v h dh (the decay's gradient) rides on V2's B fragments: warp rb of each column quarter owns
@@ -341,6 +353,11 @@ __device__ __forceinline__ bool grads_dec_owner(int rb, int& kv, int& np) {
 
 // The contraction loop: results in the warp's register tiles (dqg, dkg, dw: [16 x K/4]; dAq, dAk:
 // [16 x 16] at columns 16 cq) and the thread's share of sum_v h dh (dec2, see grads_dec_owner).
+// The K-wide products run on wgmma with their K-wide operands read from shared memory once per
+// warpgroup (warpgroup = column quarter cq, its warps the four row blocks): V1 with A (w / kg) and B
+// (h / dh) through descriptors, V2 with A (do, v', dv' rows) from registers and B (h / dh) through
+// descriptors. The accumulators are in the mma.sync C layout, so the [16 x 16] triangular products
+// (Akk v, Aqk^T do, dAq, dAk) stay on mma.sync beside them.
 template <typename WT, int K, bool kLo>
 __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const float* dht_last,
                                                float (&dqg)[K / 32][4],
@@ -349,52 +366,62 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
   using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
   using E = dev::Elem<WT>;
-  constexpr int KQ = S::KQ, AP = S::AP, VSP = S::VSP, NTK = Ctx::NTK;
+  constexpr int AP = S::AP, VSP = S::VSP;
+  constexpr int NQ = K / 4;  // V2's wgmma N: the warpgroup's quarter of the state columns
   const int rb = c.rb, cq = c.cq, g = c.g, t = c.t;
   const WT* sAqk = &c.vph().aqk[0][0];
   const WT* sAkk = &c.vph().akk[0][0];
-  const WT* sKg = &c.vph().kg[0][0];
-  const WT* sW = &c.vph().w[0][0];
+  const WT* sKg = c.vph().kg;
+  const WT* sW = c.vph().w;
   WT* sVN = &c.vph().vn[0][0];
   WT* sDVN = &c.vph().dvn[0][0];
-  // V1 roles: warp (rb, vg = cq & 1, which = cq >> 1): the 16 x 16 tile (rows 16 rb, slice columns
-  // 16 vg) of v' (which = 0) or dv' (which = 1)
-  const int vg = cq & 1;
-  const bool is_dv = cq >> 1;
-  // sum_v h dh from V2's own h / dh B fragments: one (k-step, n-pair) of them per warp (rb), so no
-  // extra smem reads or address arithmetic
+  // V1 roles: warpgroup 0 the [64 x 32] tile of v', warpgroup 1 that of dv' (warp rb: rows 16 rb);
+  // warpgroups 2-3 have no V1 work (two warpgroups read w / kg and h / dh once each, where four
+  // would read w / kg twice)
+  const bool v1_wg = cq < 2;
+  const bool is_dv = cq == 1;
+  // sum_v h dh from V2's h / dh B fragments: one (k-step, n-pair) of them per warp (rb), loaded by
+  // ldmatrix from the swizzled tiles (the wgmma products read them through descriptors)
   int dec_kv, dec_np;
   const bool dec_owner = grads_dec_owner<K>(rb, dec_kv, dec_np);
   const int nvs = c.V / kVS;
   for (int s = 0; s < nvs; ++s) {
     const int st = s & 1;
     dev::cp_async_wait<0>();
+    dev::fence_proxy_async();  // this thread's copies before the wgmma reads (async proxy)
     __syncthreads();  // slice s landed; everyone is done with slice s - 1 (its stage, sVN / sDVN)
     if (s + 1 < nvs) grads_load_slice(c, s + 1, st ^ 1);
     dev::cp_async_commit();
-    const typename S::VStage& stage = c.vph().stage[st];
-    const WT* bH = &stage.h[0][0];
-    const WT* bDH = &stage.dh[0][0];
+    // (opaque: addresses in this stage are computed here, not hoisted for both stages and kept)
+    const typename S::VStage& stage = c.vph().stage[dev::opaque(st)];
+    const WT* bH = stage.h;
+    const WT* bDH = stage.dh;
     const WT* bDo = &stage.do_[0][0];
     const WT* bV = &stage.v[0][0];
     // kLo: a separate copy of the loop for the last chunk, so the other chunks' registers stay as they were
     if (kLo) grads_dht_lo(c, dht_last, s, bDH);  // read in V2, behind V1's barrier
 
-    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T (one tile per warp)
-    {
-      float acc[2][4] = {};
-      const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows
-      const WT* bS = is_dv ? bDH : bH;    // B[k][n = v] = dh / h [v][k]: rows v, non-transposed
+    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T ([64 x 32] per warpgroup 0 / 1)
+    if (v1_wg) {
+      float acc[kVS / 8][4];
+      const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows [64][K], K-major
+      const WT* bS = is_dv ? bDH : bH;    // B[k][n = v] = dh / h [v][k]: K-major
+      // per-slice descriptors (dev::opaque: the A side is the same every slice, and hoisted out of
+      // the loop its eight descriptors spilled), advanced by k-step: 32 bytes within a 64-column
+      // block, kRows * 128 bytes per block (the address field is in 16-byte units)
+      const uint64_t da = dev::opaque(dev::sw128_desc_k<kChunk>(aK, 0));
+      const uint64_t db = dev::sw128_desc_k<kVS>(bS, 0);
+      dev::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < K / 16; ++kk) {
-        uint32_t a[4], b[4];
-        dev::ldsm_a(a, aK, KQ, 16 * rb, 16 * kk);
-        dev::ldsm_b(b, bS, KQ, 16 * vg, 16 * kk);
-        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
-      }
+      for (int kk = 0; kk < K / 16; ++kk)
+        dev::wgmma_ss<WT, kVS, 0>(acc, da + ((kk >> 2) * kChunk * 8 + (kk & 3) * 2),
+                                  db + ((kk >> 2) * kVS * 8 + (kk & 3) * 2), kk > 0);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();
+      dev::fence_regs(acc);
       if (!is_dv) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < kVS / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
       }
@@ -403,16 +430,18 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
         // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
         // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
         if (is_dv ? jj < rb : jj > rb) continue;
-        uint32_t a[4], b[4];
+        uint32_t a[4], b0[4], b1[4];
         if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
         else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
-        dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, 16 * vg);
-        dev::mma_16x16<WT>(acc[0], acc[1], a, b);
+        dev::ldsm_b_t(b0, (is_dv ? bDo : bV), VSP, 16 * jj, 0);
+        dev::ldsm_b_t(b1, (is_dv ? bDo : bV), VSP, 16 * jj, 16);
+        dev::mma_16x16<WT>(acc[0], acc[1], a, b0);
+        dev::mma_16x16<WT>(acc[2], acc[3], a, b1);
       }
       WT* out = is_dv ? sDVN : sVN;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = 16 * vg + 8 * j + 2 * t;
+      for (int j = 0; j < kVS / 8; ++j) {
+        const int col = 8 * j + 2 * t;
         const uint32_t h0 = E::pack2(acc[j][0], acc[j][1]), h1 = E::pack2(acc[j][2], acc[j][3]);
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = h0;
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = h1;
@@ -428,25 +457,23 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
     }
     __syncthreads();  // sVN / sDVN complete
 
-    // ---- V2: contractions over the slice's 32 value columns (two k-steps of 16)
+    // ---- V2: contractions over the slice's 32 value columns (two k-steps of 16). One wgmma window
+    // per k-step: the A fragments of both in registers at once spilled (128 registers at 512 threads).
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
-      uint32_t ado[4], avn[4], adv[4];
-      dev::ldsm_a(ado, bDo, VSP, 16 * rb, 16 * kv);
-      dev::ldsm_a(avn, sVN, VSP, 16 * rb, 16 * kv);
-      dev::ldsm_a(adv, sDVN, VSP, 16 * rb, 16 * kv);
-#pragma unroll
-      for (int np = 0; np < NTK / 2; ++np) {
-        // B[k = v][n = state column] = h / dh [v][k]: transposed loads
-        uint32_t bh[4], bd[4];
-        dev::ldsm_b_t(bh, bH, KQ, 16 * kv, c.cb + 16 * np);
-        dev::ldsm_b_t(bd, bDH, KQ, 16 * kv, c.cb + 16 * np);
-        dev::mma_16x16<WT>(dqg[2 * np], dqg[2 * np + 1], ado, bh);
-        dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bd);
-        dev::mma_16x16<WT>(dwc[2 * np], dwc[2 * np + 1], adv, bh);
-        const bool dec_here = dec_owner && kv == dec_kv && np == dec_np;
+      uint32_t ado[1][4], avn[1][4], adv[1][4], avl[1][4];
+      dev::ldsm_a(ado[0], bDo, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(avn[0], sVN, VSP, 16 * rb, 16 * kv);
+      dev::ldsm_a(adv[0], sDVN, VSP, 16 * rb, 16 * kv);
+      if (kLo) dev::ldsm_a(avl[0], &c.vph().vnlo[0][0], VSP, 16 * rb, 16 * kv);
+      // The [16 x 16] products and sum_v h dh first: their branches would make ptxas wait for the
+      // wgmma products if they sat between the issue and the wait.
+      if (dec_owner && kv == dec_kv) {
         // bh / bd [i]: value rows 16 kv + 2t, 2t + 1 (+8 for odd i), state column cb + 16 np + g
         // (+8 for i >= 2): the same places in both, so h * dh is elementwise
+        uint32_t bh[4], bd[4];
+        dev::ldsm_b_t_sw<kVS>(bh, bH, 16 * kv, c.cb + 16 * dec_np);
+        dev::ldsm_b_t_sw<kVS>(bd, bDH, 16 * kv, c.cb + 16 * dec_np);
         auto add_h_dh = [&](const uint32_t (&b)[4]) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -454,29 +481,50 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
             dec2[i >> 1] = fmaf(hh.x, dd.x, fmaf(hh.y, dd.y, dec2[i >> 1]));
           }
         };
-        if (kLo) {  // dkg += v'.lo dh + v' dht.lo, and h dht.lo (lo x lo: below either's rounding)
-          uint32_t avl[4], bdl[4];
-          dev::ldsm_a(avl, &c.vph().vnlo[0][0], VSP, 16 * rb, 16 * kv);
-          dev::ldsm_b_t(bdl, &c.vph().dhlo[0][0], KQ, 16 * kv, c.cb + 16 * np);
-          dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avl, bd);
-          dev::mma_16x16<WT>(dkg[2 * np], dkg[2 * np + 1], avn, bdl);
-          if (dec_here) add_h_dh(bdl);
+        if (kLo) {  // h dht.lo (lo x lo: below either's rounding)
+          uint32_t bdl[4];
+          dev::ldsm_b_t_sw<kVS>(bdl, c.vph().dhlo, 16 * kv, c.cb + 16 * dec_np);
+          add_h_dh(bdl);
         }
-        if (dec_here) add_h_dh(bd);
+        add_h_dh(bd);
       }
       if (cq <= rb) {  // column block above the diagonal: never needed
         // B[k = v][n = token'] = v' / v [token'][v]: rows token' of the slice, non-transposed
         uint32_t bn[4], bv[4];
         dev::ldsm_b(bn, sVN, VSP, 16 * cq, 16 * kv);
         dev::ldsm_b(bv, bV, VSP, 16 * cq, 16 * kv);
-        dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bn);
-        dev::mma_16x16<WT>(dAk[0], dAk[1], adv, bv);
+        dev::mma_16x16<WT>(dAq[0], dAq[1], ado[0], bn);
+        dev::mma_16x16<WT>(dAk[0], dAk[1], adv[0], bv);
         if (kLo) {  // dAqk += do v'.lo^T
           uint32_t bnl[4];
           dev::ldsm_b(bnl, &c.vph().vnlo[0][0], VSP, 16 * cq, 16 * kv);
-          dev::mma_16x16<WT>(dAq[0], dAq[1], ado, bnl);
+          dev::mma_16x16<WT>(dAq[0], dAq[1], ado[0], bnl);
         }
       }
+      // dqg += do h, dkg += v' dh, dw += dv' h over the warpgroup's NQ state columns: B[k = v][n =
+      // state column] = h / dh [v][cb + n], MN-major
+      const uint64_t dH = dev::sw128_desc_mn<kVS>(bH, 16 * kv, c.cb);
+      const uint64_t dDH = dev::sw128_desc_mn<kVS>(bDH, 16 * kv, c.cb);
+      dev::fence_regs(dqg);
+      dev::fence_regs(dkg);
+      dev::fence_regs(dwc);
+      dev::fence_regs(ado);
+      dev::fence_regs(avn);
+      dev::fence_regs(adv);
+      if (kLo) dev::fence_regs(avl);
+      dev::wgmma_fence();
+      dev::wgmma_rs<WT, NQ, 1>(dqg, ado[0], dH, true);
+      dev::wgmma_rs<WT, NQ, 1>(dkg, avn[0], dDH, true);
+      if (kLo) {  // dkg += v'.lo dh + v' dht.lo
+        dev::wgmma_rs<WT, NQ, 1>(dkg, avl[0], dDH, true);
+        dev::wgmma_rs<WT, NQ, 1>(dkg, avn[0], dev::sw128_desc_mn<kVS>(c.vph().dhlo, 16 * kv, c.cb), true);
+      }
+      dev::wgmma_rs<WT, NQ, 1>(dwc, adv[0], dH, true);
+      dev::wgmma_commit();
+      dev::wgmma_wait<0>();  // (also: before the next slice's barrier, whose copies overwrite this stage)
+      dev::fence_regs(dqg);
+      dev::fence_regs(dkg);
+      dev::fence_regs(dwc);
     }
   }
   dev::cp_async_wait<0>();
@@ -1385,7 +1433,7 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
 // lets the main kernel start beside it (LaunchShape::overlap_previous), which skips those chunks.
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
-  KF_DYN_SMEM(float4, smem_f4);
+  KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
   int n, ci;
   if (!dev::chunk_of(p, blockIdx.x, n, ci)) return;
   if constexpr (std::is_same_v<WT, __nv_bfloat16> && !kMid) {
@@ -1398,7 +1446,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
     }
   }
   const dev::SeqInfo seq = dev::seq_info(p, n);
-  char* smem = reinterpret_cast<char*>(smem_f4);
+  char* smem = reinterpret_cast<char*>(smem_grads);
   if constexpr (!std::is_same_v<WT, __nv_bfloat16>) {  // fp16 keeps 8x more of each value: no low halves
     grads_cta<WT, K, kMid, kLoNever>(p, smem, n, ci, seq);
   } else if constexpr (kMid) {
@@ -1413,11 +1461,11 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 template <typename WT, int K>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(const KdaBwdParams p) {
   dev::launch_dependents();  // the main kernel never reads what this one writes
-  KF_DYN_SMEM(float4, smem_f4);
+  KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
   const int n = blockIdx.x;
   const dev::SeqInfo seq = dev::seq_info(p, n);
   if (seq.len == 0) return;
-  grads_cta<WT, K, false, kLoAlways>(p, reinterpret_cast<char*>(smem_f4), n, (seq.len - 1) / kChunk, seq);
+  grads_cta<WT, K, false, kLoAlways>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk, seq);
 }
 
 // The kernel a problem runs (the launcher's and the emulator's one choice).

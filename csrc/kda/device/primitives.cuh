@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype_access.cuh"
 #include "common/dyn_smem.h"
@@ -430,6 +431,13 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Shared-memory operands use the 128-byte swizzle: [rows][64 elements] atoms of 8 rows x 128 bytes,
 // 1024-byte aligned, 16-byte chunk c of row r stored at chunk c ^ (r & 7) (sw128_offset).
 
+// The dynamic shared memory from its first 1024-byte aligned byte (the swizzle atoms' alignment; the
+// launch adds 1024 bytes of slack).
+__device__ __forceinline__ char* smem_align1024(void* raw) {
+  const uint32_t a = smem_u32(raw);
+  return static_cast<char*>(raw) + (((a + 1023u) & ~1023u) - a);
+}
+
 // Byte offset of element (r, c) (c < 64) in a 128-byte-swizzled [rows][64] 16-bit tile.
 __host__ __device__ __forceinline__ uint32_t sw128_offset(int r, int c) {
   return static_cast<uint32_t>(r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2);
@@ -456,7 +464,15 @@ template <typename T, int N, int kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc, bool acc) {
   kf_emu::wgmma_rs_m64k16<T>(&d[0][0], N, a, desc, kTransB != 0, acc);
 }
+template <typename T, int N, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool acc) {
+  kf_emu::wgmma_ss_m64k16<T>(&d[0][0], N, desc_a, desc_b, kTransB != 0, acc);
+}
+__device__ __forceinline__ void fence_proxy_async() {}
 #else
+// Orders this thread's generic-proxy shared-memory writes (st.shared) before later async-proxy reads
+// of them (wgmma's operands from shared memory), once a barrier has handed them over.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -464,6 +480,8 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+#define KF_WGMMA_D8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define KF_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define KF_WGMMA_D32 \
   "{" \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -477,6 +495,8 @@ __device__ __forceinline__ void wgmma_wait() {
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
   "}"
 #define KF_WGMMA_OUT4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define KF_WGMMA_OUT8 KF_WGMMA_OUT4(0), KF_WGMMA_OUT4(1)
+#define KF_WGMMA_OUT16 KF_WGMMA_OUT8, KF_WGMMA_OUT4(2), KF_WGMMA_OUT4(3)
 #define KF_WGMMA_OUT32 \
   KF_WGMMA_OUT4(0), KF_WGMMA_OUT4(1), KF_WGMMA_OUT4(2), KF_WGMMA_OUT4(3), KF_WGMMA_OUT4(4), KF_WGMMA_OUT4(5), \
       KF_WGMMA_OUT4(6), KF_WGMMA_OUT4(7)
@@ -499,16 +519,42 @@ struct WgmmaRs;
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc), "n"(kTransB));          \
     }                                                                                                         \
   };
+KF_WGMMA_RS(__nv_bfloat16, "bf16", 16, KF_WGMMA_D8, KF_WGMMA_OUT8, "8, %9, %10, %11", "12", "13", "14")
+KF_WGMMA_RS(__half, "f16", 16, KF_WGMMA_D8, KF_WGMMA_OUT8, "8, %9, %10, %11", "12", "13", "14")
+KF_WGMMA_RS(__nv_bfloat16, "bf16", 32, KF_WGMMA_D16, KF_WGMMA_OUT16, "16, %17, %18, %19", "20", "21", "22")
+KF_WGMMA_RS(__half, "f16", 32, KF_WGMMA_D16, KF_WGMMA_OUT16, "16, %17, %18, %19", "20", "21", "22")
 KF_WGMMA_RS(__nv_bfloat16, "bf16", 64, KF_WGMMA_D32, KF_WGMMA_OUT32, "32, %33, %34, %35", "36", "37", "38")
 KF_WGMMA_RS(__half, "f16", 64, KF_WGMMA_D32, KF_WGMMA_OUT32, "32, %33, %34, %35", "36", "37", "38")
 KF_WGMMA_RS(__nv_bfloat16, "bf16", 128, KF_WGMMA_D64, KF_WGMMA_OUT64, "64, %65, %66, %67", "68", "69", "70")
 KF_WGMMA_RS(__half, "f16", 128, KF_WGMMA_D64, KF_WGMMA_OUT64, "64, %65, %66, %67", "68", "69", "70")
 #undef KF_WGMMA_RS
+
+template <typename T, int N>
+struct WgmmaSs;
+// D (N/2 registers), the A and B descriptors, acc (0: D = A B), trans-b (1: B is MN-major); A K-major
+#define KF_WGMMA_SS(T, PT, N, DREGS, OUTS, IDA, IDB, IACC, ITR)                                                \
+  template <>                                                                                                 \
+  struct WgmmaSs<T, N> {                                                                                      \
+    template <int kTransB>                                                                                    \
+    static __device__ __forceinline__ void run(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int acc) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IACC ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N         \
+                   "k16.f32." PT "." PT " " DREGS ", %" IDA ", %" IDB ", p, 1, 1, 0, %" ITR ";\n}\n"              \
+                   : OUTS                                                                                     \
+                   : "l"(desc_a), "l"(desc_b), "r"(acc), "n"(kTransB));                                       \
+    }                                                                                                         \
+  };
+KF_WGMMA_SS(__nv_bfloat16, "bf16", 32, KF_WGMMA_D16, KF_WGMMA_OUT16, "16", "17", "18", "19")
+KF_WGMMA_SS(__half, "f16", 32, KF_WGMMA_D16, KF_WGMMA_OUT16, "16", "17", "18", "19")
+#undef KF_WGMMA_SS
 #undef KF_WGMMA_OUT64
 #undef KF_WGMMA_OUT32
+#undef KF_WGMMA_OUT16
+#undef KF_WGMMA_OUT8
 #undef KF_WGMMA_OUT4
 #undef KF_WGMMA_D64
 #undef KF_WGMMA_D32
+#undef KF_WGMMA_D16
+#undef KF_WGMMA_D8
 
 // d (+)= a @ B, one m64nNk16 step of the calling warp's warpgroup (every thread of its four warps
 // calls it with the same descriptor). Between wgmma_fence() and wgmma_wait<0>() the compiler must
@@ -517,6 +563,78 @@ template <typename T, int N, int kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc, bool acc) {
   WgmmaRs<T, N>::template run<kTransB>(d, a, desc, acc ? 1 : 0);
 }
+// d (+)= A @ B with A from shared memory too (K-major, desc_a: the warpgroup's 64 rows): no A
+// registers, each operand read once per warpgroup.
+template <typename T, int N, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, bool acc) {
+  WgmmaSs<T, N>::template run<kTransB>(d, desc_a, desc_b, acc ? 1 : 0);
+}
 #endif
+
+// Register fences for wgmma operands (as CUTLASS's warpgroup_fence_operand): the compiler may not
+// move, copy or reuse these registers across the fence, so values in flight in an async wgmma stay
+// where the hardware reads / writes them until wgmma_wait. T: float (accumulators) or uint32_t
+// (packed A fragments).
+template <typename T, int R>
+__device__ __forceinline__ void fence_regs(T (&x)[R][4]) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>, "wgmma operand registers");
+#ifndef KF_EMU
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<T, float>) asm volatile("" : "+f"(x[r][e])::"memory");
+      else asm volatile("" : "+r"(x[r][e])::"memory");
+    }
+#endif
+}
+
+// x, with the compiler unable to see where it came from: a loop-invariant value laundered per
+// iteration is recomputed there instead of hoisted out of the loop and kept in a register (or
+// spilled) for the whole loop. For the wgmma descriptors of the grads kernel's V loop.
+__device__ __forceinline__ uint64_t opaque(uint64_t x) {
+#ifndef KF_EMU
+  asm volatile("mov.b64 %0, %0;" : "+l"(x));
+#endif
+  return x;
+}
+__device__ __forceinline__ int opaque(int x) {
+#ifndef KF_EMU
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+#endif
+  return x;
+}
+
+// Element index of (r, c) in a 128-byte-swizzled 16-bit tile of kRows rows stored as blocks of
+// [kRows][64 columns] (sw128_offset within a block; blocks kRows * 128 bytes apart). The wgmma
+// descriptors below address such tiles; ldsm_*_sw read mma.sync fragments from them.
+template <int kRows>
+__host__ __device__ __forceinline__ int sw128_index(int r, int c) {
+  return (c >> 6) * (kRows * 64) + static_cast<int>(sw128_offset(r, c & 63)) / 2;
+}
+// K-major operand of k-step kk (16 columns) over all kRows rows of such a tile (A: rows = m; B:
+// rows = n): 16 columns = 32 bytes into a 64-column block, 8-row groups 1024 bytes apart.
+template <int kRows, typename T>
+__device__ __forceinline__ uint64_t sw128_desc_k(const T* tile, int kk) {
+  return sw128_desc(smem_u32(tile) + (kk >> 2) * (kRows * 128) + (kk & 3) * 32, 16, 1024);
+}
+// MN-major B of such a tile: B[k = tile row r0 + 0..15][n = column c0 + ..] (the n range must stay
+// inside one 64-column block): 8-row groups 1024 bytes apart, 64-column blocks kRows * 128 bytes.
+template <int kRows, typename T>
+__device__ __forceinline__ uint64_t sw128_desc_mn(const T* tile, int r0, int c0) {
+  return sw128_desc(smem_u32(tile) + (c0 >> 6) * (kRows * 128) + (c0 & 63) * 2 + r0 * 128, kRows * 128, 1024);
+}
+// ldsm_b / ldsm_b_t's fragments from a 128-byte-swizzled tile of kRows rows (sw128_index): every 8 x 8 matrix is
+// 8 rows x 16 bytes at one column chunk, which the swizzle spreads over 8 bank groups.
+template <int kRows, typename T>
+__device__ __forceinline__ void ldsm_b_sw(uint32_t (&r)[4], const T* tile, int r0, int c0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(r, tile + sw128_index<kRows>(r0 + (l >> 4) * 8 + (l & 7), c0 + ((l >> 3) & 1) * 8));
+}
+template <int kRows, typename T>
+__device__ __forceinline__ void ldsm_b_t_sw(uint32_t (&r)[4], const T* tile, int r0, int c0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_t(r, tile + sw128_index<kRows>(r0 + ((l >> 3) & 1) * 8 + (l & 7), c0 + (l >> 4) * 8));
+}
 
 }  // namespace kernel_fun::kda::dev

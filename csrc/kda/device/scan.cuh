@@ -67,8 +67,7 @@ struct ScanStage {
 // The scans' dynamic shared memory from its first 1024-byte aligned byte.
 template <typename WT>
 __device__ __forceinline__ WT* scan_smem_base(void* raw) {
-  const uint32_t a = smem_u32(raw);
-  return reinterpret_cast<WT*>(static_cast<char*>(raw) + (((a + 1023u) & ~1023u) - a));
+  return reinterpret_cast<WT*>(smem_align1024(raw));
 }
 
 // wgmma B descriptors of a swizzled [64 tokens][K] tile. K-major (the A products, B[k][n = token]
@@ -83,24 +82,6 @@ __device__ __forceinline__ uint64_t tile_desc_k(const WT* tile, int kk) {
 template <typename WT>
 __device__ __forceinline__ uint64_t tile_desc_mn(const WT* tile, int jj) {
   return sw128_desc(smem_u32(tile) + jj * 2048, 8192, 1024);
-}
-
-// Register fences for wgmma operands (as CUTLASS's warpgroup_fence_operand): the compiler may not
-// move, copy or reuse these registers across the fence, so values in flight in an async wgmma stay
-// where the hardware reads / writes them until wgmma_wait. T: float (accumulators) or uint32_t
-// (packed A fragments).
-template <typename T, int R>
-__device__ __forceinline__ void fence_regs(T (&x)[R][4]) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint32_t>, "wgmma operand registers");
-#ifndef KF_EMU
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (std::is_same_v<T, float>) asm volatile("" : "+f"(x[r][e])::"memory");
-      else asm volatile("" : "+r"(x[r][e])::"memory");
-    }
-#endif
 }
 
 // acc (+)= the warpgroup's state rows times tile^T over K ([16 v] x [64 tokens] per warp): a[kk] is
