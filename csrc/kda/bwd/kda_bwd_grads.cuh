@@ -358,7 +358,12 @@ __device__ __forceinline__ bool grads_dec_owner(int rb, int& kv, int& np) {
 // (h / dh) through descriptors, V2 with A (do, v', dv' rows) from registers and B (h / dh) through
 // descriptors. The accumulators are in the mma.sync C layout, so the [16 x 16] triangular products
 // (Akk v, Aqk^T do, dAq, dAk) stay on mma.sync beside them.
-template <typename WT, int K, bool kLo>
+// NV: V1's tile width per warpgroup. 32: warpgroup 0 forms v', warpgroup 1 dv' (w / kg and h / dh
+// read once each), warpgroups 2-3 wait; 16: all four warpgroups, each 16 columns of v' or dv' (w /
+// kg read twice). Measured on the H200 (2026-12-03, seventeenth session; the two kernels allocate
+// registers differently): the unbounded-gate kernel is faster with 32 (prod8192 grads 10.73 against
+// 10.98 ms), the bounded-gate kernel with 16 (bounded_b16 7.65 against 7.78).
+template <typename WT, int K, bool kLo, int NV>
 __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const float* dht_last,
                                                float (&dqg)[K / 32][4],
                                                float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
@@ -375,11 +380,13 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
   const WT* sW = c.vph().w;
   WT* sVN = &c.vph().vn[0][0];
   WT* sDVN = &c.vph().dvn[0][0];
-  // V1 roles: warpgroup 0 the [64 x 32] tile of v', warpgroup 1 that of dv' (warp rb: rows 16 rb);
-  // warpgroups 2-3 have no V1 work (two warpgroups read w / kg and h / dh once each, where four
-  // would read w / kg twice)
-  const bool v1_wg = cq < 2;
-  const bool is_dv = cq == 1;
+  // V1 roles: warpgroup cq < 2 kVS / NV the [64 x NV] tile (slice columns NV vg) of v' or dv' (warp
+  // rb: rows 16 rb)
+  static_assert(NV == 16 || NV == 32, "V1's tile width");
+  constexpr int kGroupsPerTile = kVS / NV;
+  const bool v1_wg = kGroupsPerTile == 2 || cq < 2;  // (cq < 4 always: the compiler cannot know)
+  const int vg = cq & (kGroupsPerTile - 1);
+  const bool is_dv = (cq / kGroupsPerTile) & 1;
   // sum_v h dh from V2's h / dh B fragments: one (k-step, n-pair) of them per warp (rb), loaded by
   // ldmatrix from the swizzled tiles (the wgmma products read them through descriptors)
   int dec_kv, dec_np;
@@ -401,11 +408,12 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
     // kLo: a separate copy of the loop for the last chunk, so the other chunks' registers stay as they were
     if (kLo) grads_dht_lo(c, dht_last, s, bDH);  // read in V2, behind V1's barrier
 
-    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T ([64 x 32] per warpgroup 0 / 1)
+    // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T ([64 x NV] per warpgroup)
     if (v1_wg) {
-      float acc[kVS / 8][4];
+      float acc[NV / 8][4];
       const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows [64][K], K-major
-      const WT* bS = is_dv ? bDH : bH;    // B[k][n = v] = dh / h [v][k]: K-major
+      // B[k][n = v] = dh / h [NV vg + n][k]: K-major, rows NV vg .. (128-byte rows)
+      const WT* bS = (is_dv ? bDH : bH) + NV * vg * 64;
       // per-slice descriptors (dev::opaque: the A side is the same every slice, and hoisted out of
       // the loop its eight descriptors spilled), advanced by k-step: 32 bytes within a 64-column
       // block, kRows * 128 bytes per block (the address field is in 16-byte units)
@@ -414,14 +422,14 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
       dev::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
-        dev::wgmma_ss<WT, kVS, 0>(acc, da + ((kk >> 2) * kChunk * 8 + (kk & 3) * 2),
+        dev::wgmma_ss<WT, NV, 0>(acc, da + ((kk >> 2) * kChunk * 8 + (kk & 3) * 2),
                                   db + ((kk >> 2) * kVS * 8 + (kk & 3) * 2), kk > 0);
       dev::wgmma_commit();
       dev::wgmma_wait<0>();
       dev::fence_regs(acc);
       if (!is_dv) {
 #pragma unroll
-        for (int j = 0; j < kVS / 8; ++j)
+        for (int j = 0; j < NV / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
       }
@@ -430,18 +438,20 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
         // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
         // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
         if (is_dv ? jj < rb : jj > rb) continue;
-        uint32_t a[4], b0[4], b1[4];
+        uint32_t a[4];
         if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
         else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
-        dev::ldsm_b_t(b0, (is_dv ? bDo : bV), VSP, 16 * jj, 0);
-        dev::ldsm_b_t(b1, (is_dv ? bDo : bV), VSP, 16 * jj, 16);
-        dev::mma_16x16<WT>(acc[0], acc[1], a, b0);
-        dev::mma_16x16<WT>(acc[2], acc[3], a, b1);
+#pragma unroll
+        for (int jn = 0; jn < NV / 16; ++jn) {
+          uint32_t b[4];
+          dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, NV * vg + 16 * jn);
+          dev::mma_16x16<WT>(acc[2 * jn], acc[2 * jn + 1], a, b);
+        }
       }
       WT* out = is_dv ? sDVN : sVN;
 #pragma unroll
-      for (int j = 0; j < kVS / 8; ++j) {
-        const int col = 8 * j + 2 * t;
+      for (int j = 0; j < NV / 8; ++j) {
+        const int col = NV * vg + 8 * j + 2 * t;
         const uint32_t h0 = E::pack2(acc[j][0], acc[j][1]), h1 = E::pack2(acc[j][2], acc[j][3]);
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = h0;
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = h1;
@@ -1382,6 +1392,7 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
 #pragma unroll
     for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
   float dec2[2] = {0.f, 0.f};
+  constexpr int kV1Width = kMid ? 16 : 32;  // grads_contract's NV: measured per kernel
   // The last chunk of a sequence with a final-state gradient (bf16) runs the V loop's second copy,
   // whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
   // dg at the sequence's last row is dG + dg^[last], which leaves sum_r kg_r dkg_r with
@@ -1393,10 +1404,10 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   // kLoLast: the last chunk takes the second copy; kLoAlways: every CTA (kda_bwd_grads_last_kernel's
   // grid is those chunks); kLoNever: no second copy is compiled.
   if (kLo == kLoAlways || (kLo == kLoLast && p.dht != nullptr && (ci + 1) * kChunk >= seq.len)) {
-    grads_contract<WT, K, kLo != kLoNever>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc, dAq, dAk,
-                                           dec2);
+    grads_contract<WT, K, kLo != kLoNever, kV1Width>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc,
+                                                     dAq, dAk, dec2);
   } else {
-    grads_contract<WT, K, false>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
+    grads_contract<WT, K, false, kV1Width>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
   }
   __syncthreads();  // the V phase's buffers are dead from here on (Akk stays)
   KF_GRADS_PHASE(2);

@@ -543,6 +543,8 @@ struct WgmmaSs;
                    : "l"(desc_a), "l"(desc_b), "r"(acc), "n"(kTransB));                                       \
     }                                                                                                         \
   };
+KF_WGMMA_SS(__nv_bfloat16, "bf16", 16, KF_WGMMA_D8, KF_WGMMA_OUT8, "8", "9", "10", "11")
+KF_WGMMA_SS(__half, "f16", 16, KF_WGMMA_D8, KF_WGMMA_OUT8, "8", "9", "10", "11")
 KF_WGMMA_SS(__nv_bfloat16, "bf16", 32, KF_WGMMA_D16, KF_WGMMA_OUT16, "16", "17", "18", "19")
 KF_WGMMA_SS(__half, "f16", 32, KF_WGMMA_D16, KF_WGMMA_OUT16, "16", "17", "18", "19")
 #undef KF_WGMMA_SS
