@@ -11,9 +11,9 @@
 //   P   q, k, Aqk, Akk, w, kg and the first V-slice -> smem (cp.async); gate + block-local cumsum,
 //       beta; block offsets; l2norm factors                                                   |
 //   V   per 32-wide V-slice (double-buffered h_c, dh_{c+1}, do, v slices):
-//       V1  v' = Akk v - w h^T (warpgroup 0)  /  dv' = Aqk^T do + kg dh^T (warpgroup 1), [64 x 32]
-//           each: the K-wide part on wgmma with A and B from smem, the triangular part on
-//           mma.sync into the same registers -> smem                                           |
+//       V1  v' = Akk v - w h^T  /  dv' = Aqk^T do + kg dh^T, [64 x 32] each (on warpgroups 0-1, or
+//           16 columns on each of the four: grads_contract's NV): the K-wide part on wgmma with A
+//           and B from smem, the triangular part on mma.sync into the same registers -> smem    |
 //       V2  dqg += do h, dkg += v' dh, dw += dv' h   ([16 x K/4] per warp: wgmma per warpgroup =
 //           column quarter, B = the h / dh tiles from smem);
 //           dAqk += do v'^T, dAkk += dv' v^T         ([16 x 16] per warp, lower blocks only);
