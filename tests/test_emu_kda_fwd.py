@@ -297,10 +297,11 @@ def test_wgmma_lands_only_at_its_wait_group(emu):
     before the wait sees poison, so a wgmma_wait removed from a scan (csrc/kda/fwd/kda_fwd_scan.cuh,
     bwd/kda_bwd_dh_scan.cuh) fails the KDA emulator tests (tried: each of the five waits removed in
     turn, 8-18 failures each). Here: K-major and MN-major B through 128-byte-swizzle descriptors, C
-    accumulated, two products chained into one accumulator, and wait_group 1 landing only the older
-    of two groups."""
+    accumulated, two products chained into one accumulator, wait_group 1 landing only the older
+    of two groups; N = 32 with A from shared memory (wgmma_ss) and an MN-major B descriptor that
+    starts inside its 64-column swizzle block (the grads kernel's V phase)."""
     A, B, C, a16, b16 = _wgmma_inputs()
-    out = np.zeros((6, 64, 64), np.uint32)
+    out = np.zeros((8, 64, 64), np.uint32)
     L = emu.lib()
     assert L.kf_emu_selftest_wgmma(0, _p(a16), _p(b16), _p(C), _p(out)) == 0, L.kf_emu_selftest_last_error().decode()
     AB = A.double().numpy() @ B.double().numpy()
@@ -311,6 +312,8 @@ def test_wgmma_lands_only_at_its_wait_group(emu):
     np.testing.assert_allclose(f32(3), AB, rtol=1e-5, atol=1e-5)
     assert (out[4] == WGMMA_POISON).all(), "wait_group 1 also completed the most recent group"
     np.testing.assert_allclose(f32(5), AB, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(6)[:, :32], AB[:, :32], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(7)[:, :32], AB[:, 32:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("which, message", [
@@ -321,7 +324,7 @@ def test_wgmma_lands_only_at_its_wait_group(emu):
 ])
 def test_emulator_reports_wgmma_misuse(emu, which, message):
     _, _, C, a16, b16 = _wgmma_inputs()
-    out = np.zeros((6, 64, 64), np.uint32)
+    out = np.zeros((8, 64, 64), np.uint32)
     L = emu.lib()
     assert L.kf_emu_selftest_wgmma(which, _p(a16), _p(b16), _p(C), _p(out)) != 0
     err = L.kf_emu_selftest_last_error().decode()

@@ -100,7 +100,10 @@ __global__ void cp_async_kernel(const float* src, uint32_t* out) {
 // which 0, correct use: out[0] the accumulator after the issue, before its wait (poison);
 // out[1] = A B + C (B K-major, acc); out[2] = 2 A B (two chained products into one accumulator in one
 // group, B MN-major); two groups, then wait_group 1: out[3] the first group's A B, out[4] the
-// second's accumulator (still poison); wait_group 0: out[5] the second's A B.
+// second's accumulator (still poison); wait_group 0: out[5] the second's A B. N = 32 (columns 0-31 of
+// the slot): out[6] = A B[:, 0:32] with A from shared memory too (wgmma_ss, A K-major swizzled);
+// out[7] = A B[:, 32:64] through an MN-major descriptor that starts inside the 64-column swizzle
+// block (+64 bytes: the grads kernel's column quarters).
 // Misuse the emulator must report: 1 no wait_group before the thread exits, 2 the accumulator
 // written before its wait, 3 no wgmma.fence before an issue that follows a wait, 4 the A registers
 // changed before the wait.
@@ -108,10 +111,12 @@ __global__ void wgmma_kernel(int which, const uint16_t* A, const uint16_t* B, co
   KF_DYN_SMEM(float4, smem_f4);
   uint16_t* tK = reinterpret_cast<uint16_t*>(smem_f4);  // K-major B: row n = B[:, n], [64][64] swizzled
   uint16_t* tMN = tK + 64 * 64;                          // MN-major B: row k = B[k, :], [16][64] swizzled
+  uint16_t* tA = tMN + 16 * 64;                          // K-major A: row m = A[m, :], [64][64] swizzled
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   for (int i = tid; i < 64 * 64; i += 128) {
     const int r = i / 64, c = i % 64;
     tK[dev::sw128_offset(r, c) / 2] = c < 16 ? B[c * 64 + r] : uint16_t{0};
+    tA[dev::sw128_offset(r, c) / 2] = c < 16 ? A[r * 16 + c] : uint16_t{0};
     if (r < 16) tMN[dev::sw128_offset(r, c) / 2] = B[r * 64 + c];
   }
   __syncthreads();
@@ -153,6 +158,19 @@ __global__ void wgmma_kernel(int which, const uint16_t* A, const uint16_t* B, co
   put(4, d4);
   dev::wgmma_wait<0>();
   put(5, d4);
+  float d5[4][4], d6[4][4];
+  auto put32 = [&](int slot, const float (&d)[4][4]) {
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 4; ++e)
+        out[(slot * 64 + r0 + 8 * (e >> 1)) * 64 + 8 * j + 2 * t + (e & 1)] = __float_as_uint(d[j][e]);
+  };
+  dev::wgmma_fence();
+  dev::wgmma_ss<__nv_bfloat16, 32, 0>(d5, dev::sw128_desc(dev::smem_u32(tA), 16, 1024), dK, false);
+  dev::wgmma_rs<__nv_bfloat16, 32, 1>(d6, a, dev::sw128_desc(dev::smem_u32(tMN) + 64, 8192, 1024), false);
+  dev::wgmma_commit();
+  dev::wgmma_wait<0>();
+  put32(6, d5);
+  put32(7, d6);
 }
 
 // Bugs the emulator must report: 0 a shuffle in divergent code (half the warp at another
@@ -364,7 +382,7 @@ int kf_emu_selftest_cp_async(const float* src, uint32_t* out) {
 }
 
 int kf_emu_selftest_wgmma(int which, const uint16_t* A, const uint16_t* B, const float* C, uint32_t* out) {
-  return guarded([&] { kf_emu::launch(dim3(1), dim3(128), 64 * 64 * 2 + 16 * 64 * 2, wgmma_kernel, which, A, B, C, out); });
+  return guarded([&] { kf_emu::launch(dim3(1), dim3(128), 2 * 64 * 64 * 2 + 16 * 64 * 2, wgmma_kernel, which, A, B, C, out); });
 }
 
 int kf_emu_selftest_bug(int which, float* out) {
