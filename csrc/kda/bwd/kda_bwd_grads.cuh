@@ -414,16 +414,15 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
       const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows [64][K], K-major
       // B[k][n = v] = dh / h [NV vg + n][k]: K-major, rows NV vg .. (128-byte rows)
       const WT* bS = (is_dv ? bDH : bH) + NV * vg * 64;
-      // per-slice descriptors (dev::opaque: the A side is the same every slice, and hoisted out of
-      // the loop its eight descriptors spilled), advanced by k-step: 32 bytes within a 64-column
-      // block, kRows * 128 bytes per block (the address field is in 16-byte units)
+      // per-slice k-step 0 descriptors, advanced by k-step (dev::opaque: the A side is the same every
+      // slice, and hoisted out of the loop its eight descriptors spilled)
       const uint64_t da = dev::opaque(dev::sw128_desc_k<kChunk>(aK, 0));
       const uint64_t db = dev::sw128_desc_k<kVS>(bS, 0);
       dev::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
-        dev::wgmma_ss<WT, NV, 0>(acc, da + ((kk >> 2) * kChunk * 8 + (kk & 3) * 2),
-                                  db + ((kk >> 2) * kVS * 8 + (kk & 3) * 2), kk > 0);
+        dev::wgmma_ss<WT, NV, 0>(acc, dev::sw128_desc_plus(da, dev::sw128_k_bytes<kChunk>(kk)),
+                                 dev::sw128_desc_plus(db, dev::sw128_k_bytes<kVS>(kk)), kk > 0);
       dev::wgmma_commit();
       dev::wgmma_wait<0>();
       dev::fence_regs(acc);

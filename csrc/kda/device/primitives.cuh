@@ -616,9 +616,17 @@ __host__ __device__ __forceinline__ int sw128_index(int r, int c) {
 }
 // K-major operand of k-step kk (16 columns) over all kRows rows of such a tile (A: rows = m; B:
 // rows = n): 16 columns = 32 bytes into a 64-column block, 8-row groups 1024 bytes apart.
+// sw128_k_bytes: where k-step kk starts, in bytes from the tile; sw128_desc_plus moves a
+// descriptor's start by that many bytes (its address field counts 16-byte units; tiles stay below
+// 256 KB, so the field does not carry), for loops that build the k-step 0 descriptor once.
+template <int kRows>
+__host__ __device__ constexpr uint32_t sw128_k_bytes(int kk) {
+  return static_cast<uint32_t>((kk >> 2) * (kRows * 128) + (kk & 3) * 32);
+}
+__device__ __forceinline__ uint64_t sw128_desc_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 template <int kRows, typename T>
 __device__ __forceinline__ uint64_t sw128_desc_k(const T* tile, int kk) {
-  return sw128_desc(smem_u32(tile) + (kk >> 2) * (kRows * 128) + (kk & 3) * 32, 16, 1024);
+  return sw128_desc(smem_u32(tile) + sw128_k_bytes<kRows>(kk), 16, 1024);
 }
 // MN-major B of such a tile: B[k = tile row r0 + 0..15][n = column c0 + ..] (the n range must stay
 // inside one 64-column block): 8-row groups 1024 bytes apart, 64-column blocks kRows * 128 bytes.

@@ -58,9 +58,7 @@ struct ScanStage {
   static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems + 1024;  // + the base's alignment slack
   // Element index of (row r, column c) in one swizzled [64][K] tile (w, qg, kg): K / 64 blocks of
   // [64 rows][64 columns] with 128-byte rows (sw128_offset).
-  static __device__ __forceinline__ int tile_index(int r, int c) {
-    return (c >> 6) * (kChunk * 64) + static_cast<int>(sw128_offset(r, c & 63)) / 2;
-  }
+  static __device__ __forceinline__ int tile_index(int r, int c) { return sw128_index<kChunk>(r, c); }
   static_assert(kBytes <= 227 * 1024, "scan shared memory exceeds the sm_90 per-CTA limit");
 };
 
@@ -77,11 +75,11 @@ __device__ __forceinline__ WT* scan_smem_base(void* raw) {
 // state 8192 bytes apart.
 template <typename WT>
 __device__ __forceinline__ uint64_t tile_desc_k(const WT* tile, int kk) {
-  return sw128_desc(smem_u32(tile) + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024);
+  return sw128_desc_k<kChunk>(tile, kk);
 }
 template <typename WT>
 __device__ __forceinline__ uint64_t tile_desc_mn(const WT* tile, int jj) {
-  return sw128_desc(smem_u32(tile) + jj * 2048, 8192, 1024);
+  return sw128_desc_mn<kChunk>(tile, 16 * jj, 0);
 }
 
 // acc (+)= the warpgroup's state rows times tile^T over K ([16 v] x [64 tokens] per warp): a[kk] is
