@@ -431,13 +431,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Shared-memory operands use the 128-byte swizzle: [rows][64 elements] atoms of 8 rows x 128 bytes,
 // 1024-byte aligned, 16-byte chunk c of row r stored at chunk c ^ (r & 7) (sw128_offset).
 
-// The dynamic shared memory from its first 1024-byte aligned byte (the swizzle atoms' alignment; the
-// launch adds 1024 bytes of slack).
-__device__ __forceinline__ char* smem_align1024(void* raw) {
-  const uint32_t a = smem_u32(raw);
-  return static_cast<char*>(raw) + (((a + 1023u) & ~1023u) - a);
-}
-
 // Byte offset of element (r, c) (c < 64) in a 128-byte-swizzled [rows][64] 16-bit tile.
 __host__ __device__ __forceinline__ uint32_t sw128_offset(int r, int c) {
   return static_cast<uint32_t>(r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2);

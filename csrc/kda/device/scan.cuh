@@ -65,7 +65,8 @@ struct ScanStage {
 // The scans' dynamic shared memory from its first 1024-byte aligned byte.
 template <typename WT>
 __device__ __forceinline__ WT* scan_smem_base(void* raw) {
-  return reinterpret_cast<WT*>(smem_align1024(raw));
+  const uint32_t a = smem_u32(raw);
+  return reinterpret_cast<WT*>(static_cast<char*>(raw) + (((a + 1023u) & ~1023u) - a));
 }
 
 // wgmma B descriptors of a swizzled [64 tokens][K] tile. K-major (the A products, B[k][n = token]
