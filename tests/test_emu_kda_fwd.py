@@ -128,6 +128,9 @@ CASES = {
     # factors reach ~2^+-50 there); unit q, k without the kernel's l2norm; partial chunks
     "bounded16-nol2-K128-varlen": dict(T=130, K=128, gate="bounded16", l2norm=False, cu=[0, 1, 70, 130], h0=True),
     "l2norm-eps-tiny-qk": dict(T=100, qk_scale=1e-4, h0=True),  # the kernels' l2norm epsilon (gate.cuh)
+    # raw bf16 entries ~1e5, beyond fp16's range: the intra's fp16 P2 operands overflow unless the raw
+    # rows are rescaled (dev::row_rstd_fp16_operands)
+    "large-qk-bf16-K128": dict(T=130, K=128, qk_scale=1e5, h0=True),
     "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
     "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,
                                         dtype=torch.float16, h0=True),

@@ -25,8 +25,10 @@ def _kernel():
 
 def make_case(B=1, T=100, H=2, HV=None, K=128, V=128, dtype=torch.bfloat16, gate="unbounded",
               g_dtype=None, l2norm=True, beta_sigmoid=True, neg_eig=False, h0=False, final=True,
-              state_v_first=False, cu=None, cu_dtype=torch.int32, scale=None, seed=0, extreme=0.0):
-    """Inputs + chunk_kda keyword arguments for one case (all on CUDA)."""
+              state_v_first=False, cu=None, cu_dtype=torch.int32, scale=None, seed=0, extreme=0.0, qk_scale=1.0):
+    """Inputs + chunk_kda keyword arguments for one case (all on CUDA). qk_scale multiplies the raw q
+    and k: 1e5 puts raw bf16 entries above fp16's range (the intra's fp16 P2 operands must not
+    overflow), 1e-3 with fp16 inputs puts gated operands below fp16's normal range."""
     HV = HV or H
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
@@ -35,6 +37,7 @@ def make_case(B=1, T=100, H=2, HV=None, K=128, V=128, dtype=torch.bfloat16, gate
     if not l2norm:  # the delta rule needs unit keys; fla's tests normalise outside the kernel
         q = torch.nn.functional.normalize(q, dim=-1)
         k = torch.nn.functional.normalize(k, dim=-1)
+    q, k = qk_scale * q, qk_scale * k
     v = torch.randn(B, T, HV, V, device=dev, generator=gen)
     beta_raw = torch.randn(B, T, HV, device=dev, generator=gen)
     kw = dict(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
@@ -160,6 +163,8 @@ CASES = {
     "varlen-extreme-1000": dict(T=1000, cu=[0, 256, 500, 1000], gate="precomputed", extreme=0.3),
     "weak-decay": dict(T=300, gate="precomputed_weak", h0=True),  # every block pair of a chunk counts
     "bounded-weak": dict(T=300, gate="bounded_weak", h0=True),
+    "large-qk": dict(T=300, qk_scale=1e5, h0=True),
+    "small-qk-fp16-weak": dict(T=300, qk_scale=1e-3, dtype=torch.float16, gate="precomputed_weak", h0=True),
 }
 
 
@@ -426,7 +431,7 @@ def _intra_stage_errors(case):
 INTRA_CASES = ["T1", "T63", "T65", "T1000", "T1500-fp16", "K64-V64", "K64-V192", "GVA-2-4", "GVA-2-8-fp16",
                "bounded", "bounded-noalog", "precomputed-nol2", "scale", "g-bf16", "extreme-unbounded16",
                "extreme-1000", "extreme-1000-90", "varlen-15", "varlen-onetoken", "varlen-empty-int64",
-               "varlen-fla", "varlen-extreme-bounded", "varlen-extreme-1000"]
+               "varlen-fla", "varlen-extreme-bounded", "varlen-extreme-1000", "large-qk", "small-qk-fp16-weak"]
 
 
 @pytest.mark.parametrize("name", INTRA_CASES)

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kda/device/primitives.cuh"
 
@@ -460,6 +461,82 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
       sRk[r] = l2norm_rstd(sk);
     }
   });
+}
+
+// 2^n as a float, n in [-126, 127] (normal range: the bits are the biased exponent alone).
+__device__ __forceinline__ float exp2_int(int n) { return __int_as_float((n + 127) << 23); }
+
+// The power of two 2^n by which the forward intra scales a raw bf16 row down (row_rstd_fp16_operands),
+// from the row's largest magnitude m: n = 0 where m is in [2^-6, 2^14) (its gated fp16 operands can
+// neither overflow nor lose more than 2^-19 of m below fp16's normal range), else the exponent of m
+// (2^n <= m < 2^(n+1)) clamped to [-126, 126] so that 2^n and 2^-n are normal; 0 for a zero row.
+__device__ __forceinline__ int row_exponent(float m) {
+  const int n = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;
+  return (m == 0.f || (n >= -6 && n < 14)) ? 0 : max(-126, min(126, n));
+}
+
+// row_rstd for the forward intra, whose P2 products take fp16 operands (a raw entry times a decay
+// factor <= 1, rounded to fp16). With bf16 inputs a raw q / k row whose largest magnitude lies
+// outside [2^-6, 2^14) is rescaled IN PLACE in sQ / sK by 2^-n (row_exponent), so that no fp16
+// operand overflows and a row of small entries does not sink into fp16's subnormal range; its factor
+// becomes rq 2^n. The scaling is exact (a power of two on a bf16, barring entries 2^-126 below the
+// row's largest), so every product of the scaled row with its factor rounds exactly as the unscaled
+// one: qg, kg, kexp and the fp32 products are bitwise what row_rstd's factors give (the backward's
+// prep recomputes qg / kg from the raw rows with row_rstd). The sums of squares run in row_rstd's
+// order. fp16 inputs are in fp16's range already, and a gated operand loses no more than the input's
+// own storage did (the same absolute spacing below fp16's normal range): row_rstd as it is.
+template <typename WT, int K, int NTH, int KQ>
+__device__ __forceinline__ void row_rstd_fp16_operands(WT* sQ, WT* sK, bool l2norm, float* sRq, float* sRk) {
+  if constexpr (!std::is_same<WT, __nv_bfloat16>::value) {
+    row_rstd<WT, K, NTH, KQ>(sQ, sK, l2norm, sRq, sRk);
+  } else {
+    constexpr int VPR = K / 8;
+    static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
+    strided<kChunk * VPR, NTH>(threadIdx.x, [&](int i) {
+      const int r = i / VPR, d0 = (i % VPR) * 8;
+      uint4* pq = reinterpret_cast<uint4*>(sQ + r * KQ + d0);
+      uint4* pk = reinterpret_cast<uint4*>(sK + r * KQ + d0);
+      uint4 uq = *pq, uk = *pk;
+      __nv_bfloat162* hq = reinterpret_cast<__nv_bfloat162*>(&uq);
+      __nv_bfloat162* hk = reinterpret_cast<__nv_bfloat162*>(&uk);
+      float sq = 0.f, sk = 0.f;
+      if (l2norm) {  // uniform; row_rstd's sums in row_rstd's order
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 a = __bfloat1622float2(hq[e]), b = __bfloat1622float2(hk[e]);
+          sq = fmaf(a.x, a.x, fmaf(a.y, a.y, sq));
+          sk = fmaf(b.x, b.x, fmaf(b.y, b.y, sk));
+        }
+      }
+      // the largest magnitudes of the q and the k row as one bf16x2 (max is exact in any format)
+      __nv_bfloat162 mq2 = __habs2(hq[0]), mk2 = __habs2(hk[0]);
+#pragma unroll
+      for (int e = 1; e < 4; ++e) mq2 = __hmax2(mq2, __habs2(hq[e])), mk2 = __hmax2(mk2, __habs2(hk[e]));
+      __nv_bfloat162 m2 = __hmax2(__lows2bfloat162(mq2, mk2), __highs2bfloat162(mq2, mk2));
+#pragma unroll
+      for (int o = VPR / 2; o > 0; o >>= 1) {
+        if (l2norm) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, o);
+          sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        }
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, *reinterpret_cast<const uint32_t*>(&m2), o);
+        m2 = __hmax2(m2, *reinterpret_cast<const __nv_bfloat162*>(&other));
+      }
+      const int nq = row_exponent(__low2float(m2)), nk = row_exponent(__high2float(m2));
+      if (nq != 0 || nk != 0) {  // rows already in [2^-6, 2^14) stay as they are (the usual case)
+        // 2^-n is a bf16 (8 exponent bits, like fp32): the bf16x2 products are exact
+        const __nv_bfloat162 dq = __float2bfloat162_rn(exp2_int(-nq)), dk = __float2bfloat162_rn(exp2_int(-nk));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hq[e] = __hmul2(hq[e], dq), hk[e] = __hmul2(hk[e], dk);
+        *pq = uq;
+        *pk = uk;
+      }
+      if (i % VPR == 0) {
+        sRq[r] = (l2norm ? l2norm_rstd(sq) : 1.f) * exp2_int(nq);
+        sRk[r] = (l2norm ? l2norm_rstd(sk) : 1.f) * exp2_int(nk);
+      }
+    });
+  }
 }
 
 // The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from its block-local g2 (loc) and

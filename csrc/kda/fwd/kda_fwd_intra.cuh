@@ -10,7 +10,9 @@
 //       block sums; per-row l2norm rstd of q / k (1 when off)                               |
 //   P2  Aqk[i,j] = scale rq_i rk_j sum_d q_id k_jd exp2(g2_id - g2_jd)   (j <= i)
 //       L[i,j]   = beta_i rk_i rk_j sum_d k_id k_jd exp2(g2_id - g2_jd)  (j <  i)
-//       (the l2norm rstd is a per-row fp32 factor on the products, so the raw copy loses nothing);
+//       (the l2norm rstd is a per-row fp32 factor on the products; a raw bf16 row outside
+//       [2^-6, 2^14) is first rescaled in place by a power of two, exactly, its factor by the inverse:
+//       dev::row_rstd_fp16_operands);
 //       each warp then takes units of qg = scale q exp2(g2), kg = k exp2(G - g2) -> workspace
 //       from a shared queue (P4a first part: the warps with less P2 work do more of it)     |
 //   P3 diagonal (warps 0-1): forward substitution on the four 16x16 diagonal blocks of
@@ -31,10 +33,15 @@
 // underflow to 0 is the correct limit):
 //   * warps 0-1: the 16 4x4 tiles ON the diagonal in SIMT with telescoping products,
 //     exp2(g_i - g_j) = prod_{t=j+1..i} a_t, a_t = exp2(g_t - g_{t-1}) <= 1;
-//   * warps 2-4: the blocks below the diagonal on tf32 tensor cores, one warp per 16-row block,
+//   * warps 2-4: the blocks below the diagonal on fp16 tensor cores, one warp per 16-row block,
 //     through the boundary row f = first row of the block: exp2(g_i - g_f) * exp2(g_f - g_j);
-//   * warps 4-7: the rest of each diagonal 16-block on tf32 tensor cores, through the last row e of
+//   * warps 4-7: the rest of each diagonal 16-block on fp16 tensor cores, through the last row e of
 //     the column tile: exp2(g_i - g_e) * exp2(g_e - g_j).
+//   The tensor-core operands are a raw entry times one factor <= 1, rounded to fp16 (m16n8k16): the
+//   11 significant bits of tf32 at twice its rate per instruction and one conversion per PAIR of
+//   entries. fp16's narrower range costs nothing: the raw rows are scaled into it (above), and what
+//   a factor pushes below fp16's normal range is below 2^-19 of the row's largest entry
+//   (docs/notes/2026-12-02-fused-forward-groundwork.md, "Which 16-bit type").
 //
 // Shared memory: IntraSmem below, each region with its lifetime (~109 KB at K = 128).
 // g2 is kept BLOCK-LOCAL (the inclusive cumsum restarts at every 16-row block, times 1/ln2): every
@@ -265,7 +272,7 @@ __device__ __forceinline__ void intra_block_factors(const IntraCtx<WT, K>& c) {
   using Ctx = IntraCtx<WT, K>;
   const dev::GateScratch<K> gs = c.gs();
   dev::block_offsets<K>(gs.BT, gs.BO, gs.BS, gs.Gt);
-  dev::row_rstd<WT, K, Ctx::NTH, Ctx::KQ>(c.sQ(), c.sK(), c.p.opt.l2norm, gs.rq, gs.rk);
+  dev::row_rstd_fp16_operands<WT, K, Ctx::NTH, Ctx::KQ>(c.sQ(), c.sK(), c.p.opt.l2norm, gs.rq, gs.rk);
   __syncthreads();
 }
 
@@ -353,17 +360,18 @@ __device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
   }
 }
 
-// Warps 2-4: the blocks below the diagonal, (bi, bj) with bi > bj, on tf32 tensor cores: one warp
+// Warps 2-4: the blocks below the diagonal, (bi, bj) with bi > bj, on fp16 tensor cores: one warp
 // per block row bi (warp 2: bi = 3, 3: 2, 4: 1), so the A operands are gated once for all bj < bi.
 // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
 // The block row BI is a template parameter, so the bj loop below has no branches: with bi known only
 // at run time each bj block sat behind its own branch, a serial chain of shared loads -> exp2 ->
-// multiply -> tf32 -> mma that ptxas could not overlap with the next block's (P2 is latency-bound:
+// multiply -> tf32 -> mma (as it was then) that ptxas could not overlap with the next block's (P2 is latency-bound:
 // four warps per scheduler). Measured on the H200 (2026-12-02, seventh session): warp 2's P2 20.6k ->
 // 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.190 -> 3.152 ms at prod8192.
 template <typename WT, int K, int BI>
 __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c) {
   constexpr int KQ = IntraCtx<WT, K>::KQ;
+  using H = dev::Elem<__half>;
   const WT* sQ = c.sQ();
   const WT* sK = c.sK();
   const float* sBT = c.gs().BT;
@@ -372,38 +380,51 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
   constexpr int f = 16 * bi;
   float cq[3][2][4] = {}, ck[3][2][4] = {};
   const int ra = f + g, rb = f + g + 8;
-  // MMA k-slots t and t+4 carry the ADJACENT columns c0 = 8 kk + 2t and c0 + 1 (A and B alike,
-  // so the dot product is the same sum): one 8-byte g load and one 4-byte q / k load per pair.
-#pragma unroll 2
-  for (int kk = 0; kk < K / 8; ++kk) {
-    const int c0 = 8 * kk + 2 * t;
-    const float2 gf = c.G2(f, c0), ga = c.G2(ra, c0), gb = c.G2(rb, c0);
-    const float e00 = dev::fast_exp2(ga.x - gf.x), e01 = dev::fast_exp2(ga.y - gf.y);
-    const float e10 = dev::fast_exp2(gb.x - gf.x), e11 = dev::fast_exp2(gb.y - gf.y);
-    const float2 qa = c.X2(sQ + ra * KQ, c0), qb = c.X2(sQ + rb * KQ, c0);
-    const float2 ka = c.X2(sK + ra * KQ, c0), kb = c.X2(sK + rb * KQ, c0);
-    const uint32_t aq_[4] = {dev::to_tf32(qa.x * e00), dev::to_tf32(qb.x * e10), dev::to_tf32(qa.y * e01),
-                             dev::to_tf32(qb.y * e11)};
-    const uint32_t ak_[4] = {dev::to_tf32(ka.x * e00), dev::to_tf32(kb.x * e10), dev::to_tf32(ka.y * e01),
-                             dev::to_tf32(kb.y * e11)};
+  // One m16n8k16 step covers 16 columns: k-slots 2t, 2t+1 are columns c0, c0 + 1 and k-slots
+  // 2t+8, 2t+9 columns c0 + 8, c0 + 9 (c0 = 16 kk + 2t; A and B alike, so the dot product is the
+  // same sum): one 8-byte g load and one 4-byte q / k load per pair and half.
+#pragma unroll 1
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t aq_[4], ak_[4];
+    float2 m[2];  // per half: loc_f + the block totals between bj and bi (the B side's offset)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int c0 = 16 * kk + 8 * hf + 2 * t;
+      const float2 gf = c.G2(f, c0), ga = c.G2(ra, c0), gb = c.G2(rb, c0);
+      const float e00 = dev::fast_exp2(ga.x - gf.x), e01 = dev::fast_exp2(ga.y - gf.y);
+      const float e10 = dev::fast_exp2(gb.x - gf.x), e11 = dev::fast_exp2(gb.y - gf.y);
+      const float2 qa = c.X2(sQ + ra * KQ, c0), qb = c.X2(sQ + rb * KQ, c0);
+      const float2 ka = c.X2(sK + ra * KQ, c0), kb = c.X2(sK + rb * KQ, c0);
+      aq_[2 * hf] = H::pack2(qa.x * e00, qa.y * e01);
+      aq_[2 * hf + 1] = H::pack2(qb.x * e10, qb.y * e11);
+      ak_[2 * hf] = H::pack2(ka.x * e00, ka.y * e01);
+      ak_[2 * hf + 1] = H::pack2(kb.x * e10, kb.y * e11);
+      m[hf] = gf;
+    }
     // B side: g_f - g_j = (T_bj - loc_j) + sum_{bj < m < bi} T_m + loc_f, every term <= 0
-    // (block-local cumsums loc, block totals T); ma/mb carry loc_f + the totals in between.
-    float ma = gf.x, mb = gf.y;
+    // (block-local cumsums loc, block totals T); m carries loc_f + the totals in between.
 #pragma unroll
     for (int bj = 2; bj >= 0; --bj) {
       if (bj < bi) {
-        const float2 tt = *reinterpret_cast<const float2*>(sBT + bj * K + c0);
+        float2 tt[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) tt[hf] = *reinterpret_cast<const float2*>(sBT + bj * K + 16 * kk + 8 * hf + 2 * t);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int s = 16 * bj + 8 * nt + g;
-          const float2 gs = c.G2(s, c0), ks = c.X2(sK + s * KQ, c0);
-          const uint32_t b0 = dev::to_tf32(ks.x * dev::fast_exp2((tt.x - gs.x) + ma));
-          const uint32_t b1 = dev::to_tf32(ks.y * dev::fast_exp2((tt.y - gs.y) + mb));
-          dev::mma_1688_tf32(cq[bj][nt], aq_, b0, b1);
-          dev::mma_1688_tf32(ck[bj][nt], ak_, b0, b1);
+          uint32_t b[2];
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int c0 = 16 * kk + 8 * hf + 2 * t;
+            const float2 gs = c.G2(s, c0), ks = c.X2(sK + s * KQ, c0);
+            b[hf] = H::pack2(ks.x * dev::fast_exp2((tt[hf].x - gs.x) + m[hf].x),
+                             ks.y * dev::fast_exp2((tt[hf].y - gs.y) + m[hf].y));
+          }
+          dev::mma_16816<__half>(cq[bj][nt], aq_, b[0], b[1]);
+          dev::mma_16816<__half>(ck[bj][nt], ak_, b[0], b[1]);
         }
-        ma += tt.x;
-        mb += tt.y;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) m[hf].x += tt[hf].x, m[hf].y += tt[hf].y;
       }
     }
   }
@@ -433,8 +454,8 @@ __device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
   else intra_p2_below_diag_row<WT, K, 1>(c);
 }
 
-// Warps 4-7: the rest of each diagonal 16-block, on tf32 tensor cores with q and k rows STACKED in
-// the 16 rows of one m16n8k8 (8 columns): tile (blk, 0) is the 8x8 quadrant rows o+8.., columns
+// Warps 4-7: the rest of each diagonal 16-block, on fp16 tensor cores with q and k rows STACKED in
+// the 16 rows of one m16n8k16 (8 columns): tile (blk, 0) is the 8x8 quadrant rows o+8.., columns
 // o..o+7 through the boundary e = o+7; tile (blk, 1) the two 4x4 tiles rows o+4.., columns
 // o.. (e = o+3) and rows o+12.., columns o+8.. (e = o+11), whose cross products are formed
 // and discarded (finite: every factor is <= 1). Factors exp2(g_i - g_e) (i > e) and
@@ -442,7 +463,7 @@ __device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
 // intra_p2_diag_tc below.
 //
 // One tile's per-thread rows, boundaries and operand rows (SUB4: the tile of two 4x4 blocks) and its
-// two accumulators (even / odd kk, so consecutive MMAs do not wait on each other).
+// accumulator (the other tile of the pair runs between two of its MMAs).
 template <typename WT, int K, bool SUB4>
 struct DiagTile {
   static constexpr int KQ = IntraCtx<WT, K>::KQ;
@@ -450,7 +471,7 @@ struct DiagTile {
   bool k0, k1;
   const WT* x0;
   const WT* x1;
-  float cc[4] = {}, c1[4] = {};
+  float cc[4] = {};
   __device__ __forceinline__ DiagTile(const IntraCtx<WT, K>& c, int ti) {
     const int g = c.lane >> 2;
     o = 16 * (ti >> 1);
@@ -472,37 +493,33 @@ struct DiagTile {
     x0 = (k0 ? c.sK() : c.sQ()) + r0 * KQ;
     x1 = (k1 ? c.sK() : c.sQ()) + r1 * KQ;
   }
-  __device__ __forceinline__ void step(const IntraCtx<WT, K>& c, int kk, float (&acc)[4]) const {
+  // One m16n8k16 step over columns 16 kk .. 16 kk + 15 (the k-slot order of intra_p2_below_diag_row).
+  __device__ __forceinline__ void step(const IntraCtx<WT, K>& c, int kk) {
+    using H = dev::Elem<__half>;
     const int t = c.lane & 3;
-    const int c0 = 8 * kk + 2 * t;
-    const float2 g0 = c.G2(r0, c0), ge0 = c.G2(e0, c0);
-    const float fa0 = dev::fast_exp2(g0.x - ge0.x);
-    const float fb0 = dev::fast_exp2(g0.y - ge0.y);
-    float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
-    if (SUB4) {
-      const float2 g1 = c.G2(r1, c0), ge1 = c.G2(e1, c0);
-      fa1 = dev::fast_exp2(g1.x - ge1.x);
-      fb1 = dev::fast_exp2(g1.y - ge1.y);
+    uint32_t af[4], b[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int c0 = 16 * kk + 8 * hf + 2 * t;
+      const float2 g0 = c.G2(r0, c0), ge0 = c.G2(e0, c0);
+      const float fa0 = dev::fast_exp2(g0.x - ge0.x);
+      const float fb0 = dev::fast_exp2(g0.y - ge0.y);
+      float fa1 = fa0, fb1 = fb0;  // quadrant: rows g and g+8 are q and k of the same row
+      if (SUB4) {
+        const float2 g1 = c.G2(r1, c0), ge1 = c.G2(e1, c0);
+        fa1 = dev::fast_exp2(g1.x - ge1.x);
+        fb1 = dev::fast_exp2(g1.y - ge1.y);
+      }
+      const float2 v0 = c.X2(x0, c0), v1 = c.X2(x1, c0);
+      af[2 * hf] = H::pack2(v0.x * fa0, v0.y * fb0);
+      af[2 * hf + 1] = H::pack2(v1.x * fa1, v1.y * fb1);
+      const float2 gsb = c.G2(sb, c0), geb = c.G2(eb, c0), kb = c.X2(c.sK() + sb * KQ, c0);
+      b[hf] = H::pack2(kb.x * dev::fast_exp2(geb.x - gsb.x), kb.y * dev::fast_exp2(geb.y - gsb.y));
     }
-    const float2 v0 = c.X2(x0, c0), v1 = c.X2(x1, c0);
-    uint32_t af[4];
-    af[0] = dev::to_tf32(v0.x * fa0);
-    af[1] = dev::to_tf32(v1.x * fa1);
-    af[2] = dev::to_tf32(v0.y * fb0);
-    af[3] = dev::to_tf32(v1.y * fb1);
-    const float2 gsb = c.G2(sb, c0), geb = c.G2(eb, c0), kb = c.X2(c.sK() + sb * KQ, c0);
-    const uint32_t b0 = dev::to_tf32(kb.x * dev::fast_exp2(geb.x - gsb.x));
-    const uint32_t b1 = dev::to_tf32(kb.y * dev::fast_exp2(geb.y - gsb.y));
-    dev::mma_1688_tf32(acc, af, b0, b1);
-  }
-  __device__ __forceinline__ void steps(const IntraCtx<WT, K>& c, int kk) {
-    step(c, kk, cc);
-    step(c, kk + 1, c1);
+    dev::mma_16816<__half>(cc, af, b[0], b[1]);
   }
   __device__ __forceinline__ void put(const IntraCtx<WT, K>& c) {
     const int t = c.lane & 3;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) cc[e] += c1[e];
     if (!SUB4) {
       c.put(false, r0, o + 2 * t, cc[0]);
       c.put(false, r0, o + 2 * t + 1, cc[1]);
@@ -526,9 +543,9 @@ template <typename WT, int K>
 __device__ __forceinline__ void intra_diag_tile_pair(const IntraCtx<WT, K>& c, int t4, int tq) {
   DiagTile<WT, K, true> a(c, t4);
   DiagTile<WT, K, false> b(c, tq);
-  for (int kk = 0; kk < K / 8; kk += 2) {
-    a.steps(c, kk);
-    b.steps(c, kk);
+  for (int kk = 0; kk < K / 16; ++kk) {
+    a.step(c, kk);
+    b.step(c, kk);
   }
   a.put(c);
   b.put(c);
