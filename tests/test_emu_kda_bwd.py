@@ -191,6 +191,20 @@ def test_paired_scans_are_bitwise_the_two_launches(emu, case, bv):
     assert_bitwise_same(apart, paired, "gradients")
 
 
+def test_varlen_dh_scan_at_its_own_width(emu):
+    """Varlen batches run the dh scan at V-slices of 64 while the forward scan and the re-scan take
+    128 (kda_policy.h's dh_scan_bv): the gradients and the dh checkpoints are exactly those of both
+    scans at 128, the width forced for both (the emulator's bv argument). 16 heads: 5 x 16 chains at
+    128 do not fit one wave twice, so the scans are not paired (paired scans share one width)."""
+    inputs, kw = make_case(T=200, H=16, HV=16, K=128, V=128, cu=[0, 0, 1, 64, 65, 200], h0=True, gate="bounded")
+    do, dht = _do_dht(inputs, kw, 9)
+    own, so = emu.backward_stages(*inputs, do, dht, **kw)  # the launchers' choice: 128 and 64
+    both, sb = emu.backward_stages(*inputs, do, dht, **kw, bv=128)
+    nck = 5  # chunks of the documents 0, 1, 63, 1, 135 tokens: 0 + 1 + 1 + 1 + 3 (the rest stay NaN)
+    assert_bitwise_same({"dh_ckpt": sb["dh_ckpt"][:nck]}, {"dh_ckpt": so["dh_ckpt"][:nck]}, "dh checkpoints")
+    assert_bitwise_same(both, own, "gradients")
+
+
 @pytest.mark.parametrize("HV,K,nc,max_chunks,varlen", [
     (3, 128, 1, 1, False),      # one chunk: one segment, one partial
     (2, 64, 64, 64, False),     # exactly one full segment

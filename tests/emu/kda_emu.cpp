@@ -315,9 +315,17 @@ struct EmuStages {
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }
   void prep(const kda::KdaBwdParams& p) { ::prep<WT, K>(p); }
-  bool pair_scans(const kda::KdaBwdParams& p) { return pair == 1 || (pair == 0 && kda::bwd_pair_scans(p, BV)); }
+  // the dh scan's width: the caller's bv for both scans, else kda_policy.h's dh_scan_bv (as kda_bwd.cu)
+  int dh_bv = BV;
+  bool pair_scans(const kda::KdaBwdParams& p) {
+    return pair == 1 || (pair == 0 && kda::bwd_pair_scans(p, BV));
+  }
   void scans(const kda::KdaBwdParams& p) { ::scans<WT, K, BV>(p); }
-  void dh_scan(const kda::KdaBwdParams& p) { ::dh_scan<WT, K, BV>(p); }
+  void dh_scan(const kda::KdaBwdParams& p) {
+    kda::dispatch_wt_k_bv(p.dtype, p.K, dh_bv, "kda_emu dh_scan", [&](auto, auto, auto b) {
+      ::dh_scan<WT, K, decltype(b)::value>(p);
+    });
+  }
   void grads(const kda::KdaBwdParams& p) { ::grads<WT, K>(p); }
   void group_sums(const kda::KdaBwdParams& p) { ::group_sums<WT>(p); }
   void gate_params(const kda::KdaBwdParams& p) { ::gate_params<WT>(p); }
@@ -336,6 +344,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
     EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused, a.stream_stop};
+    stages.dh_bv = a.bv ? BV : kda::dh_scan_bv(p, BV);
     if (!bwd) return kda::forward_sequence(p, stages);
     kda::KdaBwdParams r = p;  // the re-scan writes states only
     r.o = nullptr;

@@ -16,11 +16,17 @@
 
 namespace kernel_fun::kda {
 
+int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
+  const int fwd = kda_fwd_scan_bv(p);
+  const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: both scans
+  return (forced == 64 || forced == 128) && p.V % forced == 0 ? fwd : dh_scan_bv(p, fwd);
+}
+
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
   if (p.V % 64 != 0) throw std::invalid_argument("kda_bwd_dh_scan: V must be a multiple of 64");
-  // Same shape of work as the forward scan (one warp per 16 value columns, serial over chunks):
-  // the same V-slice choice.
-  dispatch_wt_k_bv(p.dtype, p.K, kda_fwd_scan_bv(p), "kda_bwd_dh_scan", [&](auto wt, auto k, auto bv) {
+  // Same shape of work as the forward scan (one warp per 16 value columns, serial over chunks);
+  // its own width for varlen (kda_policy.h's dh_scan_bv).
+  dispatch_wt_k_bv(p.dtype, p.K, kda_bwd_dh_scan_bv(p), "kda_bwd_dh_scan", [&](auto wt, auto k, auto bv) {
     launch_dh_scan<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
   });
 }
@@ -36,7 +42,7 @@ void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream) {
 bool kda_bwd_pair_scans(const KdaBwdParams& p) {
   const int forced = env_int("KERNEL_FUN_KDA_BWD_PAIR_SCANS", -1);  // tests / benchmarking: 0 or 1
   if (forced == 0 || forced == 1) return forced == 1;
-  return bwd_pair_scans(p, kda_fwd_scan_bv(p));
+  return bwd_pair_scans(p, kda_fwd_scan_bv(p));  // (then dh_scan_bv keeps the forward scan's width)
 }
 
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream) {
