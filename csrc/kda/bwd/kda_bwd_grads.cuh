@@ -363,7 +363,9 @@ __device__ __forceinline__ bool grads_dec_owner(int rb, int& kv, int& np) {
 // kg read twice). Measured on the H200 (2026-12-03, seventeenth session; the two kernels allocate
 // registers differently): the unbounded-gate kernel is faster with 32 (prod8192 grads 10.73 against
 // 10.98 ms), the bounded-gate kernel with 16 (bounded_b16 7.65 against 7.78).
-template <typename WT, int K, bool kLo, int NV>
+// kTriShadow: V1's triangular part on mma.sync while its wgmma chain is in flight (over all four
+// token blocks, into registers of its own) instead of after the wait.
+template <typename WT, int K, bool kLo, int NV, bool kTriShadow>
 __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const float* dht_last,
                                                float (&dqg)[K / 32][4],
                                                float (&dkg)[K / 32][4], float (&dwc)[K / 32][4], float (&dAq)[2][4],
@@ -409,52 +411,48 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
     if (kLo) grads_dht_lo(c, dht_last, s, bDH);  // read in V2, behind V1's barrier
 
     // ---- V1: v' = Akk v - w h^T  or  dv' = Aqk^T do + kg dh^T ([64 x NV] per warpgroup)
-    if (v1_wg) {
-      float acc[NV / 8][4];
-      const WT* aK = is_dv ? sKg : sW;    // A = kg / w rows [64][K], K-major
-      // B[k][n = v] = dh / h [NV vg + n][k]: K-major, rows NV vg .. (128-byte rows)
-      const WT* bS = (is_dv ? bDH : bH) + NV * vg * 64;
-      // per-slice k-step 0 descriptors, advanced by k-step (dev::opaque: the A side is the same every
-      // slice, and hoisted out of the loop its eight descriptors spilled)
-      const uint64_t da = dev::opaque(dev::sw128_desc_k<kChunk>(aK, 0));
-      const uint64_t db = dev::sw128_desc_k<kVS>(bS, 0);
+    // The K-wide part on wgmma (A = kg / w rows [64][K], K-major; B[k][n = v] = dh / h [NV vg + n][k],
+    // K-major, rows NV vg .. (128-byte rows)); per-slice k-step 0 descriptors, advanced by k-step
+    // (dev::opaque: the A side is the same every slice, and hoisted out of the loop its eight
+    // descriptors spilled).
+    auto v1_issue = [&](float (&acc)[NV / 8][4], bool dv) {
+      const uint64_t da = dev::opaque(dev::sw128_desc_k<kChunk>(dv ? sKg : sW, 0));
+      const uint64_t db = dev::sw128_desc_k<kVS>((dv ? bDH : bH) + NV * vg * 64, 0);
       dev::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
         dev::wgmma_ss<WT, NV, 0>(acc, dev::sw128_desc_plus(da, dev::sw128_k_bytes<kChunk>(kk)),
                                  dev::sw128_desc_plus(db, dev::sw128_k_bytes<kVS>(kk)), kk > 0);
       dev::wgmma_commit();
-      dev::wgmma_wait<0>();
-      dev::fence_regs(acc);
-      if (!is_dv) {
-#pragma unroll
-        for (int j = 0; j < NV / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
-      }
+    };
+    // The triangular part on mma.sync: u = Akk v (Akk[row][token'], nonzero for token' block <= row
+    // block) or Aqk^T do (A[m = row][k = token'] = Aqk[token'][row], token' >= row); B[k = token']
+    // [n = v] by transposed loads. all = true: every token block (those beyond the triangle are zeros
+    // in shared memory), so that no branch separates the MMAs.
+    auto v1_tri = [&](float (&acc)[NV / 8][4], bool dv, bool all) {
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        // u = Akk v: Akk[row][token'] nonzero for token' block <= row block; Aqk^T do: A[m = row]
-        // [k = token'] = Aqk[token'][row], token' >= row. B[k = token'][n = v]: transposed loads.
-        if (is_dv ? jj < rb : jj > rb) continue;
+        if (!all && (dv ? jj < rb : jj > rb)) continue;
         uint32_t a[4];
-        if (is_dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
+        if (dv) dev::ldsm_a_t(a, sAqk, AP, 16 * jj, 16 * rb);
         else dev::ldsm_a(a, sAkk, AP, 16 * rb, 16 * jj);
 #pragma unroll
         for (int jn = 0; jn < NV / 16; ++jn) {
           uint32_t b[4];
-          dev::ldsm_b_t(b, (is_dv ? bDo : bV), VSP, 16 * jj, NV * vg + 16 * jn);
+          dev::ldsm_b_t(b, (dv ? bDo : bV), VSP, 16 * jj, NV * vg + 16 * jn);
           dev::mma_16x16<WT>(acc[2 * jn], acc[2 * jn + 1], a, b);
         }
       }
-      WT* out = is_dv ? sDVN : sVN;
+    };
+    auto v1_store = [&](const float (&acc)[NV / 8][4], bool dv) {
+      WT* out = dv ? sDVN : sVN;
 #pragma unroll
       for (int j = 0; j < NV / 8; ++j) {
         const int col = NV * vg + 8 * j + 2 * t;
         const uint32_t h0 = E::pack2(acc[j][0], acc[j][1]), h1 = E::pack2(acc[j][2], acc[j][3]);
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g) * VSP + col) = h0;
         *reinterpret_cast<uint32_t*>(out + (16 * rb + g + 8) * VSP + col) = h1;
-        if (kLo && !is_dv) {  // v' - bf16(v'): exact in fp32, rounded once more to bf16
+        if (kLo && !dv) {  // v' - bf16(v'): exact in fp32, rounded once more to bf16
           const float2 f0 = E::to_float2(h0), f1 = E::to_float2(h1);
           WT* lo = &c.vph().vnlo[0][0];
           *reinterpret_cast<uint32_t*>(lo + (16 * rb + g) * VSP + col) =
@@ -463,6 +461,45 @@ __device__ __forceinline__ void grads_contract(const GradsCtx<WT, K>& c, const f
               E::pack2(acc[j][2] - f1.x, acc[j][3] - f1.y);
         }
       }
+    };
+    if constexpr (kTriShadow) {
+      // The triangular part while the wgmma chain is in flight, into registers of its own: one copy
+      // per product (dv a constant), chosen outside the window (a branch inside it makes ptxas wait
+      // for the wgmma).
+      auto shadowed = [&](auto dv_tag) {
+        constexpr bool kDv = decltype(dv_tag)::value;
+        float acc[NV / 8][4], tri[NV / 8][4];
+#pragma unroll
+        for (int j = 0; j < NV / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) tri[j][e] = 0.f;
+        v1_issue(acc, kDv);
+        v1_tri(tri, kDv, true);
+        dev::wgmma_wait<0>();
+        dev::fence_regs(acc);
+#pragma unroll
+        for (int j = 0; j < NV / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = kDv ? acc[j][e] + tri[j][e] : tri[j][e] - acc[j][e];
+        v1_store(acc, kDv);
+      };
+      if (v1_wg) {
+        if (is_dv) shadowed(std::true_type{});
+        else shadowed(std::false_type{});
+      }
+    } else if (v1_wg) {
+      float acc[NV / 8][4];
+      v1_issue(acc, is_dv);
+      dev::wgmma_wait<0>();
+      dev::fence_regs(acc);
+      if (!is_dv) {
+#pragma unroll
+        for (int j = 0; j < NV / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = -acc[j][e];
+      }
+      v1_tri(acc, is_dv, false);
+      v1_store(acc, is_dv);
     }
     __syncthreads();  // sVN / sDVN complete
 
@@ -1392,6 +1429,9 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
     for (int e = 0; e < 4; ++e) dAq[j][e] = dAk[j][e] = 0.f;
   float dec2[2] = {0.f, 0.f};
   constexpr int kV1Width = kMid ? 16 : 32;  // grads_contract's NV: measured per kernel
+  // grads_contract's kTriShadow, measured per kernel (2026-12-04): V 26.97k -> 26.30k cycles per CTA
+  // at prod8192 in the unbounded-gate kernel; the bounded-gate kernel's CTA 54.0k -> 55.0k
+  constexpr bool kV1Shadow = !kMid;
   // The last chunk of a sequence with a final-state gradient (bf16) runs the V loop's second copy,
   // whose products see v' and dht unrounded (its argument: this sequence's fp32 dht).
   // dg at the sequence's last row is dG + dg^[last], which leaves sum_r kg_r dkg_r with
@@ -1403,10 +1443,10 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   // kLoLast: the last chunk takes the second copy; kLoAlways: every CTA (kda_bwd_grads_last_kernel's
   // grid is those chunks); kLoNever: no second copy is compiled.
   if (kLo == kLoAlways || (kLo == kLoLast && p.dht != nullptr && (ci + 1) * kChunk >= seq.len)) {
-    grads_contract<WT, K, kLo != kLoNever, kV1Width>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc,
+    grads_contract<WT, K, kLo != kLoNever, kV1Width, kV1Shadow>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc,
                                                      dAq, dAk, dec2);
   } else {
-    grads_contract<WT, K, false, kV1Width>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
+    grads_contract<WT, K, false, kV1Width, kV1Shadow>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
   }
   __syncthreads();  // the V phase's buffers are dead from here on (Akk stays)
   KF_GRADS_PHASE(2);
