@@ -1443,8 +1443,8 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   // kLoLast: the last chunk takes the second copy; kLoAlways: every CTA (kda_bwd_grads_last_kernel's
   // grid is those chunks); kLoNever: no second copy is compiled.
   if (kLo == kLoAlways || (kLo == kLoLast && p.dht != nullptr && (ci + 1) * kChunk >= seq.len)) {
-    grads_contract<WT, K, kLo != kLoNever, kV1Width, kV1Shadow>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg, dwc,
-                                                     dAq, dAk, dec2);
+    grads_contract<WT, K, kLo != kLoNever, kV1Width, kV1Shadow>(c, p.dht + dev::state_base<K>(p, n, c.hv), dqg, dkg,
+                                                                dwc, dAq, dAk, dec2);
   } else {
     grads_contract<WT, K, false, kV1Width, kV1Shadow>(c, nullptr, dqg, dkg, dwc, dAq, dAk, dec2);
   }

@@ -365,9 +365,9 @@ __device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
 // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
 // The block row BI is a template parameter, so the bj loop below has no branches: with bi known only
 // at run time each bj block sat behind its own branch, a serial chain of shared loads -> exp2 ->
-// multiply -> tf32 -> mma (as it was then) that ptxas could not overlap with the next block's (P2 is latency-bound:
-// four warps per scheduler). Measured on the H200 (2026-12-02, seventh session): warp 2's P2 20.6k ->
-// 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.190 -> 3.152 ms at prod8192.
+// multiply -> tf32 -> mma (tf32 then) that ptxas could not overlap with the next block's (P2 is
+// latency-bound: four warps per scheduler). Measured on the H200 (2026-12-02, seventh session): warp
+// 2's P2 20.6k -> 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.190 -> 3.152 ms at prod8192.
 template <typename WT, int K, int BI>
 __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c) {
   constexpr int KQ = IntraCtx<WT, K>::KQ;
@@ -408,7 +408,8 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
       if (bj < bi) {
         float2 tt[2];
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) tt[hf] = *reinterpret_cast<const float2*>(sBT + bj * K + 16 * kk + 8 * hf + 2 * t);
+        for (int hf = 0; hf < 2; ++hf)
+          tt[hf] = *reinterpret_cast<const float2*>(sBT + bj * K + 16 * kk + 8 * hf + 2 * t);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int s = 16 * bj + 8 * nt + g;
