@@ -27,8 +27,10 @@ void kda_chunk_map(const KdaProblem& p, cudaStream_t stream);
 // Forward stages (fwd/).
 void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
+// KERNEL_FUN_KDA_SCAN_BV (benchmarking) where it names a width p can use (64 or 128 dividing V), else 0.
+int kda_scan_bv_override(const KdaProblem& p);
 // The V-slice width the scan uses for this problem (64 or 128): kda_policy.h's scan_choice, or
-// KERNEL_FUN_KDA_SCAN_BV.
+// kda_scan_bv_override.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
 // The streamed forward (kda_policy.h's fwd_stream_choice): the scan's pass 1, kda_fwd_intra beside
 // it through p.chunk_ready's flags, the scan's pass 2. kda_fwd_stream_bv: its V-slice width for p,

@@ -18,8 +18,7 @@ namespace kernel_fun::kda {
 
 int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
   const int fwd = kda_fwd_scan_bv(p);
-  const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: both scans
-  return (forced == 64 || forced == 128) && p.V % forced == 0 ? fwd : dh_scan_bv(p, fwd);
+  return kda_scan_bv_override(p) ? fwd : dh_scan_bv(p, fwd);  // the override sets both scans
 }
 
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {

@@ -98,11 +98,15 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
+int kda_scan_bv_override(const KdaProblem& p) {
+  const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: 64 or 128
+  return (forced == 64 || forced == 128) && p.V % forced == 0 ? forced : 0;
+}
+
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
   if (p.chunk_ready) return p.stream_bv;  // the streamed forward's width (kda_forward decided it once)
-  const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: 64 or 128
-  if ((forced == 64 || forced == 128) && p.V % forced == 0) return forced;
-  return scan_choice(p).bv;
+  const int forced = kda_scan_bv_override(p);
+  return forced ? forced : scan_choice(p).bv;
 }
 
 int kda_fwd_stream_bv(const KdaFwdParams& p) {
