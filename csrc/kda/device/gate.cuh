@@ -427,12 +427,27 @@ __device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, floa
 // one definition every kernel uses (the chunk kernels, the GVA group sums, the token recurrence).
 __device__ __forceinline__ float l2norm_rstd(float sum_sq) { return 1.f / sqrtf(sum_sq + 1e-6f); }
 
+// One lane's parts of a q row's and a k row's sums of squares: 8 elements of each (one 16-byte
+// vector), in the one order every row factor of the project sums them (row_rstd and
+// row_rstd_fp16_operands: their factors must be bitwise equal, the backward's prep recomputes the
+// forward intra's).
+template <typename WT>
+__device__ __forceinline__ void sum_sq8(const uint4& uq, const uint4& uk, float& sq, float& sk) {
+  const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
+  sq = sk = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 a = Elem<WT>::to_float2(wq[e]), b = Elem<WT>::to_float2(wk[e]);
+    sq = fmaf(a.x, a.x, fmaf(a.y, a.y, sq));
+    sk = fmaf(b.x, b.x, fmaf(b.y, b.y, sk));
+  }
+}
+
 // The l2norm row factors rq = 1 / sqrt(sum q^2 + 1e-6) (1 when l2norm is off) of the raw q / k
 // rows sQ, sK [64][KQ]: K/8 lanes per row, 8 elements each (16-byte loads), a shuffle tree over
 // the row's lanes (aligned groups of K/8 lanes of one warp; uniform trip count).
 template <typename WT, int K, int NTH, int KQ>
 __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm, float* sRq, float* sRk) {
-  using E = Elem<WT>;
   constexpr int VPR = K / 8;
   static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
   if (!l2norm) {  // uniform branch: no loads or shuffles when the factors are all 1
@@ -441,16 +456,9 @@ __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm
   }
   strided<kChunk * VPR, NTH>(threadIdx.x, [&](int i) {
     const int r = i / VPR, d0 = (i % VPR) * 8;
-    const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
-    const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
-    const uint32_t wq[4] = {uq.x, uq.y, uq.z, uq.w}, wk[4] = {uk.x, uk.y, uk.z, uk.w};
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 a = E::to_float2(wq[e]), b = E::to_float2(wk[e]);
-      sq = fmaf(a.x, a.x, fmaf(a.y, a.y, sq));
-      sk = fmaf(b.x, b.x, fmaf(b.y, b.y, sk));
-    }
+    float sq, sk;
+    sum_sq8<WT>(*reinterpret_cast<const uint4*>(sQ + r * KQ + d0), *reinterpret_cast<const uint4*>(sK + r * KQ + d0),
+                sq, sk);
 #pragma unroll
     for (int o = VPR / 2; o > 0; o >>= 1) {
       sq += __shfl_xor_sync(0xffffffffu, sq, o);
@@ -505,15 +513,10 @@ __device__ __forceinline__ void row_rstd_fp16_operands(WT* sQ, WT* sK, bool l2no
       uk[it] = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
       const __nv_bfloat162* hq = reinterpret_cast<const __nv_bfloat162*>(&uq[it]);
       const __nv_bfloat162* hk = reinterpret_cast<const __nv_bfloat162*>(&uk[it]);
-      sq[it] = sk[it] = 0.f;  // row_rstd's sums in row_rstd's order (formed whether or not l2norm is on)
+      sum_sq8<WT>(uq[it], uk[it], sq[it], sk[it]);  // (formed whether or not l2norm is on)
       __nv_bfloat162 mq2 = __habs2(hq[0]), mk2 = __habs2(hk[0]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 a = __bfloat1622float2(hq[e]), b = __bfloat1622float2(hk[e]);
-        sq[it] = fmaf(a.x, a.x, fmaf(a.y, a.y, sq[it]));
-        sk[it] = fmaf(b.x, b.x, fmaf(b.y, b.y, sk[it]));
-        if (e > 0) mq2 = __hmax2(mq2, __habs2(hq[e])), mk2 = __hmax2(mk2, __habs2(hk[e]));
-      }
+      for (int e = 1; e < 4; ++e) mq2 = __hmax2(mq2, __habs2(hq[e])), mk2 = __hmax2(mk2, __habs2(hk[e]));
       const __nv_bfloat162 m = __hmax2(__lows2bfloat162(mq2, mk2), __highs2bfloat162(mq2, mk2));
       m2[it] = *reinterpret_cast<const uint32_t*>(&m);
     }
