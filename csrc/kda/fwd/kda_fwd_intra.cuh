@@ -360,6 +360,12 @@ __device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
   }
 }
 
+// P2's fp16 m16n8k16 steps (below the diagonal and the diagonal tiles) take the same columns for A and
+// B, so each dot product is the same sum: in step kk, lane t's k-slots 2t, 2t+1 (half hf = 0) and
+// 2t+8, 2t+9 (hf = 1) are the ADJACENT columns p2_col(kk, hf, t) and + 1, one 8-byte g load and one
+// 4-byte q / k load per pair.
+__device__ __forceinline__ int p2_col(int kk, int hf, int t) { return 16 * kk + 8 * hf + 2 * t; }
+
 // Warps 2-4: the blocks below the diagonal, (bi, bj) with bi > bj, on fp16 tensor cores: one warp
 // per block row bi (warp 2: bi = 3, 3: 2, 4: 1), so the A operands are gated once for all bj < bi.
 // Reference row f = 16*bi: A-side factor exp2(g_i - g_f) (i >= f), B-side exp2(g_f - g_j) (f > j).
@@ -380,16 +386,14 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
   constexpr int f = 16 * bi;
   float cq[3][2][4] = {}, ck[3][2][4] = {};
   const int ra = f + g, rb = f + g + 8;
-  // One m16n8k16 step covers 16 columns: k-slots 2t, 2t+1 are columns c0, c0 + 1 and k-slots
-  // 2t+8, 2t+9 columns c0 + 8, c0 + 9 (c0 = 16 kk + 2t; A and B alike, so the dot product is the
-  // same sum): one 8-byte g load and one 4-byte q / k load per pair and half.
+  // One m16n8k16 step per 16 columns (p2_col)
 #pragma unroll 1
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t aq_[4], ak_[4];
     float2 m[2];  // per half: loc_f + the block totals between bj and bi (the B side's offset)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int c0 = 16 * kk + 8 * hf + 2 * t;
+      const int c0 = p2_col(kk, hf, t);
       const float2 gf = c.G2(f, c0), ga = c.G2(ra, c0), gb = c.G2(rb, c0);
       const float e00 = dev::fast_exp2(ga.x - gf.x), e01 = dev::fast_exp2(ga.y - gf.y);
       const float e10 = dev::fast_exp2(gb.x - gf.x), e11 = dev::fast_exp2(gb.y - gf.y);
@@ -409,14 +413,14 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
         float2 tt[2];
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-          tt[hf] = *reinterpret_cast<const float2*>(sBT + bj * K + 16 * kk + 8 * hf + 2 * t);
+          tt[hf] = *reinterpret_cast<const float2*>(sBT + bj * K + p2_col(kk, hf, t));
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int s = 16 * bj + 8 * nt + g;
           uint32_t b[2];
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
-            const int c0 = 16 * kk + 8 * hf + 2 * t;
+            const int c0 = p2_col(kk, hf, t);
             const float2 gs = c.G2(s, c0), ks = c.X2(sK + s * KQ, c0);
             b[hf] = H::pack2(ks.x * dev::fast_exp2((tt[hf].x - gs.x) + m[hf].x),
                              ks.y * dev::fast_exp2((tt[hf].y - gs.y) + m[hf].y));
@@ -494,14 +498,14 @@ struct DiagTile {
     x0 = (k0 ? c.sK() : c.sQ()) + r0 * KQ;
     x1 = (k1 ? c.sK() : c.sQ()) + r1 * KQ;
   }
-  // One m16n8k16 step over columns 16 kk .. 16 kk + 15 (the k-slot order of intra_p2_below_diag_row).
+  // One m16n8k16 step over columns 16 kk .. 16 kk + 15 (p2_col).
   __device__ __forceinline__ void step(const IntraCtx<WT, K>& c, int kk) {
     using H = dev::Elem<__half>;
     const int t = c.lane & 3;
     uint32_t af[4], b[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int c0 = 16 * kk + 8 * hf + 2 * t;
+      const int c0 = p2_col(kk, hf, t);
       const float2 g0 = c.G2(r0, c0), ge0 = c.G2(e0, c0);
       const float fa0 = dev::fast_exp2(g0.x - ge0.x);
       const float fb0 = dev::fast_exp2(g0.y - ge0.y);
