@@ -67,6 +67,9 @@ CASES = {
     # kda_bwd_grads (l2norm factors of device/gate.cuh) and, with GVA, kda_bwd_group_sum_kernel
     "l2norm-eps-tiny-qk": dict(T=90, qk_scale=1e-4, h0=True),
     "gva-l2norm-eps-tiny-qk": dict(T=90, H=1, HV=2, qk_scale=1e-4),
+    # raw bf16 entries ~1e5: the forward intra rescales those rows for its fp16 products
+    # (dev::row_rstd_fp16_operands), the backward's prep recomputes qg / kg from the raw ones
+    "large-qk-K128": dict(T=100, K=128, V=64, qk_scale=1e5, h0=True),
 }
 
 
