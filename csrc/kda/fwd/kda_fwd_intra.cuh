@@ -129,8 +129,14 @@ struct IntraCtx : dev::ChunkPlace {
     if (tid == 0) dev::stamp_clock(clk, slot);
   }
   __device__ __forceinline__ void stamp_warp_p2() const {
-    if (lane == 0) dev::stamp_clock(clk, 8 + warp);
+    if (lane == 0) dev::stamp_clock(clk, 8 + p2_role());
   }
+  // P2's role of this warp (the functions below name roles as "warps": 0-1 the SIMT diagonal, 2-4
+  // the block rows 3 / 2 / 1, 4-7 the diagonal tile pairs). Warps w and w + 4 share a scheduler;
+  // the roles are placed so that each scheduler's two P2 loads sum to about the same (the heaviest,
+  // role 4's row 1 and tile pair, beside the lightest tile pair; the two SIMT roles together):
+  // physical warp -> role 0->0, 1->4, 2->2, 3->3, 4->1, 5->6, 6->5, 7->7.
+  __device__ __forceinline__ int p2_role() const { return (0x75613240u >> (4 * warp)) & 7; }
   __device__ __forceinline__ float* sG() const { return &st->g[0][0]; }
   __device__ __forceinline__ WT* sQ() const { return &st->qx.q[0][0]; }
   __device__ __forceinline__ WT* sK() const { return &st->k[0][0]; }
@@ -284,7 +290,7 @@ template <typename WT, int K>
 __device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
   constexpr int KP = IntraCtx<WT, K>::KP;
   const float* sG = c.sG();
-  const int tid = c.tid;
+  const int tid = 32 * c.p2_role() + c.lane;  // roles 0-1
   const int ds = tid & 3, slot = tid >> 2;  // slot 0..15
   const int r0 = 16 * (slot >> 2) + 4 * (slot & 3);
   float aq[4][4], ak[4][4];
@@ -454,8 +460,9 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
 
 template <typename WT, int K>
 __device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
-  if (c.warp == 2) intra_p2_below_diag_row<WT, K, 3>(c);
-  else if (c.warp == 3) intra_p2_below_diag_row<WT, K, 2>(c);
+  const int role = c.p2_role();
+  if (role == 2) intra_p2_below_diag_row<WT, K, 3>(c);
+  else if (role == 3) intra_p2_below_diag_row<WT, K, 2>(c);
   else intra_p2_below_diag_row<WT, K, 1>(c);
 }
 
@@ -563,8 +570,8 @@ __device__ __forceinline__ void intra_diag_tile_pair(const IntraCtx<WT, K>& c, i
 // P2's critical path.
 template <typename WT, int K>
 __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
-  if (c.warp < 4) return;
-  const int w = c.warp - 4;
+  if (c.p2_role() < 4) return;
+  const int w = c.p2_role() - 4;
   intra_diag_tile_pair(c, w == 0 ? 5 : (w == 3 ? 7 : 2 * w - 1), 2 * w);
 }
 
@@ -812,10 +819,10 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   c.stamp(1);
   intra_block_factors(c);  // block offsets, l2norm row factors             |
   c.stamp(2);
-  if (c.warp < 2) {        // P2, three kinds of tiles
+  if (c.p2_role() < 2) {   // P2, three kinds of tiles
     intra_p2_diag_simt(c);
   } else {
-    if (c.warp < 5) intra_p2_below_diag(c);
+    if (c.p2_role() < 5) intra_p2_below_diag(c);
     intra_p2_diag_tc(c);
   }
   c.stamp_warp_p2();
