@@ -55,8 +55,8 @@ void kda_recur_bwd(const KdaBwdParams& p, cudaStream_t stream);
 // Backward stages (bwd/).
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream);
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
-// The dh scan's V-slice width: kda_policy.h's dh_scan_bv of the forward scan's, or
-// KERNEL_FUN_KDA_SCAN_BV (both scans) when set.
+// The V-slice width of kda_bwd_dh_scan (the scans not paired): kda_policy.h's dh_scan_bv of the
+// forward scan's, or KERNEL_FUN_KDA_SCAN_BV (both scans) when set.
 int kda_bwd_dh_scan_bv(const KdaBwdParams& p);
 // The re-scan (kda_fwd_scan with p.o null) and kda_bwd_dh_scan as one launch (bwd/kda_bwd_scans.cuh).
 void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream);

@@ -124,15 +124,13 @@ inline bool bwd_pair_scans(const KdaProblem& p, int bv) {
   return ctas > 0 && 2 * ctas <= static_cast<long>(kPolicySMs) * scan_ctas_per_sm(p.K, bv);
 }
 
-// The dh scan's V-slice width given the forward scan's (fwd_bv): varlen batches whose scans are not
-// paired (bwd_pair_scans) keep 64 where V allows, where the forward scan takes 128 (scan_choice): on
-// the H200 (2026-12-03, sixteenth session) the 6-document H32 case's dh scan took 0.172 ms at 64
-// against 0.188 at 128, while its forward scan was 0.331 at 64 against 0.254 at 128. Paired scans
-// need one width (kda_bwd_scans), and pairing pays more (docs/kda-backward.md). Elsewhere both
-// scans take the same width.
-inline int dh_scan_bv(const KdaProblem& p, int fwd_bv) {
-  return p.cu_seqlens && p.V % 64 == 0 && !bwd_pair_scans(p, fwd_bv) ? 64 : fwd_bv;
-}
+// The width of the dh scan when it runs as its own launch (kda_bwd_dh_scan: the backward's two scans
+// are not paired; paired, kda_bwd_scans runs both at the forward scan's width), given the forward
+// scan's (fwd_bv): 64 for varlen batches where V allows, where the forward scan takes 128
+// (scan_choice): on the H200 (2026-12-03, sixteenth session) the 6-document H32 case's dh scan took
+// 0.172 ms at 64 against 0.188 at 128, while its forward scan was 0.331 at 64 against 0.254 at 128.
+// Elsewhere both scans take the same width.
+inline int dh_scan_bv(const KdaProblem& p, int fwd_bv) { return p.cu_seqlens && p.V % 64 == 0 ? 64 : fwd_bv; }
 
 // Batches per backward slice (bwd/kda_bwd_slice.h): B (one pass) for varlen or B = 1, else the
 // smallest slice whose two scans model no more time than one pass over the whole batch (a serial

@@ -315,7 +315,8 @@ struct EmuStages {
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }
   void prep(const kda::KdaBwdParams& p) { ::prep<WT, K>(p); }
-  // the dh scan's width: the caller's bv for both scans, else kda_policy.h's dh_scan_bv (as kda_bwd.cu)
+  // the dh scan's width when it runs alone (pair_scans false): the caller's bv for both scans, else
+  // kda_policy.h's dh_scan_bv (as kda_bwd.cu)
   int dh_bv = BV;
   bool pair_scans(const kda::KdaBwdParams& p) {
     return pair == 1 || (pair == 0 && kda::bwd_pair_scans(p, BV));

@@ -17,8 +17,8 @@
 namespace kernel_fun::kda {
 
 int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
-  const int fwd = kda_fwd_scan_bv(p);
-  return kda_scan_bv_override(p) ? fwd : dh_scan_bv(p, fwd);  // the override sets both scans
+  const int forced = kda_scan_bv_override(p);  // the override sets both scans
+  return forced ? forced : dh_scan_bv(p, kda_fwd_scan_bv(p));
 }
 
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
@@ -41,7 +41,7 @@ void kda_bwd_scans(const KdaBwdParams& p, cudaStream_t stream) {
 bool kda_bwd_pair_scans(const KdaBwdParams& p) {
   const int forced = env_int("KERNEL_FUN_KDA_BWD_PAIR_SCANS", -1);  // tests / benchmarking: 0 or 1
   if (forced == 0 || forced == 1) return forced == 1;
-  return bwd_pair_scans(p, kda_fwd_scan_bv(p));  // (then dh_scan_bv keeps the forward scan's width)
+  return bwd_pair_scans(p, kda_fwd_scan_bv(p));  // (paired: one launch, the forward scan's width)
 }
 
 void kda_bwd_prep(const KdaBwdParams& p, cudaStream_t stream) {
