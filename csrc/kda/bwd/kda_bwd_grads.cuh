@@ -1162,6 +1162,7 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
         cs[j] = fmaf(fmaf(a1, qi, dl * bki), e, cs[j]);
       }
     }
+    float rs[8];  // the row side of dbeta of 8 rows, summed over the warp's 32 columns below
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float bi = sBeta[o + i], qh = c.qhat(o + i, d);
@@ -1173,10 +1174,11 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
       // (dA1_ii q^_i k^_i) and cancel exactly; formed on each side they would leave a rounding residue
       // where the true dg is 0 (a lone token without an initial state).
       Xg[x] += qh * rq[i] + kv[i] * (bi * rk[i] - cs[i]);
-      float rs = kv[i] * rk[i];  // the row side of dbeta, summed over the warp's 32 columns
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) rs += __shfl_xor_sync(0xffffffffu, rs, off);
-      if (lane == 0) sRowD[warp * 16 + i] = rs;
+      rs[i & 7] = kv[i] * rk[i];
+      if ((i & 7) == 7) {  // 8 rows' sums over the warp in one reduce-scatter: 9 shuffles, not 40
+        const float r = dev::warp_sum_scatter<8>(rs, lane);
+        if ((lane & 3) == 0) sRowD[warp * 16 + (i & 8) + ((lane >> 2) & 7)] = r;
+      }
     }
   }
 }

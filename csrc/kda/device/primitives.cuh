@@ -584,6 +584,31 @@ __device__ __forceinline__ void fence_regs(T (&x)[R][4]) {
 #endif
 }
 
+// The sums over the warp's 32 lanes of N values at once (N = 2, 4, 8 or 16), as a reduce-scatter:
+// each step pairs lanes across one bit of the lane index, every lane keeps half of its values and
+// adds its partner's copy of them, then plain butterfly steps finish. 8 values take 9 shuffles where
+// 8 separate 5-step trees take 40. Returns the total of value (lane >> (5 - log2 N)) & (N - 1), which
+// the 32 / N lanes of each group of that many consecutive lanes all hold. v is overwritten. The order
+// of the additions is fixed (deterministic), but not the one-tree-per-value order.
+template <int N>
+__device__ __forceinline__ float warp_sum_scatter(float (&v)[N], int lane) {
+  static_assert(N == 2 || N == 4 || N == 8 || N == 16, "N values, a power of two up to 16");
+#pragma unroll
+  for (int half = N / 2, m = 16; half >= 1; half >>= 1, m >>= 1) {
+    const bool up = (lane & m) != 0;
+#pragma unroll
+    for (int j = 0; j < half; ++j) {
+      const float keep = up ? v[half + j] : v[j];
+      const float send = up ? v[j] : v[half + j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+    }
+  }
+  float r = v[0];
+#pragma unroll
+  for (int m = 32 / (2 * N); m >= 1; m >>= 1) r += __shfl_xor_sync(0xffffffffu, r, m);
+  return r;
+}
+
 // x, with the compiler unable to see where it came from: a loop-invariant value laundered per
 // iteration is recomputed there instead of hoisted out of the loop and kept in a register (or
 // spilled) for the whole loop. For the wgmma descriptors of the grads kernel's V loop.
