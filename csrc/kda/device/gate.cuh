@@ -573,24 +573,34 @@ __device__ __forceinline__ void row_rstd_fp16_operands(WT* sQ, WT* sK, bool l2no
 // after): sums of terms <= 0, so every exponent is <= 0 and free of cancellation across blocks.
 // sw: loc is in slot order (ld8_slots) and so are the block sums' loads here; the packed outputs come
 // back in natural order. sw = 0 (a constant at the call) is the plain form.
-template <typename WT, int K, int KQ>
-__device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const float* sBO, const float* sBT,
-                                               const float* sBS, const WT* sQ, const WT* sK, float fq, float fk,
-                                               int r, int d0, uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp,
-                                               int sw = 0) {
+// The block sums of one 8-column vector: O_b, T_b, S_b of row block b at columns d0 .. d0 + 7, in
+// slot order sw. Shared by every row of the block at those columns (intra_store_gated's two vectors).
+struct BlockSums8 {
+  float o[8], t[8], s[8];
+  template <int K>
+  __device__ __forceinline__ void load(const float* sBO, const float* sBT, const float* sBS, int b, int d0, int sw) {
+    ld8_slots(o, sBO + b * K + d0, sw);
+    ld8_slots(t, sBT + b * K + d0, sw);
+    ld8_slots(s, sBS + b * K + d0, sw);
+  }
+};
+
+// The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from its block-local g2 (loc) and
+// the block sums: qg = fq q exp2(g2), kg = fk k exp2(G - g2) and, when wanted, kexp = fk k exp2(g2),
+// packed to WT pairs. g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks
+// after): sums of terms <= 0, so every exponent is <= 0 and free of cancellation across blocks.
+// sw: loc and bs are in slot order (ld8_slots); the packed outputs come back in natural order. sw = 0
+// (a constant at the call) is the plain form.
+template <typename WT, int KQ>
+__device__ __forceinline__ void gated_vec8_sums(const float (&loc)[8], const BlockSums8& bs, const WT* sQ,
+                                                const WT* sK, float fq, float fk, int r, int d0, uint32_t (&pq)[4],
+                                                uint32_t (&pk)[4], uint32_t* pkexp, int sw) {
   using E = Elem<WT>;
   float g2v[8], Gv[8];
-  {
-    const int b = r >> 4;
-    float ov[8], tv[8], sv[8];
-    ld8_slots(ov, sBO + b * K + d0, sw);
-    ld8_slots(tv, sBT + b * K + d0, sw);
-    ld8_slots(sv, sBS + b * K + d0, sw);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      Gv[e] = (tv[e] - loc[e]) + sv[e];  // G - g2
-      g2v[e] = ov[e] + loc[e];           // g2
-    }
+  for (int e = 0; e < 8; ++e) {
+    Gv[e] = (bs.t[e] - loc[e]) + bs.s[e];  // G - g2
+    g2v[e] = bs.o[e] + loc[e];             // g2
   }
   const uint4 uq = *reinterpret_cast<const uint4*>(sQ + r * KQ + d0);
   const uint4 uk = *reinterpret_cast<const uint4*>(sK + r * KQ + d0);
@@ -610,15 +620,15 @@ __device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const floa
   if (pkexp) words_slots(pkexp, sw);
 }
 
-// The same with the block-local g2 read from sG [64][KP].
-template <typename WT, int K, int KP, int KQ>
-__device__ __forceinline__ void gated_vec8(const float* sG, const float* sBO, const float* sBT, const float* sBS,
-                                           const WT* sQ, const WT* sK, float fq, float fk, int r, int d0,
-                                           uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp) {
-  float loc[8];
-  const int sw = half_swap(d0);  // conflict-free phases (ld8_slots)
-  ld8_slots(loc, sG + r * KP + d0, sw);
-  gated_vec8_loc<WT, K, KQ>(loc, sBO, sBT, sBS, sQ, sK, fq, fk, r, d0, pq, pk, pkexp, sw);
+// The same with row r's block sums loaded here.
+template <typename WT, int K, int KQ>
+__device__ __forceinline__ void gated_vec8_loc(const float (&loc)[8], const float* sBO, const float* sBT,
+                                               const float* sBS, const WT* sQ, const WT* sK, float fq, float fk,
+                                               int r, int d0, uint32_t (&pq)[4], uint32_t (&pk)[4], uint32_t* pkexp,
+                                               int sw = 0) {
+  BlockSums8 bs;
+  bs.load<K>(sBO, sBT, sBS, r >> 4, d0, sw);
+  gated_vec8_sums<WT, KQ>(loc, bs, sQ, sK, fq, fk, r, d0, pq, pk, pkexp, sw);
 }
 
 }  // namespace kernel_fun::kda::dev

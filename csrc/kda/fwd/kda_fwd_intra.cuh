@@ -588,19 +588,28 @@ __device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c, cons
   const int lane = c.lane;
   constexpr int VPR = K / 8;                 // 8-element vectors per row
   constexpr int kUnits = kChunk * VPR / 64;  // units of 64 vectors, two per lane
+  constexpr int RS = 32 / VPR;                // rows between a lane's two vectors
+  static_assert(VPR <= 32 && 32 % VPR == 0 && 16 % (64 / VPR) == 0, "a unit's rows lie in one row block");
   for (;;) {
     int unit = 0;
     if (lane == 0) unit = atomicAdd(c.sWork(), 1);
     unit = __shfl_sync(0xffffffffu, unit, 0);
     if (unit >= kUnits) break;
+    // A lane's two vectors: rows r0 and r0 + RS at the same columns, in one row block (a unit starts
+    // on a multiple of 64 / VPR rows, which divides 16), so their block sums are loaded once.
+    const int r0 = (unit * 64 + lane) / VPR, d0 = (lane % VPR) * 8;
+    const int sw = dev::half_swap(d0);  // conflict-free phases (ld8_slots)
+    dev::BlockSums8 bs;
+    bs.load<K>(gs.BO, gs.BT, gs.BS, r0 >> 4, d0, sw);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int i = unit * 64 + half * 32 + lane;
-      const int r = i / VPR, d0 = (i % VPR) * 8;
+      const int r = r0 + half * RS;
       if (!out.wants_row(c, r)) continue;  // the workspace: rows past the end are never written
+      float loc[8];
+      dev::ld8_slots(loc, c.sG() + r * Ctx::KP + d0, sw);
       uint32_t pq[4], pk[4];
-      dev::gated_vec8<WT, K, Ctx::KP, Ctx::KQ>(c.sG(), gs.BO, gs.BT, gs.BS, c.sQ(), c.sK(), p.opt.scale * gs.rq[r],
-                                               gs.rk[r], r, d0, pq, pk, nullptr);
+      dev::gated_vec8_sums<WT, Ctx::KQ>(loc, bs, c.sQ(), c.sK(), p.opt.scale * gs.rq[r], gs.rk[r], r, d0, pq, pk,
+                                        nullptr, sw);
       out.qg_kg(c, r, d0, make_uint4(pq[0], pq[1], pq[2], pq[3]), make_uint4(pk[0], pk[1], pk[2], pk[3]));
     }
   }
