@@ -135,6 +135,7 @@ struct GradsSmem {
   float dgp[8][K];         // [4][K] per row block sums of kg * dkg, then partials
   float rowa[4][kChunk];   // per column quarter row sums
   float dbc[8][kChunk];    // dbeta from Akk's columns (partials)
+  float bslope[kChunk];    // d beta / d raw beta per row (dev::GatePass::load_beta in P), for F
   // I1's column-side pair (row block 3 -> rows of block 0), computed by the row-block-3 warps and
   // added by the row-block-0 warps after the barrier (grads_offdiag): per column quarter, per lane,
   // its C fragment (K / 32 tiles x 4 floats). Live from I1 to the start of I2 only.
@@ -1292,16 +1293,22 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
     if (lane == 0) sDGp[warp] = pa;                                  // [NTH / 32]
   }
   __syncthreads();
+  // (four interleaved partial sums, then their pairs: a chain a quarter as long as one running sum;
+  // the order is fixed, so the partials stay deterministic)
   if (tid < K && p.pbias) {
     constexpr int RSTEP = NTH / (K / 8);
-    float pb = 0.f;
-    for (int rr = 0; rr < RSTEP; ++rr) pb += sPart[rr * K + tid];
-    p.pbias[(static_cast<int64_t>(c.gchunk) * HV + hv) * K + tid] = pb;
+    static_assert(RSTEP % 4 == 0, "four interleaved sums");
+    float pb[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int rr = 0; rr < RSTEP; ++rr) pb[rr & 3] += sPart[rr * K + tid];
+    p.pbias[(static_cast<int64_t>(c.gchunk) * HV + hv) * K + tid] = (pb[0] + pb[1]) + (pb[2] + pb[3]);
   }
   if (tid == K && p.pA) {
-    float pa = 0.f;
-    for (int i = 0; i < NTH / 32; ++i) pa += sDGp[i];
-    p.pA[static_cast<int64_t>(c.gchunk) * HV + hv] = pa;
+    static_assert((NTH / 32) % 4 == 0, "four interleaved sums");
+    float pa[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < NTH / 32; ++i) pa[i & 3] += sDGp[i];
+    p.pA[static_cast<int64_t>(c.gchunk) * HV + hv] = (pa[0] + pa[1]) + (pa[2] + pa[3]);
   }
   // dbeta = Akk's column side + L's row side (off-diagonal from I1, diagonal from I3), then the
   // sigmoid's backward. One thread per row.
@@ -1318,10 +1325,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
 #pragma unroll
       for (int w = 0; w < K / 32; ++w) db += sRowD[(b * (K / 32) + w) * 16 + i];
       const int64_t bi = (tok0 + r) * HV + hv;
-      if (p.opt.beta_sigmoid_scale != 0.f) {
-        // the slope in its stable form (dev::sigmoid_slope): s (1 - s) is 0 from raw beta ~17
-        db *= p.opt.beta_sigmoid_scale * dev::sigmoid_slope(load_any(p.beta, p.beta_dtype, bi));
-      }
+      // the slope in its stable form (dev::sigmoid_slope: s (1 - s) is 0 from raw beta ~17), from P
+      if (p.opt.beta_sigmoid_scale != 0.f) db *= c.st->bslope[r];
       store_any(p.dbeta, p.beta_dtype, bi, db);
     }
   }
@@ -1411,8 +1416,10 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
     grads_load_slice(c, 0, 0);
     dev::cp_async_commit();
   };
+  // (beta's sigmoid slope for F's dbeta from the same load: a global load of raw beta in F sat on the
+  // critical path of the CTA's last warps, whose slowest ended ~0.7 us after warp 0 at the median)
   dev::gate_cumsum_beta<K, NTH, S::KP, /*kRollRows=*/true>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta(),
-                                                           issue_bulk);
+                                                           issue_bulk, c.st->bslope);
   dev::cp_async_wait<0>();
   __syncthreads();
   dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.sGt());

@@ -263,15 +263,24 @@ struct GatePass {
     return raw_gate8<K>(p, tok0, m.row0 + j, hv, m.d0, j < RPT && m.row0 + j < len);
   }
   // beta (after the gate rows' loads are issued: its sigmoid waits on its own load). Threads < 64.
-  __device__ __forceinline__ void load_beta(float* sBeta) const {
+  // sSlope (the backward's): also d beta / d raw beta = scale s (1 - s) in its stable form
+  // (sigmoid_slope: 0 from raw beta ~17, where 1 - s rounds away), from the same load; 1 without the
+  // sigmoid, 0 past the end.
+  __device__ __forceinline__ void load_beta(float* sBeta, float* sSlope = nullptr) const {
     const int tid = threadIdx.x;
     if (tid < kChunk) {
-      float b = 0.f;
+      float b = 0.f, sl = 0.f;
       if (tid < len) {
-        b = load_any(p.beta, p.beta_dtype, (tok0 + tid) * p.HV + hv);
-        if (p.opt.beta_sigmoid_scale != 0.f) b = p.opt.beta_sigmoid_scale * sigmoid_f(b);
+        const float z = load_any(p.beta, p.beta_dtype, (tok0 + tid) * p.HV + hv);
+        b = z;
+        sl = 1.f;
+        if (p.opt.beta_sigmoid_scale != 0.f) {
+          b = p.opt.beta_sigmoid_scale * sigmoid_f(z);
+          if (sSlope) sl = p.opt.beta_sigmoid_scale * sigmoid_slope(z);
+        }
       }
       sBeta[tid] = b;
+      if (sSlope) sSlope[tid] = sl;
     }
   }
   // x = the running sum of the gates up to row j (rows past the end add 0).
@@ -315,20 +324,20 @@ struct NoBulk {
 
 // Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk, left in REGISTERS: the
 // thread's GateMap rows in g2 (row m.row0 + j in g2[j]); the block totals into sBT [4][K] and beta
-// (after the optional sigmoid) into sBeta [64]. Every row's load is in flight at once. Rows >= len:
-// gate 0, beta 0. For kernels whose later per-element work maps onto the same thread share.
+// (after the optional sigmoid) into sBeta [64] (and its slope into sSlope, when given: load_beta).
+// Every row's load is in flight at once. Rows >= len: gate 0, beta 0. For kernels whose later per-element work maps onto the same thread share.
 // issue_bulk() runs right after the gate rows' loads are issued: the caller's bulk copies of the
 // chunk (cp.async) then queue BEHIND the loads the activation waits on, not ahead of them (ncu on
 // grads: the top stall of its load phase was the wait for the gate row).
 template <int K, int NTH, typename Bulk = NoBulk>
 __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[GateMap<K, NTH>::RPT][8], float* sBT,
-                                          float* sBeta, Bulk issue_bulk = {}) {
+                                          float* sBeta, Bulk issue_bulk = {}, float* sSlope = nullptr) {
   constexpr int RPT = GateMap<K, NTH>::RPT;
   Raw8 raw[RPT];
 #pragma unroll
   for (int j = 0; j < RPT; ++j) raw[j] = gp.load_row(j);
   issue_bulk();
-  gp.load_beta(sBeta);
+  gp.load_beta(sBeta, sSlope);
 #pragma unroll
   for (int j = 0; j < RPT; ++j) gp.activate_row(g2[j], raw[j], j);
   gp.block_prefix();
@@ -346,7 +355,8 @@ __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[Gate
 // load8_raw did. The rolled form has not been measured in them since.
 template <int K, int NTH, int KP, bool kRollRows = false, typename Bulk = NoBulk>
 __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
-                                                 float* sBT, float* sBeta, Bulk issue_bulk = {}) {
+                                                 float* sBT, float* sBeta, Bulk issue_bulk = {},
+                                                 float* sSlope = nullptr) {
   using Map = GateMap<K, NTH>;
   constexpr int RPT = Map::RPT;
   GatePass<K, NTH> gp(p, tok0, len, hv);
@@ -354,7 +364,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
   if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
     Raw8 raw = gp.load_row(0);
     issue_bulk();
-    gp.load_beta(sBeta);
+    gp.load_beta(sBeta, sSlope);
     float x[8];
 #pragma unroll 1
     for (int j = 0; j < RPT; ++j) {
@@ -372,7 +382,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     }
   } else {  // every row in registers from its load to its one store
     float xr[RPT][8];
-    gate_rows<K, NTH>(gp, xr, sBT, sBeta, issue_bulk);
+    gate_rows<K, NTH>(gp, xr, sBT, sBeta, issue_bulk, sSlope);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) st8_phased(sG + (row0 + j) * KP + d0, xr[j], ph);
   }
