@@ -6,8 +6,9 @@
 //   P0  raw q / k (input dtype, exact) -> smem by 16-byte cp.async, issued right behind P1's gate
 //       row loads and in flight while P1 runs
 //   P1  gate activation + block-local (16-row) inclusive cumsum, times 1/ln2 -> g2 (fp32, smem);
-//       beta (sigmoid) -> smem                                                              |
-//       block sums; per-row l2norm rstd of q / k (1 when off)                               |
+//       beta (sigmoid) -> smem; per-row l2norm rstd of q / k (1 when off), each thread on the
+//       q / k vectors its own cp.async brought                                              |
+//       block sums                                                                          |
 //   P2  Aqk[i,j] = scale rq_i rk_j sum_d q_id k_jd exp2(g2_id - g2_jd)   (j <= i)
 //       L[i,j]   = beta_i rk_i rk_j sum_d k_id k_jd exp2(g2_id - g2_jd)  (j <  i)
 //       (the l2norm rstd is a per-row fp32 factor on the products; a raw bf16 row outside
@@ -236,11 +237,11 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
   WT* sQ = c.sQ();
   WT* sK = c.sK();
   const dev::GateScratch<K> gs = c.gs();
+  const WT* q = reinterpret_cast<const WT*>(p.q);
+  const WT* k = reinterpret_cast<const WT*>(p.k);
+  const bool al16 = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k)) & 15) == 0;
+  constexpr int VPR = K / 8;  // 16-byte vectors per row
   auto issue_bulk = [&]() {
-    const WT* q = reinterpret_cast<const WT*>(p.q);
-    const WT* k = reinterpret_cast<const WT*>(p.k);
-    const bool al16 = ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k)) & 15) == 0;
-    constexpr int VPR = K / 8;  // 16-byte vectors per row
     if (al16) {
       for (int i = tid; i < 2 * kChunk * VPR; i += NTH) {
         const int which = i / (kChunk * VPR);
@@ -268,17 +269,23 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
     reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (tid == 0) *c.sWork() = 0;
   dev::cp_async_wait<0>();
+  // The l2norm row factors (and the fp16 operands' row scaling) before the barrier: with the 16-byte
+  // copies, row_rstd_fp16_operands' vector i (q and k) is the one this thread's own cp.async brought
+  // (copy index i and kChunk VPR + i, both = tid mod NTH), complete for it after its wait; a row's
+  // lanes are one warp's (its shuffles). Every other reader of sQ / sK, sRq, sRk comes after the
+  // barrier. The element-wise fallback copy maps threads differently: the barrier first.
+  static_assert((kChunk * VPR) % NTH == 0, "the row factors' vectors are the thread's own copies");
+  if (!al16) __syncthreads();
+  dev::row_rstd_fp16_operands<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, gs.rq, gs.rk);
   __syncthreads();
 }
 
-// ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G; the
-// l2norm row factors (1 when off). Ends with a barrier.
+// ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G. Ends with a
+// barrier.
 template <typename WT, int K>
 __device__ __forceinline__ void intra_block_factors(const IntraCtx<WT, K>& c) {
-  using Ctx = IntraCtx<WT, K>;
   const dev::GateScratch<K> gs = c.gs();
   dev::block_offsets<K>(gs.BT, gs.BO, gs.BS, gs.Gt);
-  dev::row_rstd_fp16_operands<WT, K, Ctx::NTH, Ctx::KQ>(c.sQ(), c.sK(), c.p.opt.l2norm, gs.rq, gs.rk);
   __syncthreads();
 }
 
@@ -826,7 +833,7 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   c.stamp(0);
   intra_load_gate(c);      // P0 + P1                                      |
   c.stamp(1);
-  intra_block_factors(c);  // block offsets, l2norm row factors             |
+  intra_block_factors(c);  // block offsets                                 |
   c.stamp(2);
   if (c.p2_role() < 2) {   // P2, three kinds of tiles
     intra_p2_diag_simt(c);
