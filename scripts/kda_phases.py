@@ -28,7 +28,7 @@ os.environ.setdefault("KERNEL_FUN_KDA_FWD_STREAMED", "0")
 GRADS = (range(9), ["P: inputs, gate", "V: contraction loop", "E: WY backward", "I1: off-diag row side",
                     "I1: off-diag column side", "I2+I3: diagonal blocks", "F1: cumsum + gate",
                     "F2-F4: dbeta, l2norm, dq/dk"])
-INTRA = (range(7), ["P0+P1: loads, gate, cumsum", "block factors, l2norm", "P2 + qg/kg queue (P4a 1st)",
+INTRA = (range(7), ["P0+P1: loads, gate, cumsum, l2norm", "block sums", "P2 + qg/kg queue (P4a 1st)",
                     "P3 diagonal || kexp, Aqk, exp2(G)", "P3 merges || w, Akk rows 0-2", "P4b: w, Akk row 3"])
 INTRA_WARP_P2 = range(8, 16)  # slot 8 + P2 role (IntraCtx::p2_role, "warp" in kda_fwd_intra.cuh's P2 comments): its own tiles done
 
