@@ -1421,9 +1421,13 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   dev::gate_cumsum_beta<K, NTH, S::KP, /*kRollRows=*/true>(p, c.tok0, c.len, c.hv, c.sG(), c.sBT(), c.sBeta(),
                                                            issue_bulk, c.st->bslope);
   dev::cp_async_wait<0>();
+  // The l2norm row factors before the barrier (as kda_fwd_intra's P1): row_rstd's vector i of q and
+  // of k is the one this thread's own cp.async brought (grads_load_chunk: the same strided map), so
+  // it is complete for this thread after its wait; a row's lanes are one warp's. sRq / sRk are read
+  // after the barrier.
+  dev::row_rstd<WT, K, NTH, S::KQ>(c.sQ(), c.sK(), p.opt.l2norm, c.sRq(), c.sRk());
   __syncthreads();
   dev::block_offsets<K>(c.sBT(), c.sBO(), c.sBS(), c.sGt());
-  dev::row_rstd<WT, K, NTH, S::KQ>(c.sQ(), c.sK(), p.opt.l2norm, c.sRq(), c.sRk());
   KF_GRADS_PHASE(1);
 
   // V
