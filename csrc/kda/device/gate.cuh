@@ -325,7 +325,8 @@ struct NoBulk {
 // Gate activation + block-local inclusive cumsum (times 1/ln2) of one chunk, left in REGISTERS: the
 // thread's GateMap rows in g2 (row m.row0 + j in g2[j]); the block totals into sBT [4][K] and beta
 // (after the optional sigmoid) into sBeta [64] (and its slope into sSlope, when given: load_beta).
-// Every row's load is in flight at once. Rows >= len: gate 0, beta 0. For kernels whose later per-element work maps onto the same thread share.
+// Every row's load is in flight at once. Rows >= len: gate 0, beta 0. For kernels whose later
+// per-element work maps onto the same thread share.
 // issue_bulk() runs right after the gate rows' loads are issued: the caller's bulk copies of the
 // chunk (cp.async) then queue BEHIND the loads the activation waits on, not ahead of them (ncu on
 // grads: the top stall of its load phase was the wait for the gate row).
@@ -577,12 +578,6 @@ __device__ __forceinline__ void row_rstd_fp16_operands(WT* sQ, WT* sK, bool l2no
   }
 }
 
-// The gated rows of one 8-column vector (row r, columns d0 .. d0 + 7), from its block-local g2 (loc) and
-// the block sums: qg = fq q exp2(g2), kg = fk k exp2(G - g2) and, when wanted, kexp = fk k exp2(g2),
-// packed to WT pairs. g2 = O_b + loc (blocks before + block-local), G - g2 = (T_b - loc) + S_b (blocks
-// after): sums of terms <= 0, so every exponent is <= 0 and free of cancellation across blocks.
-// sw: loc is in slot order (ld8_slots) and so are the block sums' loads here; the packed outputs come
-// back in natural order. sw = 0 (a constant at the call) is the plain form.
 // The block sums of one 8-column vector: O_b, T_b, S_b of row block b at columns d0 .. d0 + 7, in
 // slot order sw. Shared by every row of the block at those columns (intra_store_gated's two vectors).
 struct BlockSums8 {
