@@ -24,7 +24,7 @@
 //       -> workspace                                                                         | x3
 //   P4b row block 3 (all warps)
 // In the backward (p.M set) the same kernel also stores M = (I + L)^-1 beside Akk.
-// Each phase is a device function over IntraCtx (intra_load_gate, intra_block_factors,
+// Each phase is a device function over IntraCtx (intra_load_gate, intra_block_offsets,
 // intra_p2_*, intra_store_gated, intra_diag_inverse, intra_kexp_aqk_gdecay, intra_merge_step,
 // intra_w_tile, intra_store_akk_rows); the kernel at the end of this file is their sequence, so a
 // fused forward can call the same phases.
@@ -283,7 +283,7 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
 // ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G. Ends with a
 // barrier.
 template <typename WT, int K>
-__device__ __forceinline__ void intra_block_factors(const IntraCtx<WT, K>& c) {
+__device__ __forceinline__ void intra_block_offsets(const IntraCtx<WT, K>& c) {
   const dev::GateScratch<K> gs = c.gs();
   dev::block_offsets<K>(gs.BT, gs.BO, gs.BS, gs.Gt);
   __syncthreads();
@@ -833,7 +833,7 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   c.stamp(0);
   intra_load_gate(c);      // P0 + P1                                      |
   c.stamp(1);
-  intra_block_factors(c);  // block offsets                                 |
+  intra_block_offsets(c);  // block offsets                                 |
   c.stamp(2);
   if (c.p2_role() < 2) {   // P2, three kinds of tiles
     intra_p2_diag_simt(c);
