@@ -131,6 +131,10 @@ CASES = {
     # raw bf16 entries ~1e5, beyond fp16's range: the intra's fp16 P2 operands overflow unless the raw
     # rows are rescaled (dev::row_rstd_fp16_operands)
     "large-qk-bf16-K128": dict(T=130, K=128, qk_scale=1e5, h0=True),
+    # the bounded gate's midpoint P2 (dev::block_midpoint_ok): its widest factors (~2^+-57.7) on raw
+    # rows at the ends of their range, large bf16 (rescaled into [2^-6, 2^14)) and small fp16
+    "bounded16-large-qk-K128": dict(T=130, K=128, gate="bounded16", qk_scale=1e5, h0=True),
+    "bounded16-small-qk-fp16-K128": dict(T=100, K=128, gate="bounded16", qk_scale=1e-3, dtype=torch.float16),
     "varlen-empty-onetoken": dict(T=130, cu=[0, 0, 1, 65, 130], h0=True),
     "varlen-int64-K128-V128-fp16": dict(T=100, K=128, V=128, cu=[0, 63, 63, 100], cu_dtype=torch.int64,
                                         dtype=torch.float16, h0=True),

@@ -212,7 +212,7 @@ void launch(const kda::LaunchShape& s, void (*kernel)(Params), const Params& p) 
 
 template <typename WT, int K>
 void intra(const kda::KdaFwdParams& p) {
-  launch(kda::intra_launch<WT, K>(p), kda::kda_fwd_intra_kernel<WT, K>, p);
+  launch(kda::intra_launch<WT, K>(p), kda::intra_kernel_for<WT, K>(p), p);
 }
 
 template <typename WT, int K, int BV>
@@ -375,7 +375,7 @@ __global__ void intra_to_stage_kernel(const kda::KdaFwdParams p, WT* out) {
   if (!kda::dev::chunk_of(p, blockIdx.x, n, ch)) return;
   const kda::IntraCtx<WT, K> c(p, reinterpret_cast<char*>(&sm->intra), kda::dev::seq_info(p, n), ch, hv);
   WT* stage = sm->stage;
-  kda::intra_chunk(c, kda::IntraToStage<WT, K, BV>{stage});
+  kda::intra_chunk_any(c, kda::IntraToStage<WT, K, BV>{stage});
   copy_stage_out<WT, K, BV>(stage, out, c.gchunk, p.HV, hv);
 }
 

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const K
     // the intra phases' first barrier also orders this chunk's stage writes after the state warps'
     // reads of the previous chunk's stage
     const IntraCtx<WT, K> ic(p, reinterpret_cast<char*>(&sm->intra), pl.seq, c, pl.hv);
-    intra_chunk(ic, IntraToStage<WT, K, BV>{stage});
+    intra_chunk_any(ic, IntraToStage<WT, K, BV>{stage});
     dev::scan_load_values<WT, K, BV, kIntraThreads>(stage, reinterpret_cast<const WT*>(p.v), p, pl.seq, c, pl.hv,
                                                     pl.v0);
     dev::cp_async_commit();

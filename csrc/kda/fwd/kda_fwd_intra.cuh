@@ -43,6 +43,9 @@
 //   entries. fp16's narrower range costs nothing: the raw rows are scaled into it (above), and what
 //   a factor pushes below fp16's normal range is below 2^-19 of the row's largest entry
 //   (docs/notes/2026-12-02-fused-forward-groundwork.md, "Which 16-bit type").
+// With a bounded gate (dev::block_midpoint_ok; the kMid kernel) the first and third kinds are replaced
+// by whole 16 x 16 diagonal blocks on tf32 tensor cores through each block's middle row
+// (intra_p2_diag_mid: rule 2 of docs/numerics.md, factors within 2^+-57.7).
 //
 // Shared memory: IntraSmem below, each region with its lifetime (~109 KB at K = 128).
 // g2 is kept BLOCK-LOCAL (the inclusive cumsum restarts at every 16-row block, times 1/ln2): every
@@ -582,6 +585,60 @@ __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
   intra_diag_tile_pair(c, w == 0 ? 5 : (w == 3 ? 7 : 2 * w - 1), 2 * w);
 }
 
+// Bounded gates (dev::block_midpoint_ok: lower_bound >= -5, docs/numerics.md rule 2): a whole 16 x 16
+// diagonal block on tf32 tensor cores through its row m = o + 8, in place of the SIMT 4 x 4 tiles and
+// the fp16 tile pairs above:
+//   Aqk[i][j] = sum_d (q_id exp2(g_id - g_md)) (k_jd exp2(g_md - g_jd)), L the same with k_i.
+// Every exponent spans at most 8 steps of one block, so each factor lies within 2^+-57.7 and each
+// operand within 2^+-72 (the raw rows' largest entries are below 2^16): no overflow, and nothing a row
+// needs sinks below fp32's (tf32's) normal range. The pairs above the diagonal (j > i) have a factor up
+// to 2^115 and may overflow: they are never read (rule 3), each C entry is its own pair's sum.
+// tf32 keeps fp16's 11 significant bits with fp32's range, which fp16 (2^16) does not have here.
+// k-slot t of an m16n8k8 step is column 8 s + 2 t and slot t + 4 column 8 s + 2 t + 1 (each dot product
+// is the same sum in another order): a lane's A rows (g, g + 8) and its B rows (n-tiles 0 / 1: rows
+// g / g + 8 of the block) are then the same entries, one 8-byte g and one 4-byte q / k load per row.
+template <typename WT, int K>
+__device__ __forceinline__ void intra_p2_diag_mid(const IntraCtx<WT, K>& c, int blk) {
+  constexpr int KQ = IntraCtx<WT, K>::KQ;
+  const WT* sQ = c.sQ();
+  const WT* sK = c.sK();
+  const int g = c.lane >> 2, t = c.lane & 3;
+  const int o = 16 * blk, ra = o + g, rb = o + g + 8, m = o + 8;
+  float cq[2][4] = {}, ck[2][4] = {};
+#pragma unroll 2
+  for (int s = 0; s < K / 8; ++s) {
+    const int d = 8 * s + 2 * t;
+    const float2 gm = c.G2(m, d), ga = c.G2(ra, d), gb = c.G2(rb, d);
+    const float2 qa = c.X2(sQ + ra * KQ, d), qb = c.X2(sQ + rb * KQ, d);
+    const float2 ka = c.X2(sK + ra * KQ, d), kb = c.X2(sK + rb * KQ, d);
+    // A side exp2(g_r - g_m), B side exp2(g_m - g_r): two-sided (rule 2), each within 2^+-57.7
+    const float ea0 = dev::fast_exp2(ga.x - gm.x), ea1 = dev::fast_exp2(ga.y - gm.y);
+    const float eb0 = dev::fast_exp2(gb.x - gm.x), eb1 = dev::fast_exp2(gb.y - gm.y);
+    const float ia0 = dev::fast_exp2(gm.x - ga.x), ia1 = dev::fast_exp2(gm.y - ga.y);
+    const float ib0 = dev::fast_exp2(gm.x - gb.x), ib1 = dev::fast_exp2(gm.y - gb.y);
+    const uint32_t aq[4] = {dev::to_tf32(qa.x * ea0), dev::to_tf32(qb.x * eb0), dev::to_tf32(qa.y * ea1),
+                            dev::to_tf32(qb.y * eb1)};
+    const uint32_t ak[4] = {dev::to_tf32(ka.x * ea0), dev::to_tf32(kb.x * eb0), dev::to_tf32(ka.y * ea1),
+                            dev::to_tf32(kb.y * eb1)};
+    const uint32_t b00 = dev::to_tf32(ka.x * ia0), b01 = dev::to_tf32(ka.y * ia1);
+    const uint32_t b10 = dev::to_tf32(kb.x * ib0), b11 = dev::to_tf32(kb.y * ib1);
+    dev::mma_1688_tf32(cq[0], aq, b00, b01);
+    dev::mma_1688_tf32(cq[1], aq, b10, b11);
+    dev::mma_1688_tf32(ck[0], ak, b00, b01);
+    dev::mma_1688_tf32(ck[1], ak, b10, b11);
+  }
+  // C entry e of n-tile nt: row (e < 2 ? ra : rb), column o + 8 nt + 2 t + (e & 1); Aqk where j <= i,
+  // L where j < i (the rest stays P1's zero)
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e < 2 ? ra : rb, j = o + 8 * nt + 2 * t + (e & 1);
+      if (j <= r) c.put(false, r, j, cq[nt][e]);
+      if (j < r) c.put(true, r, j, ck[nt][e]);
+    }
+}
+
 // ---- P4a, first part: qg and kg -> workspace. It reads only what P1 wrote (sG, sQ, sK, the block
 // sums, the row factors), so the warps that finish their P2 share early take it over from a
 // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 64
@@ -828,14 +885,20 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int b
 // ---------------------------------------------------------------- the phase sequence of one chunk
 // (the file's header has the phases and the smem plan; "|" there = __syncthreads here). All 256
 // threads of the CTA; the outputs go to `out` (the workspace, or a scan stage).
-template <typename WT, int K, typename Out>
+template <typename WT, int K, typename Out, bool kMid = false>
 __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out& out) {
   c.stamp(0);
   intra_load_gate(c);      // P0 + P1                                      |
   c.stamp(1);
   intra_block_offsets(c);  // block offsets                                 |
   c.stamp(2);
-  if (c.p2_role() < 2) {   // P2, three kinds of tiles
+  if constexpr (kMid) {  // P2: the blocks below the diagonal, then the diagonal blocks at their midpoints
+    // roles 2-4 the block rows 3 / 2 / 1, roles 0, 1, 6, 7 the diagonal blocks 0-3, role 5 straight to
+    // the queue (schedulers: roles 0 + 1, 4 + 6, 2 + 5, 3 + 7)
+    const int role = c.p2_role();
+    if (role >= 2 && role <= 4) intra_p2_below_diag(c);
+    else if (role != 5) intra_p2_diag_mid(c, role < 2 ? role : role - 4);
+  } else if (c.p2_role() < 2) {  // P2, three kinds of tiles
     intra_p2_diag_simt(c);
   } else {
     if (c.p2_role() < 5) intra_p2_below_diag(c);
@@ -871,10 +934,22 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   }
 }
 
+// The chunk with the P2 form the options select (dev::block_midpoint_ok), decided at run time: for a
+// kernel that carries both (the fused forward, opt-in), so that its chunks are bit for bit the
+// two-kernel path's.
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_chunk_any(const IntraCtx<WT, K>& c, const Out& out) {
+  if (dev::block_midpoint_ok(c.p.opt)) intra_chunk<WT, K, Out, true>(c, out);
+  else intra_chunk<WT, K, Out, false>(c, out);
+}
+
 // Grid: (global chunk, value head); in the streamed forward (p.chunk_ready set, kda_policy.h's
 // fwd_stream_choice) (value head, chunk row), every head of a chunk row before the next row
 // (dev::streamed_chunk), each CTA publishing its chunk to the scan that runs beside it.
-template <typename WT, int K>
+// kMid: P2's diagonal blocks through their midpoint rows (bounded gates, dev::block_midpoint_ok). Two
+// kernels, not one with a runtime branch, as kda_bwd_grads: each carries only its own P2 code (this
+// kernel sits at an instruction-cache cliff, intra_diag_tile_pair).
+template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
   const bool streamed = p.chunk_ready != nullptr;
@@ -886,7 +961,7 @@ __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const K
   if (!dev::chunk_of(p, x, n, ch)) return;
   const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
                           dev::cta_clock_row(p.dbg_intra_clock));
-  intra_chunk(c, IntraToWorkspace<WT, K>{});
+  intra_chunk<WT, K, IntraToWorkspace<WT, K>, kMid>(c, IntraToWorkspace<WT, K>{});
   if (streamed) dev::publish_chunk(p, static_cast<int64_t>(x) * p.HV + hv);
 }
 
@@ -903,10 +978,16 @@ inline LaunchShape intra_launch(const KdaFwdParams& p) {
   return s;
 }
 
+// The kernel a problem runs (the launcher's and the emulator's one choice).
+template <typename WT, int K>
+auto intra_kernel_for(const KdaFwdParams& p) {
+  return dev::block_midpoint_ok(p.opt) ? kda_fwd_intra_kernel<WT, K, true> : kda_fwd_intra_kernel<WT, K, false>;
+}
+
 #ifndef KF_EMU
 template <typename WT, int K>
 void launch_intra(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch_chunk_kernel(kda_fwd_intra_kernel<WT, K>, intra_launch<WT, K>(p), p, stream);
+  dev::launch_chunk_kernel(intra_kernel_for<WT, K>(p), intra_launch<WT, K>(p), p, stream);
 }
 #endif
 
