@@ -132,8 +132,8 @@ struct IntraCtx : dev::ChunkPlace {
   __device__ __forceinline__ void stamp(int slot) const {
     if (tid == 0) dev::stamp_clock(clk, slot);
   }
-  __device__ __forceinline__ void stamp_warp_p2() const {
-    if (lane == 0) dev::stamp_clock(clk, 8 + p2_role());
+  __device__ __forceinline__ void stamp_warp_p2(int who) const {
+    if (lane == 0) dev::stamp_clock(clk, 8 + who);
   }
   // P2's role of this warp (the functions below name roles as "warps": 0-1 the SIMT diagonal, 2-4
   // the block rows 3 / 2 / 1, 4-7 the diagonal tile pairs). Warps w and w + 4 share a scheduler;
@@ -390,7 +390,10 @@ __device__ __forceinline__ int p2_col(int kk, int hf, int t) { return 16 * kk + 
 // multiply -> tf32 -> mma (tf32 then) that ptxas could not overlap with the next block's (P2 is
 // latency-bound: four warps per scheduler). Measured on the H200 (2026-12-02, seventh session): warp
 // 2's P2 20.6k -> 15.2k cycles, warp 3's 18.3k -> 12.4k, kda_fwd_intra 3.190 -> 3.152 ms at prod8192.
-template <typename WT, int K, int BI>
+// BJ_LO .. BJ_HI: the column blocks this warp takes (the bounded-gate kernel splits row 3 over two warps);
+// the blocks between BJ_HI and bi still add their totals to m, in the same order as the whole row, so
+// each product is bitwise the unsplit row's.
+template <typename WT, int K, int BI, int BJ_LO = 0, int BJ_HI = BI - 1>
 __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c) {
   constexpr int KQ = IntraCtx<WT, K>::KQ;
   using H = dev::Elem<__half>;
@@ -424,14 +427,14 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
     // B side: g_f - g_j = (T_bj - loc_j) + sum_{bj < m < bi} T_m + loc_f, every term <= 0
     // (block-local cumsums loc, block totals T); m carries loc_f + the totals in between.
 #pragma unroll
-    for (int bj = 2; bj >= 0; --bj) {
+    for (int bj = 2; bj >= BJ_LO; --bj) {
       if (bj < bi) {
         float2 tt[2];
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
           tt[hf] = *reinterpret_cast<const float2*>(sBT + bj * K + p2_col(kk, hf, t));
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < 2 && bj <= BJ_HI; ++nt) {  // past BJ_HI: another warp's block, its total only
           const int s = 16 * bj + 8 * nt + g;
           uint32_t b[2];
 #pragma unroll
@@ -450,7 +453,7 @@ __device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c
     }
   }
 #pragma unroll
-  for (int bj = 0; bj < 3; ++bj) {
+  for (int bj = BJ_LO; bj <= BJ_HI; ++bj) {
     if (bj < bi) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -892,19 +895,28 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   c.stamp(1);
   intra_block_offsets(c);  // block offsets                                 |
   c.stamp(2);
-  if constexpr (kMid) {  // P2: the blocks below the diagonal, then the diagonal blocks at their midpoints
-    // roles 2-4 the block rows 3 / 2 / 1, roles 0, 1, 6, 7 the diagonal blocks 0-3, role 5 straight to
-    // the queue (schedulers: roles 0 + 1, 4 + 6, 2 + 5, 3 + 7)
-    const int role = c.p2_role();
-    if (role >= 2 && role <= 4) intra_p2_below_diag(c);
-    else if (role != 5) intra_p2_diag_mid(c, role < 2 ? role : role - 4);
-  } else if (c.p2_role() < 2) {  // P2, three kinds of tiles
-    intra_p2_diag_simt(c);
+  if constexpr (kMid) {
+    // P2 by physical warp (w and w + 4 share a scheduler): warps 0, 4, 1, 5 the diagonal blocks 0-3 at
+    // their midpoints; warp 2 block row 3's column blocks 1-2, warp 7 its block 0; warp 3 block row 2,
+    // warp 6 block row 1. Each warp then at most two block products (a diagonal block's tf32 product
+    // is about two fp16 ones), each scheduler about the same work.
+    switch (c.warp) {
+      case 2: intra_p2_below_diag_row<WT, K, 3, 1, 2>(c); break;
+      case 7: intra_p2_below_diag_row<WT, K, 3, 0, 0>(c); break;
+      case 3: intra_p2_below_diag_row<WT, K, 2>(c); break;
+      case 6: intra_p2_below_diag_row<WT, K, 1>(c); break;
+      default: intra_p2_diag_mid(c, 2 * (c.warp & 1) + (c.warp >> 2));
+    }
+    c.stamp_warp_p2(c.warp);  // kda_phases.py: per physical warp here
   } else {
-    if (c.p2_role() < 5) intra_p2_below_diag(c);
-    intra_p2_diag_tc(c);
+    if (c.p2_role() < 2) {  // P2, three kinds of tiles
+      intra_p2_diag_simt(c);
+    } else {
+      if (c.p2_role() < 5) intra_p2_below_diag(c);
+      intra_p2_diag_tc(c);
+    }
+    c.stamp_warp_p2(c.p2_role());
   }
-  c.stamp_warp_p2();
   intra_store_gated(c, out);  // P4a, first part: qg, kg from a shared queue
   __syncthreads();
   c.stamp(3);
