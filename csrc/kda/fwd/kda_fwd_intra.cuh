@@ -246,15 +246,21 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
   constexpr int VPR = K / 8;  // 16-byte vectors per row
   auto issue_bulk = [&]() {
     if (al16) {
-      for (int i = tid; i < 2 * kChunk * VPR; i += NTH) {
-        const int which = i / (kChunk * VPR);
-        const int rem = i % (kChunk * VPR);
-        const int r = rem / VPR, v = rem % VPR;
-        const WT* src = which ? k : q;
-        const int rr = r < len ? r : 0;  // rows past the end: zero-filled, source never read
-        const WT* gp = src + ((tok0 + rr) * p.H + h) * K + 8 * v;
-        WT* dst = (which ? sK : sQ) + r * KQ + 8 * v;
-        dev::cp_async16(dst, gp, r < len ? 16 : 0);
+      // thread tid: vector v of rows r0 + RPI j, of q and of k (copy indices tid + NTH j' of the q
+      // range, then of the k range: the map row_rstd_fp16_operands relies on, below). The row offsets
+      // from one 64-bit base per tensor: no division, no 64-bit multiply per copy.
+      constexpr int RPI = NTH / VPR;  // rows per pass of the CTA
+      static_assert(NTH % VPR == 0 && kChunk % RPI == 0, "whole rows per pass");
+      const int v = tid % VPR, r0 = tid / VPR;
+      const int64_t rstride = static_cast<int64_t>(p.H) * K;
+      const WT* qb = q + (tok0 * p.H + h) * K + 8 * v;
+      const WT* kb = k + (tok0 * p.H + h) * K + 8 * v;
+#pragma unroll
+      for (int j = 0; j < kChunk / RPI; ++j) {
+        const int r = r0 + RPI * j;
+        const int64_t off = (r < len ? r : 0) * rstride;  // rows past the end: zero-filled, source never read
+        dev::cp_async16(sQ + r * KQ + 8 * v, qb + off, r < len ? 16 : 0);
+        dev::cp_async16(sK + r * KQ + 8 * v, kb + off, r < len ? 16 : 0);
       }
       dev::cp_async_commit();
     } else {
