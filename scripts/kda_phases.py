@@ -30,7 +30,9 @@ GRADS = (range(9), ["P: inputs, gate", "V: contraction loop", "E: WY backward", 
                     "F2-F4: dbeta, l2norm, dq/dk"])
 INTRA = (range(7), ["P0+P1: loads, gate, cumsum, l2norm", "block sums", "P2 + qg/kg queue (P4a 1st)",
                     "P3 diagonal || kexp, Aqk, exp2(G)", "P3 merges || w, Akk rows 0-2", "P4b: w, Akk row 3"])
-INTRA_WARP_P2 = range(8, 16)  # slot 8 + P2 role (IntraCtx::p2_role, "warp" in kda_fwd_intra.cuh's P2 comments): its own tiles done
+# slot 8 + P2 role (IntraCtx::p2_role, "warp" in kda_fwd_intra.cuh's P2 comments) in the unbounded-gate
+# kernel, 8 + physical warp in the bounded one (kMid): when the warp's own P2 products are done
+INTRA_WARP_P2 = range(8, 16)
 
 
 def _print(name, clk, slots, phases):
@@ -63,7 +65,7 @@ def main() -> None:
             clk = ws["clock"]
             valid = _print(f"{case.name} kda_fwd_intra", clk, *INTRA)
             p2 = clk[valid][:, list(INTRA_WARP_P2)].double() - clk[valid][:, 2:3].double()
-            print("  P2 own tiles done, per P2 role (cycles after P2's start):",
+            print("  P2 own tiles done, per P2 slot (cycles after P2's start; role, or warp if bounded):",
                   " ".join(f"w{w}:{x:.0f}" for w, x in enumerate(p2.mean(0).tolist())))
             del ws
         if a.kernel in ("grads", "both"):

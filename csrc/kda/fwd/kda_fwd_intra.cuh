@@ -599,7 +599,7 @@ __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
 // the fp16 tile pairs above:
 //   Aqk[i][j] = sum_d (q_id exp2(g_id - g_md)) (k_jd exp2(g_md - g_jd)), L the same with k_i.
 // Every exponent spans at most 8 steps of one block, so each factor lies within 2^+-57.7 and each
-// operand within 2^+-72 (the raw rows' largest entries are below 2^16): no overflow, and nothing a row
+// operand within 2^+-74 (the raw rows' largest entries are below 2^16): no overflow, and nothing a row
 // needs sinks below fp32's (tf32's) normal range. The pairs above the diagonal (j > i) have a factor up
 // to 2^115 and may overflow: they are never read (rule 3), each C entry is its own pair's sum.
 // tf32 keeps fp16's 11 significant bits with fp32's range, which fp16 (2^16) does not have here.
