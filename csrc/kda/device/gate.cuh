@@ -246,9 +246,13 @@ struct GatePass {
   const int len, hv;
   const Map m;
   const GateMode mode;
+  // the element index of this thread's first row (row0, column d0) in g, and the stride between rows:
+  // each row's load is then one multiply-add, not the full (token, head) index in 64 bits
+  const int64_t g0, gstride;
   float a_exp, bias[8], run[8], excl[8];
   __device__ __forceinline__ GatePass(const KdaProblem& p_, int64_t tok0_, int len_, int hv_)
-      : p(p_), tok0(tok0_), len(len_), hv(hv_), m(), mode(p_.opt.gate_mode), a_exp(1.f) {
+      : p(p_), tok0(tok0_), len(len_), hv(hv_), m(), mode(p_.opt.gate_mode),
+        g0(((tok0_ + m.row0) * p_.HV + hv_) * K + m.d0), gstride(static_cast<int64_t>(p_.HV) * K), a_exp(1.f) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) bias[e] = run[e] = 0.f;
     if (mode != GateMode::kPrecomputed) {
@@ -261,7 +265,36 @@ struct GatePass {
   }
   // Row j of the thread's rows, as loaded; zeros past the end of the sequence (gate 0).
   __device__ __forceinline__ Raw8 load_row(int j) const {
-    return raw_gate8<K>(p, tok0, m.row0 + j, hv, m.d0, j < RPT && m.row0 + j < len);
+    Raw8 x = raw8_zero();
+    if (j < RPT && m.row0 + j < len) load8_raw(x, p.g, p.g_dtype, g0 + j * gstride);
+    return x;
+  }
+  // Every row at once (the unrolled pass), the dtype's load form chosen once for all rows instead of
+  // per row (load8_raw's three forms; the generic one is the cold path).
+  __device__ __forceinline__ void load_rows(Raw8 (&raw)[RPT]) const {
+    const bool al16 = (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
+    if (al16 && p.g_dtype == DType::kFloat32) {
+      const float* b = reinterpret_cast<const float*>(p.g) + g0;
+#pragma unroll
+      for (int j = 0; j < RPT; ++j) {
+        raw[j] = raw8_zero();
+        if (m.row0 + j < len) {
+          const uint4* v = reinterpret_cast<const uint4*>(b + j * gstride);
+          raw[j].lo = v[0];
+          raw[j].hi = v[1];
+        }
+      }
+    } else if (packed16(p.g, p.g_dtype)) {
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(p.g) + g0;
+#pragma unroll
+      for (int j = 0; j < RPT; ++j) {
+        raw[j] = raw8_zero();
+        if (m.row0 + j < len) raw[j].lo = *reinterpret_cast<const uint4*>(b + j * gstride);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < RPT; ++j) raw[j] = load_row(j);
+    }
   }
   // beta (after the gate rows' loads are issued: its sigmoid waits on its own load). Threads < 64.
   // sSlope (the backward's): also d beta / d raw beta = scale s (1 - s) in its stable form
@@ -336,8 +369,7 @@ __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[Gate
                                           float* sBeta, Bulk issue_bulk = {}, float* sSlope = nullptr) {
   constexpr int RPT = GateMap<K, NTH>::RPT;
   Raw8 raw[RPT];
-#pragma unroll
-  for (int j = 0; j < RPT; ++j) raw[j] = gp.load_row(j);
+  gp.load_rows(raw);
   issue_bulk();
   gp.load_beta(sBeta, sSlope);
 #pragma unroll
