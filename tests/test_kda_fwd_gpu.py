@@ -226,11 +226,14 @@ def test_stages_match_chunked_reference(name):
 
 
 @pytest.mark.parametrize("cu", [[0, 15, 100, 300, 1200, 2000], [0, 0, 1, 65, 130, 130, 700], [0, 64, 128, 192],
+                                [0, *itertools.accumulate((53 * i) % 300 for i in range(32))],
+                                [0, *itertools.accumulate((53 * i) % 300 for i in range(33))],
                                 [0, *itertools.accumulate((37 * i) % 200 for i in range(5000))]],
-                         ids=["fla", "empty-onetoken", "ties", "5000-docs"])
+                         ids=["fla", "empty-onetoken", "ties", "32-docs", "33-docs", "5000-docs"])
 def test_chunk_map_orders_sequences_longest_first(cu):
-    """kda_chunk_map (cub scan + radix sort on the device): the offsets, then the sequences longest
-    first for the scans' grid. Past 4096 sequences the order is the identity (the last case)."""
+    """kda_chunk_map on the device (one warp's shuffles up to 32 sequences, else a cub scan and radix
+    sort): the offsets, then the sequences longest first for the scans' grid. Past 4096 sequences
+    the order is the identity (the last case)."""
     inputs, kw = make_case(T=cu[-1], cu=cu, H=1)
     _, _, _, ws = run_ours(inputs, kw)
     got = ws["chunk_offsets"].tolist()

@@ -36,7 +36,33 @@ __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
 //   [0, N]      chunk_offsets[n] = sum_{m < n} ceil(len_m / 64): the first global chunk of sequence n;
 //   [N+1, 2N]   the sequences by chunk count, longest first (ties in index order), for the scans'
 //               grid (dev::scan_sequence): a schedule only, no result depends on it.
+//
+// Up to 32 sequences (a packed batch of a few documents, the common case) one warp does it all with
+// shuffles, in a fraction of the CTA-wide scan's and radix sort's time (which serve the rest); the
+// map sits on the forward's and the backward's critical path, ahead of everything.
 __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
+  if (p.N <= 32) {
+    if (threadIdx.x >= 32) return;
+    const int n = threadIdx.x;
+    const int nc = n < p.N ? seq_len_chunks(p, n) : 0;
+    int incl = nc;  // inclusive prefix sum over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(~0u, incl, d);
+      if (n >= d) incl += up;
+    }
+    if (n < p.N) p.chunk_offsets[n] = incl - nc;
+    if (n == 31) p.chunk_offsets[p.N] = incl;  // the padding lanes add 0: lane 31 holds the total
+    // rank n among the sequences: longer first, ties in index order (the radix sort's order below)
+    int rank = 0;
+#pragma unroll
+    for (int m = 0; m < 32; ++m) {
+      const int other = __shfl_sync(~0u, nc, m);
+      rank += m < p.N && (other > nc || (other == nc && m < n));
+    }
+    if (n < p.N) p.chunk_offsets[p.N + 1 + rank] = n;
+    return;
+  }
   using Scan = cub::BlockScan<int, kMapThreads>;
   using Sort = cub::BlockRadixSort<unsigned, kMapThreads, kOrderItems, int>;
   __shared__ union {
