@@ -272,24 +272,19 @@ struct GatePass {
   // Every row at once (the unrolled pass), the dtype's load form chosen once for all rows instead of
   // per row (load8_raw's three forms; the generic one is the cold path).
   __device__ __forceinline__ void load_rows(Raw8 (&raw)[RPT]) const {
-    const bool al16 = (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
-    if (al16 && p.g_dtype == DType::kFloat32) {
+    if (aligned_f32(p.g, p.g_dtype)) {
       const float* b = reinterpret_cast<const float*>(p.g) + g0;
 #pragma unroll
       for (int j = 0; j < RPT; ++j) {
         raw[j] = raw8_zero();
-        if (m.row0 + j < len) {
-          const uint4* v = reinterpret_cast<const uint4*>(b + j * gstride);
-          raw[j].lo = v[0];
-          raw[j].hi = v[1];
-        }
+        if (m.row0 + j < len) load8_f32(raw[j], b + j * gstride);
       }
     } else if (packed16(p.g, p.g_dtype)) {
       const uint16_t* b = reinterpret_cast<const uint16_t*>(p.g) + g0;
 #pragma unroll
       for (int j = 0; j < RPT; ++j) {
         raw[j] = raw8_zero();
-        if (m.row0 + j < len) raw[j].lo = *reinterpret_cast<const uint4*>(b + j * gstride);
+        if (m.row0 + j < len) load8_packed16(raw[j], b + j * gstride);
       }
     } else {
 #pragma unroll
