@@ -73,21 +73,25 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["saved", "recompute"])
+@pytest.mark.parametrize("path", ["states", "saved", "recompute"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_backward_matches_fp64_reference(name, path, emu):
-    """path "saved": the forward's Aqk / Akk / M feed kda_bwd_prep (a training call); "recompute":
-    the forward intra recomputes them (the raw op without saved factors)."""
+    """path "states": the forward's Aqk / Akk / M feed kda_bwd_prep and its scan's states replace the
+    re-scan (a training call); "saved": the factors only, the backward re-scans; "recompute": the
+    forward intra recomputes them (the raw op without saved factors)."""
     inputs, kw = make_case(**CASES[name])
     q, k, v, g, beta = inputs
     B, T, HV, V = v.shape
     K = q.shape[-1]
     do, dht = _do_dht(inputs, kw, 7)
-    saved = None
-    if path == "saved":
-        _, _, _, ws = emu.forward_stages(*inputs, **kw)
+    saved = states = None
+    if path != "recompute":
+        _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=path == "states")
         saved = (ws["Aqk"], ws["Akk"], ws["M"])
-    grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved)
+        states = ws.get("h_ckpt")
+    grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=states)
+    if states is not None:  # read, never rewritten: no re-scan ran (its states differ in the last bits)
+        assert torch.equal(st["h_ckpt"].view(torch.int16), states.view(torch.int16))
     ref, rst = kda_bwd_reference(inputs, kw, do, dht)
     bad = {}
     for key, tol in (("dq", KDA_TOL["dq"]), ("dk", KDA_TOL["dk"]), ("dv", KDA_TOL["dv"]), ("dg", KDA_TOL["dg"]),
@@ -164,12 +168,14 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     exactly the gradients of one pass over the whole batch, dA_log / ddt_bias / dh0 included."""
     inputs, kw = make_case(**case)
     do, dht = _do_dht(inputs, kw, 11)
-    _, _, _, ws = emu.forward_stages(*inputs, **kw)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=True)
     saved = (ws["Aqk"], ws["Akk"], ws["M"])
-    whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved)[0]
-    for nb in (1, 2):
-        sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, slice_b=nb)[0]
-        assert_bitwise_same(whole, sliced, f"slice of {nb}")
+    # with the forward's states, each slice reads its part of them (kda_bwd_batch_slice)
+    for states in (None, ws["h_ckpt"]):
+        whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=states)[0]
+        for nb in (1, 2):
+            sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, slice_b=nb, states=states)[0]
+            assert_bitwise_same(whole, sliced, f"slice of {nb}, states {'saved' if states is not None else 'rescanned'}")
 
 
 @pytest.mark.parametrize("case,bv", [

@@ -166,6 +166,34 @@ def test_varlen_gradients_match_fp64_naive(name):
     _check_against_naive(VARLEN_CASES[name], KDA_VARLEN_TOL)
 
 
+@pytest.mark.parametrize("name", ["T1000", "K128-V256", "GVA-2-4", "state-v-first", "fp16", "varlen-fla-gva"])
+def test_gradients_with_the_rescan_match_fp64_naive(name, monkeypatch):
+    """KERNEL_FUN_KDA_SAVE_STATES=0: the forward passes no state buffer on and the backward re-runs
+    the scan into its own per-slice workspace. (By default the cases above, all with few scan chains,
+    re-scan into the forward's buffer: kda_policy.h's save_states_pays declines where the backward
+    pairs its scans.)"""
+    monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
+    case = {**CASES, **VARLEN_CASES}[name]
+    _check_against_naive(case, KDA_VARLEN_TOL if name in VARLEN_CASES else KDA_TOL)
+
+
+# enough scan chains that the backward would not pair its scans, so the forward's scan saves its
+# states and the backward runs no re-scan (kda_policy.h's save_states_pays)
+SAVED_STATES_CASES = {
+    "B8-H16": dict(B=8, T=200, H=16, V=128, h0=True),
+    "B4-H16-V256-fp16": dict(B=4, T=150, H=16, V=256, dtype=torch.float16, gate="bounded"),
+    "varlen-H16": dict(T=2000, H=16, HV=16, cu=[0, 15, 100, 300, 1200, 2000], h0=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SAVED_STATES_CASES))
+def test_gradients_from_saved_states_match_fp64_naive(name):
+    case = SAVED_STATES_CASES[name]
+    launches = _kda_launches(case)
+    assert launches.get("kda_fwd_scan_kernel") == 1 and "kda_bwd_scans_kernel" not in launches, launches
+    _check_against_naive(case, KDA_VARLEN_TOL if "cu" in case else KDA_TOL)
+
+
 @pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gradients_with_g_one_element_off_16_bytes(g_dtype):
     """g a contiguous view one element into its storage: the front passes it on as it is, so the
@@ -253,15 +281,23 @@ def test_bitwise_deterministic():
         assert torch.equal(t, b[key]), key
 
 
+@pytest.mark.parametrize("states", ["buffer", "workspace", "saved"])
 @pytest.mark.parametrize("slice_b", ["1", "3"])
-def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, monkeypatch):
+def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, states, monkeypatch):
     """The backward run in batch slices (KERNEL_FUN_KDA_BWD_SLICE forces the slice; the scan width
     is pinned so both runs pick the same) gives exactly the gradients of one pass, dA_log, ddt_bias
-    and dh0 (summed / written across slices) included."""
+    and dh0 (summed / written across slices) included. The states: re-scanned into each slice's part
+    of the forward's buffer ("buffer", few chains), into per-slice workspace
+    (KERNEL_FUN_KDA_SAVE_STATES=0), or saved by the forward's scan ("saved", 64 chains per batch), each
+    slice reading its own part."""
     monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", "64")
-    inputs, kw = make_case(B=4, T=300, H=2, HV=4, V=128, h0=True)
+    if states == "workspace":
+        monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
+    B = 4
+    inputs, kw = make_case(B=B, T=300, H=2, HV=4, V=128, h0=True) if states != "saved" else \
+        make_case(B=B, T=130, H=16, HV=16, V=256, h0=True)
     do, dht = _do_dht(inputs, kw)
-    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", "4")
+    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", str(B))
     whole = _grads_ours(inputs, kw, do, dht)
     monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", slice_b)
     sliced = _grads_ours(inputs, kw, do, dht)
@@ -286,9 +322,10 @@ def test_paired_scans_are_bitwise_the_two_launches(name, monkeypatch):
     assert_bitwise_same(apart, paired, "gradients")
 
 
-def _bwd_kernels(case: dict) -> set:
-    """Names of the KDA kernels one training call of the case launches through the public chunk_kda
-    (the production backward: its workspace sliced as kda_bwd_slice_batches picks; torch profiler)."""
+def _kda_launches(case: dict) -> dict:
+    """{kernel name: launches} of the KDA kernels one training call of the case makes through the
+    public chunk_kda (the production backward: its workspace sliced as kda_bwd_slice_batches picks;
+    torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
     inputs, kw = make_case(**case)
     do, dht = _do_dht(inputs, kw)
@@ -297,35 +334,73 @@ def _bwd_kernels(case: dict) -> set:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _grads_ours(inputs, kw, do, dht)
         torch.cuda.synchronize()
-    return {e.key.split("<")[0].split("::")[-1].replace("void ", "") for e in prof.key_averages()
-            if e.device_type.name == "CUDA" and "kda_" in e.key}
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and "kda_" in e.key:
+            name = e.key.split("<")[0].split("::")[-1].replace("void ", "")
+            out[name] = out.get(name, 0) + e.count
+    return out
+
+
+def _bwd_kernels(case: dict) -> set:
+    """Names of the KDA kernels one training call of the case launches (_kda_launches)."""
+    return set(_kda_launches(case))
+
+
+def test_saved_states_replace_the_rescan(monkeypatch):
+    """Where the backward would not pair its scans, a training forward's scan keeps the state before
+    every chunk and the backward runs no re-scan: kda_fwd_scan is launched once per training call
+    (the forward's), and with KERNEL_FUN_KDA_SAVE_STATES=0 once more per batch slice (B16 T256 H16
+    V256: 4 slices of 4 batches, the scans apart). Where it pairs them (one sequence of 4 heads) the
+    re-scan runs beside the dh scan either way (kda_policy.h's save_states_pays)."""
+    monkeypatch.delenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS", raising=False)
+    monkeypatch.delenv("KERNEL_FUN_KDA_BWD_SLICE", raising=False)
+    monkeypatch.delenv("KERNEL_FUN_KDA_SAVE_STATES", raising=False)
+    case = dict(B=16, T=256, H=16, V=256)
+    saved = _kda_launches(case)
+    few = _kda_launches(dict(B=1, T=300, H=4, V=128, h0=True))
+    monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
+    rescan = _kda_launches(case)
+    assert saved.get("kda_fwd_scan_kernel") == 1 and "kda_bwd_scans_kernel" not in saved, saved
+    assert saved.get("kda_bwd_dh_scan_kernel") == 4, saved
+    assert rescan.get("kda_fwd_scan_kernel") == 1 + rescan.get("kda_bwd_dh_scan_kernel", 0) == 5, rescan
+    assert few.get("kda_fwd_scan_kernel") == 1 and few.get("kda_bwd_scans_kernel") == 1, few
 
 
 def test_backward_pairs_its_scans_only_when_both_fit_one_wave(monkeypatch):
     """kda_policy.h's bwd_pair_scans as launched: one sequence of 4 heads (8 scan CTAs at V = 128)
     runs kda_bwd_scans; 16 x 16 sequence-heads at V = 256 (128 CTAs per scan after the 4-batch
-    slicing) run the two scans apart."""
+    slicing) run the two scans apart. (Where the forward saves no states: KERNEL_FUN_KDA_SAVE_STATES=0.)"""
     monkeypatch.delenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS", raising=False)
+    monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
     small = _bwd_kernels(dict(B=1, T=300, H=4, V=128, h0=True))
     assert "kda_bwd_scans_kernel" in small and "kda_bwd_dh_scan_kernel" not in small, small
     big = _bwd_kernels(dict(B=16, T=256, H=16, V=256))
     assert "kda_bwd_scans_kernel" not in big and "kda_bwd_dh_scan_kernel" in big, big
 
 
-def _bwd_workspace_bytes(B, T, HV, K, V, slice_b):
+def _bwd_workspace_bytes(B, T, HV, K, V, slice_b, states_saved):
     """kda::workspace() of a fixed-length backward with saved factors and an in-kernel gate, with
-    slice_b batches per slice: w, qg, kg, exp2(G), h_ckpt, dh_ckpt per slice; pbias, pA whole."""
+    slice_b batches per slice: w, qg, kg, exp2(G), h_ckpt (unless the forward saved the states),
+    dh_ckpt per slice; pbias, pA whole."""
     nts = -(-T // 64)
     rows, c = slice_b * T, slice_b * nts
-    return (3 * rows * HV * K * 2 + c * HV * K * 4 + 2 * c * HV * V * K * 2
+    return (3 * rows * HV * K * 2 + c * HV * K * 4 + (1 if states_saved else 2) * c * HV * V * K * 2
             + B * nts * HV * (K + 1) * 4 + (B + 1) * 4)
 
 
-def test_backward_memory_is_gradients_plus_one_slice_of_workspace():
+@pytest.mark.parametrize("states", ["", "0"], ids=["saved-states", "rescan"])
+def test_backward_memory_is_gradients_plus_one_slice_of_workspace(states, monkeypatch):
     """Peak memory of the backward (from after the forward to the gradients): the gradients plus the
     workspace of one batch slice, nothing else: no zero-filled gradients of the outputs the loss does
     not use (the saved factors, 3 x 32 MiB here), no whole-batch checkpoints (B16 T1024 H16 K128
-    V256: 512 scan CTAs, so the launcher runs 4 slices of 4 batches; whole-batch workspace 704 MiB)."""
+    V256: 512 scan CTAs, so the launcher runs 4 slices of 4 batches; whole-batch workspace 704 MiB).
+    With the forward's saved states (held since the forward, so before the baseline) no per-slice
+    h_ckpt either."""
+    if states:
+        monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", states)
+    else:  # the default
+        monkeypatch.delenv("KERNEL_FUN_KDA_SAVE_STATES", raising=False)
     B, T, H, K, V = 16, 1024, 16, 128, 256
     inputs, kw = make_case(B=B, T=T, H=H, V=V, final=False)
     leaves = [x.detach().clone().to(torch.bfloat16).requires_grad_(True) for x in inputs]
@@ -342,7 +417,7 @@ def test_backward_memory_is_gradients_plus_one_slice_of_workspace():
     assert _ext.op_calls()["kda_bwd"] == before + 1
     peak = torch.cuda.max_memory_allocated() - base
     grads = sum(x.numel() * x.element_size() for x in leaves)  # same shapes and dtypes as the inputs
-    bound = grads + _bwd_workspace_bytes(B, T, H, K, V, 4) + (16 << 20)  # allocator rounding
+    bound = grads + _bwd_workspace_bytes(B, T, H, K, V, 4, states == "") + (16 << 20)  # allocator rounding
     assert peak <= bound, f"backward peak {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
 
 

@@ -5,9 +5,11 @@
 //   kda_support(...) -> str       "" when our kernels serve the call, else the reason (metadata only:
 //                                 any device, meta tensors included)
 //   kda_fwd(...) -> ()            writes o (+ final_state, h_states, and for training the factors the
-//                                 backward reads: Aqk, Akk, M); allocates the rest of its workspace
+//                                 backward reads: Aqk, Akk, M, and optionally the states h_ckpt);
+//                                 allocates the rest of its workspace
 //   kda_bwd(...) -> ()            writes dq, dk, dv, dg, dbeta (+ dA_log, ddt_bias, dh0); with the
-//                                 forward's Aqk / Akk / M it skips recomputing them
+//                                 forward's Aqk / Akk / M it skips recomputing them, with its h_ckpt
+//                                 the re-scan
 //   kda_fwd_stages / kda_bwd_stages(...) -> Tensor[]   the same launches, returning the outputs AND
 //                                 the workspace, for the per-stage tests
 // The launch ops validate everything they read or write and throw std::invalid_argument (Python
@@ -26,6 +28,7 @@
 #include "api/op_calls.h"
 #include "api/stable_utils.h"
 #include "kda/kda_launch.h"
+#include "kda/kda_policy.h"
 #include "kda/kda_problem.h"
 
 namespace kernel_fun::api {
@@ -216,7 +219,7 @@ std::string fill_problem(KdaProblem& p, const Tensor& q, const Tensor& k, const 
 // Allocates every workspace buffer of kda::workspace() on q's device and points p at them.
 std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backward) {
   std::vector<Tensor> out;
-  for (const WorkBuffer& b : kda::workspace(p, backward, p.saved_factors, p.slice_B)) {
+  for (const WorkBuffer& b : kda::workspace(p, backward, p.saved_factors, p.slice_B, p.h_ckpt_given)) {
     const ScalarType st = b.is_int ? ScalarType::Int
                                    : (b.dtype == DType::kFloat32 ? ScalarType::Float : q.scalar_type());
     Tensor t = torch::stable::new_empty(q, b.shape, st);
@@ -281,6 +284,29 @@ std::string factor_check(KdaBwdParams& p, const Tensor& q, const OptT& Aqk, cons
   return "";
 }
 
+// The buffer for the state before every chunk ([max_chunks, HV, V, K] in q's dtype) that a training
+// forward passes on to its backward, only beside the saved factors. Where kda_policy.h's
+// save_states_pays says so the forward's scan writes it and the backward reads it instead of
+// re-running the scan; elsewhere the forward leaves it and the backward's re-scan writes it. The
+// token recurrence neither writes nor reads it.
+std::string states_check(KdaBwdParams& p, const Tensor& q, const OptT& h_ckpt, bool backward) {
+  if (!h_ckpt) return "";
+  KDA_REQUIRE(p.saved_factors, "h_ckpt (the states saved for the backward) needs Aqk, Akk and M");
+  KDA_TRY(check_tensor(*h_ckpt, q, "h_ckpt", {p.max_chunks, p.HV, p.V, p.K}));
+  KDA_TRY(check_dtype(*h_ckpt, q.scalar_type(), "h_ckpt"));
+  KDA_REQUIRE(reinterpret_cast<uintptr_t>(h_ckpt->data_ptr()) % 16 == 0, "h_ckpt must start 16-byte aligned");
+  if (p.recurrent) return "";
+  const bool saved = kda::save_states_pays(p);
+  if (backward) {
+    p.h_ckpt = h_ckpt->data_ptr();
+    p.h_ckpt_given = true;
+    p.saved_states = saved;
+  } else if (saved) {
+    p.h_ckpt = h_ckpt->data_ptr();
+  }
+  return "";
+}
+
 // ---------------------------------------------------------------- forward
 std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const OptT& final_state,
                         const OptT& h_states) {
@@ -318,7 +344,7 @@ std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const
 
 std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor& o, const OptT& final_state,
                             const OptT& h_states, const OptT& Aqk, const OptT& Akk, const OptT& M,
-                            bool poison_ws = false, bool profile = false, bool stages = false) {
+                            const OptT& h_ckpt, bool poison_ws = false, bool profile = false, bool stages = false) {
   KdaBwdParams p;  // forward fields only; the rest stay null
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(fwd_outputs(p, q, o, final_state, h_states));
@@ -327,6 +353,7 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
   // kernels' workspace (a training forward's factors then stay unwritten: its backward, deciding the
   // same way, runs the recurrence too and never reads them)
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);
+  raise_if(states_check(p, q, h_ckpt, false));
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
   if (poison_ws) poison(ws);
   if (profile) {  // kda_fwd_intra's phase clocks, [max_chunks * HV][16] int64, appended last
@@ -356,8 +383,8 @@ std::vector<int64_t> kda_limits(Tensor probe) {
 }
 
 void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_states, OptT Aqk, OptT Akk,
-             OptT M) {
-  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M);
+             OptT M, OptT h_ckpt) {
+  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M, h_ckpt);
 }
 
 // [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, chunk_ready, then with profile
@@ -386,7 +413,8 @@ std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_f
     poison(outs);
   }
   std::vector<Tensor> ws =
-      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, poison_outputs, profile, /*stages=*/true);
+      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, std::nullopt, poison_outputs, profile,
+              /*stages=*/true);
   std::vector<Tensor> out = {o, ht, Aqk, Akk, M};
   for (auto& t : ws) out.push_back(t);
   return out;
@@ -444,13 +472,15 @@ std::string bwd_outputs(KdaBwdParams& p, const Tensor& q, const Tensor& g, const
 #define KF_KDA_GRAD_NAMES dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, const OptT& Aqk, const OptT& Akk,
-                            const OptT& M, const std::string& options, KF_KDA_GRADS, float* dbg_dA, float* dbg_dL,
+                            const OptT& M, const OptT& h_ckpt, const std::string& options, KF_KDA_GRADS,
+                            float* dbg_dA, float* dbg_dL,
                             bool poison_ws = false, bool profile = false, bool stages = false) {
   KdaBwdParams p;
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(bwd_outputs(p, q, g, beta, dout, dht, KF_KDA_GRAD_NAMES));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(saved by the forward)"));
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);  // as the forward decided (run_fwd)
+  raise_if(states_check(p, q, h_ckpt, true));
   // the workspace holds one batch slice, or (the stage op: the tests read it back) the whole batch
   p.slice_B = stages ? p.B : kda::kda_bwd_slice_batches(p);
   std::vector<Tensor> ws = alloc_workspace(q, p, true);
@@ -466,8 +496,9 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   return ws;
 }
 
-void kda_bwd(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, std::string options, KF_KDA_GRADS) {
-  run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, options, KF_KDA_GRAD_NAMES, nullptr, nullptr);
+void kda_bwd(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, OptT h_ckpt, std::string options,
+             KF_KDA_GRADS) {
+  run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, h_ckpt, options, KF_KDA_GRAD_NAMES, nullptr, nullptr);
 }
 
 // [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (each empty when not applicable),
@@ -501,7 +532,7 @@ std::vector<Tensor> kda_bwd_stages(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, O
     poison(outs);
   }
   std::vector<Tensor> ws =
-      run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, options, dq, dk, dv, dg, dbeta,
+      run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, std::nullopt, options, dq, dk, dv, dg, dbeta,
               has_alog ? OptT(dA_log) : std::nullopt,
               has_bias ? OptT(ddt) : std::nullopt, initial_state ? OptT(dh0) : std::nullopt,
               static_cast<float*>(dA.data_ptr()), static_cast<float*>(dL.data_ptr()), poison_outputs, profile,
@@ -521,7 +552,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
   m.def(
       "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, Tensor(a!) o, Tensor(b!)? final_state, "
-      "Tensor(c!)? h_states, Tensor(d!)? Aqk, Tensor(e!)? Akk, Tensor(f!)? M) -> ()");
+      "Tensor(c!)? h_states, Tensor(d!)? Aqk, Tensor(e!)? Akk, Tensor(f!)? M, Tensor(g!)? h_ckpt) -> ()");
   m.def(
       "kda_fwd_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, bool output_final_state, Tensor(a!)? h_states, "
@@ -529,7 +560,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
   m.def(
       "kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dht, Tensor? Aqk, Tensor? Akk, Tensor? M, "
-      "str options, Tensor(a!) dq, "
+      "Tensor? h_ckpt, str options, Tensor(a!) dq, "
       "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dg, Tensor(e!) dbeta, Tensor(f!)? dA_log, Tensor(g!)? ddt_bias, "
       "Tensor(h!)? dh0) -> ()");
   m.def(

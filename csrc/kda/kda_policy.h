@@ -147,6 +147,22 @@ inline int bwd_slice_batches(const KdaProblem& p) {
   return p.B;
 }
 
+// Whether a training forward's scan writes the state before every chunk for its backward (which then
+// runs no re-scan: KdaBwdParams::saved_states), given the buffer (the Python front allocates it,
+// [max_chunks, HV, V, K], unless KERNEL_FUN_KDA_SAVE_STATES=0). Where the backward would pair its
+// re-scan with the dh scan in one launch (bwd_pair_scans, on one batch slice at the scan's width:
+// few chains, B = 1 with few heads) the re-scan costs nothing beside the longer dh scan, while the
+// checkpoint stores lengthen the forward's chain steps: on the H200 (2026-12-04) B1 T32768 H32's
+// training call 7.36 -> 7.66 ms and B1 T8192 H16's 1.31 -> 1.36 with them, where prod8192 went
+// 18.91 -> 17.70, bounded B16 13.68 -> 13.16 and varlen 1.99 -> 1.89. There the buffer serves the
+// backward's re-scan instead (no per-slice h_ckpt). A pure function of the shape, with no
+// environment, so the forward and its backward always decide alike.
+inline bool save_states_pays(const KdaProblem& p) {
+  KdaProblem s = p;
+  if (!p.cu_seqlens) s.B = s.N = bwd_slice_batches(p);
+  return !bwd_pair_scans(s, scan_choice(s).bv);
+}
+
 // The fp32 token recurrence (recur/kda_recur.cuh) instead of the chunk kernels, for problems whose
 // every sequence fits in one chunk: there the chunk form saves no work, and its 16-bit intermediates
 // set the error (dA_log summed over the tokens of one chunk; docs/notes/2026-12-03-recurrence.md).

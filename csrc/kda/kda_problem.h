@@ -99,7 +99,8 @@ struct KdaFwdParams : KdaProblem {
   void* Akk = nullptr;       // [B*T, HV, 64]  (I + L)^-1 diag(beta)
   void* M = nullptr;         // [B*T, HV, 64]  (I + L)^-1 (backward only), or null
   float* gdecay = nullptr;   // [max_chunks, HV, K]  exp2(G) per chunk (G = g2 of its last valid row)
-  void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk (backward re-scan), or null
+  void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk, or null: written by the
+                             // backward's re-scan, or by a training forward's scan (saved_states)
   int* chunk_ready = nullptr;  // the streamed forward only (kda_policy.h's fwd_stream_choice), else null:
                                // [max_chunks * HV] flags, 1 once the intra CTA of (chunk, hv) has written
                                // its rows; the intra CTAs' done counter; then one resume chunk per scan
@@ -118,6 +119,12 @@ struct KdaBwdParams : KdaFwdParams {
   // Aqk, Akk and M come from the forward (saved for the backward): kda_bwd_prep rebuilds only w, qg,
   // kg and gdecay; otherwise kda_fwd_intra recomputes all of them.
   bool saved_factors = false;
+  // h_ckpt is the training forward's whole-batch buffer ([max_chunks, HV, V, K]; a batch slice uses
+  // its part of it), and saved_states: the forward's scan wrote the state before every chunk into
+  // it (kda_policy.h's save_states_pays), so the backward runs no re-scan; otherwise the re-scan
+  // writes it.
+  bool h_ckpt_given = false;
+  bool saved_states = false;
   const void* dout = nullptr;  // do [B, T, HV, V], dtype WT
   const float* dht = nullptr;  // gradient of the final state (layout of h0), or null
 
@@ -183,11 +190,11 @@ inline bool sliced_backward(const KdaProblem& p, int slice_B) {
 
 // The forward (backward == false) or the whole backward's workspace. Buffers not needed for this
 // problem (GVA sums when HV == H, gate partials without an in-kernel gate, the factors the forward
-// saved: saved_factors) are absent. slice_B > 0 (fixed-length backward, bwd/kda_bwd_slice.h): the
+// saved: saved_factors; h_ckpt where the forward passes its buffer: h_ckpt_given) are absent. slice_B > 0 (fixed-length backward, bwd/kda_bwd_slice.h): the
 // per-token and per-chunk buffers hold slice_B batches, reused slice after slice; the gate
 // partials pbias / pA stay full-size (summed once after the last slice).
 inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
-                                         int slice_B = 0) {
+                                         int slice_B = 0, bool h_ckpt_given = false) {
   // p.recurrent (the fp32 token recurrence, recur/kda_recur.cuh) needs none of the chunk kernels'
   // buffers: the chunk map (a varlen sequence's row of the gate partials is its chunk), and in the
   // backward the replayed states, dq^ / dk^ (kda_bwd_group_sum finishes them, GVA or not) and the
@@ -223,7 +230,7 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   }
   if (chunked) {
     if (!saved_factors) b.push_back({WorkBuffer::kM, "M", {rows, HV, kChunk}, wt});
-    b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
+    if (!h_ckpt_given) b.push_back({WorkBuffer::kHCkpt, "h_ckpt", {C, HV, V, K}, wt});
     b.push_back({WorkBuffer::kDhCkpt, "dh_ckpt", {C, HV, V, K}, wt});
   } else {
     b.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, HV, V / kRecurCols, recur_slice_floats(p.K)}, f32});

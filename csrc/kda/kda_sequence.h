@@ -33,13 +33,15 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
 }
 
 // One batch slice: rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with
-// M) and the state before every chunk, then the reverse scan, the per-chunk gradients and (GVA)
-// the group sums.
+// M) and the state before every chunk (unless the forward saved the states), then the reverse
+// scan, the per-chunk gradients and (GVA) the group sums.
 template <typename Stages>
 void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
   if (p.saved_factors) s.prep(p);
   else s.intra(p);
-  if (s.pair_scans(p)) {
+  if (p.saved_states) {  // the training forward's scan wrote h_ckpt: no re-scan
+    s.dh_scan(p);
+  } else if (s.pair_scans(p)) {
     s.scans(p);
   } else {
     s.scan(p);

@@ -6,6 +6,9 @@ KERNEL_FUN_KDA_DISABLE=1     chunk_kda goes to fla
 KERNEL_FUN_CCONV_DISABLE=1   causal_conv1d goes to fla
 KERNEL_FUN_CCONV_CP=1        causal_conv1d with cp_context runs on ours (cconv/_cp.py), not fla's
 KERNEL_FUN_KDA_CP=1          chunk_kda with cp_context runs on ours (kda/_cp.py), not fla's
+KERNEL_FUN_KDA_SAVE_STATES=0 a training forward passes no buffer for the state before every chunk to
+                             its backward, which then re-runs the scan into per-slice workspace (less
+                             memory where the backward runs in batch slices; docs/kda-backward.md)
 """
 
 from __future__ import annotations

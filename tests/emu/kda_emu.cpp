@@ -114,6 +114,7 @@ struct KdaEmuArgs {
                           // through); 0 pass 1 before the intra (as under a serialising tool: every
                           // chain stops at chunk 0); m > 0 pass 1 sees only chunks < m published
   int64_t recurrent;      // 1: the fp32 token recurrence (recur/kda_recur.cuh) where recurrent_possible
+  int64_t saved_states;   // backward: h_ckpt is the training forward's states (no re-scan)
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -199,6 +200,8 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.slice_B = static_cast<int>(a.slice_b);
   p.recur_state = a.recur_state;
   p.recurrent = a.recurrent != 0 && kda::recurrent_possible(p);
+  // the forward's states given and written (csrc/api's states_check where save_states_pays)
+  p.h_ckpt_given = p.saved_states = a.saved_states != 0 && !p.recurrent;
   return p;
 }
 

@@ -36,7 +36,7 @@ _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "op
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
          "dbg_dL", "chunk_ready", "scan_save", "recur_state")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
-         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop", "recurrent")
+         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop", "recurrent", "saved_states")
 
 
 class KdaEmuArgs(ctypes.Structure):
@@ -219,7 +219,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
-                   streamed=False, stream_stop=-1, recurrent=False):
+                   streamed=False, stream_stop=-1, recurrent=False, save_states=False):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     recurrent=True: the fp32 token recurrence (csrc/kda/recur/) where every sequence fits in one chunk
     (the chunk kernels' workspace in ws is then left unwritten).
@@ -229,7 +229,9 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     chunk, the scan's pass 1 waiting for each chunk's flag, pass 2 resuming the chains pass 1
     stopped; ws["chunk_ready"], ws["scan_save"]), whatever the launch policy says. stream_stop: -1
     the intra runs before pass 1 (no chain stops), 0 after it (every chain stops at chunk 0, as
-    under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published."""
+    under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published.
+    save_states=True: the scan also writes the state before every chunk into ws["h_ckpt"] (a
+    training forward's saved states, [max_chunks, HV, V, K], which backward_stages' states reads)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -253,9 +255,11 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         nflags = f["max_chunks"] * HV + 1 + HV * N * (V // 64) + 3  # kda_problem.h's stream_flag_count
         ws["chunk_ready"] = gz.alloc("chunk_ready", (nflags,), torch.int32, fill=0)
         ws["scan_save"] = gz.alloc("scan_save", (N, HV, K, V), torch.float32)
+    if save_states:
+        ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
-                   stream_stop=int(stream_stop))
+                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")))
     L = lib()
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
@@ -363,7 +367,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
-                    recurrent=False, **_ignored):
+                    recurrent=False, states=None, **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -372,7 +376,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     (kda_policy.h's bwd_pair_scans), 1 = the re-scan and the dh scan in one launch
     (csrc/kda/bwd/kda_bwd_scans.cuh), 2 = two launches. balance: kda_bwd_grads' load-balancing bits
     (KdaBwdParams::balance: 1 I1, 2 E1), -1 = the default. recurrent=True: the fp32 token recurrence's
-    backward where every sequence fits in one chunk (st's chunk-kernel stages are then unwritten)."""
+    backward where every sequence fits in one chunk (st's chunk-kernel stages are then unwritten).
+    states: the forward's saved states (forward_stages' ws["h_ckpt"] with save_states), beside saved:
+    no re-scan; st["h_ckpt"] is then a copy of them."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -380,6 +386,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     gz, ws, f, keep = _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, misalign, True,
                              saved, recurrent=recurrent)
     dt = q.dtype
+    if states is not None:  # in place of the per-call h_ckpt workspace, which then stays NaN
+        ws["h_ckpt"] = gz.copy_in("h_ckpt (saved)", states.contiguous())
+        f["h_ckpt"] = _ptr(ws["h_ckpt"])
     do_ = gz.copy_in("do", do.to(dt).contiguous())
     dht_ = gz.copy_in("dht", dht.to(torch.float32).contiguous()) if dht is not None else None
     grads = dict(dq=gz.alloc("dq", (B, T, H, K), dt), dk=gz.alloc("dk", (B, T, H, K), dt),
@@ -393,7 +402,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
               dL=gz.alloc("dbg_dL", (B * T, HV, CHUNK), torch.float32, fill=0.0))
     a = KdaEmuArgs(**f, dout=_ptr(do_), dht=_ptr(dht_), **{n: _ptr(t) for n, t in grads.items()},
                    dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or 0),
-                   slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance))
+                   slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance),
+                   saved_states=int(states is not None))
     L = lib()
     if L.kda_emu_backward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())

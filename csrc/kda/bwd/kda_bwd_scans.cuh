@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_scans_kern
   WT* sm = dev::scan_smem_base<WT>(smem_f4);
   const int nvs = p.V / BV;
   const dev::ScanBlock b = dev::scan_block(p);
-  if (b.vs < nvs) fwd_scan_cta<WT, K, BV, false>(p, b, sm);  // the re-scan: states only (p.o is null)
+  if (b.vs < nvs) fwd_scan_cta<WT, K, BV, false, true>(p, b, sm);  // the re-scan: states only (p.o is null)
   else dh_scan_cta<WT, K, BV>(p, dev::ScanBlock{b.vs - nvs, b.hv, b.n}, sm);
 }
 

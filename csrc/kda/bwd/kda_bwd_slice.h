@@ -33,8 +33,8 @@ inline int64_t dtype_bytes(DType t) {
 }
 
 // The params of batches [b0, b0 + nb) of `full` (a fixed-length problem). The workspace pointers
-// of `full` (w, qg, kg, gdecay, h_ckpt, dh_ckpt, dqhat, dkhat) must already be sized for nb
-// batches: they are used as they are, from row 0.
+// of `full` (w, qg, kg, gdecay, h_ckpt unless the forward gave it, dh_ckpt, dqhat, dkhat) must
+// already be sized for nb batches: they are used as they are, from row 0.
 inline KdaBwdParams kda_bwd_batch_slice(const KdaBwdParams& full, int b0, int nb) {
   KdaBwdParams s = full;
   s.B = s.N = nb;
@@ -73,6 +73,8 @@ inline KdaBwdParams kda_bwd_batch_slice(const KdaBwdParams& full, int b0, int nb
   s.dbg_dA = static_cast<float*>(adv_mut(full.dbg_dA, tok * a_row * 4));
   s.dbg_dL = static_cast<float*>(adv_mut(full.dbg_dL, tok * a_row * 4));
   const int64_t chunk0 = b0 * nts;
+  // the forward's whole-batch buffer (h_ckpt_given); otherwise h_ckpt is per-slice workspace
+  if (full.h_ckpt_given) s.h_ckpt = adv_mut(full.h_ckpt, chunk0 * full.HV * full.V * full.K * wt);
   s.dbg_clock = static_cast<long long*>(adv_mut(full.dbg_clock, chunk0 * full.HV * 16 * 8));
   s.pbias = static_cast<float*>(adv_mut(full.pbias, chunk0 * full.HV * full.K * 4));
   s.pA = static_cast<float*>(adv_mut(full.pA, chunk0 * full.HV * 4));

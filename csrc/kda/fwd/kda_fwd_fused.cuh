@@ -56,8 +56,8 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_fwd_fused_kernel(const K
     dev::cp_async_commit();
     dev::cp_async_wait<0>();
     __syncthreads();
-    if (state_warp && with_o) fwd_scan_step<WT, K, BV, true>(p, pl, dev::ScanOperands<WT, K, BV>(stage), c, hT, [] {});
-    if (state_warp && !with_o) fwd_scan_step<WT, K, BV, false>(p, pl, dev::ScanOperands<WT, K, BV>(stage), c, hT, [] {});
+    if (state_warp && with_o) fwd_scan_step<WT, K, BV, true, false>(p, pl, dev::ScanOperands<WT, K, BV>(stage), c, hT, [] {});
+    if (state_warp && !with_o) fwd_scan_step<WT, K, BV, false, true>(p, pl, dev::ScanOperands<WT, K, BV>(stage), c, hT, [] {});
   }
   if (state_warp && p.ht) dev::store_state<WT, K>(p.ht, pl.sbase, hT, p, pl.col0, pl.t);
 }

@@ -19,7 +19,9 @@
 // scale lives inside qg and Aqk (kda_fwd_intra), so it is never applied twice. h and v' are rounded
 // to WT as MMA operands; accumulation is fp32 everywhere.
 // The backward's re-scan runs this kernel with o = null (no qg loads, no OT products, no o stores)
-// and h_ckpt set: the state before every chunk, [chunk][HV][V][K] in WT, for kda_bwd_grads.
+// and h_ckpt set: the state before every chunk, [chunk][HV][V][K] in WT, for kda_bwd_grads. A
+// training forward that saves its states for the backward (KdaBwdParams::saved_states) runs it with
+// both o and h_ckpt set.
 //
 // Shared memory: dev::ScanStage (csrc/kda/device/scan.cuh), with sVal = v.
 #pragma once
@@ -39,8 +41,12 @@ namespace kernel_fun::kda {
 // checkpoint stores: work that neither reads A's operands nor its results (the next chunk's loads)
 // is then issued in the tensor cores' shadow instead of ahead of the chain h -> A -> v' -> h.
 // kWithO: the forward (o wanted) or the backward's re-scan (states only), compiled apart: with a
-// runtime flag both paths carried the other's loads and branches.
-template <typename WT, int K, int BV, bool kWithO, typename BesideA>
+// runtime flag both paths carried the other's loads and branches. kCkpt: the checkpoints of the
+// state (h_ckpt) are written, in A's shadow: the re-scan always, the forward when it saves its
+// states for the backward (a third instantiation, so the plain forward carries no store code; the
+// same stores ahead of A, behind a runtime branch, cost the training forward's scan +15% per step
+// at B1 T32768 H32, 2026-12-04).
+template <typename WT, int K, int BV, bool kWithO, bool kCkpt, typename BesideA>
 __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
                                               const dev::ScanOperands<WT, K, BV>& op, int c, float (&hT)[K / 8][4],
                                               BesideA&& beside_a) {
@@ -64,16 +70,12 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) dev::pack_a<WT>(ha[kk], hT[2 * kk], hT[2 * kk + 1]);
     dev::fence_regs(ha);
-    // The backward's checkpoint of the state read by chunk c ([chunk][hv][v][k]): the re-scan's in
-    // A's shadow below; the forward writes none, so there it is a branch before the wgmma window
-    // (predicated inside it, the quad transposes would run regardless).
+    // The backward's checkpoint of the state read by chunk c ([chunk][hv][v][k]), in A's shadow
+    // below (kCkpt).
     auto store_ckpt = [&](bool go) {
       dev::store_state_ckpt<WT, K>(
           reinterpret_cast<WT*>(p.h_ckpt) + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, hT, col0, t, go);
     };
-    if constexpr (kWithO) {
-      if (p.h_ckpt) store_ckpt(true);
-    }
     // One commit group for WHT and OT (OT in a second group, waited for only before C, measured
     // slower: B's mma.sync then shares the tensor cores with OT on the chain). In A's shadow (hT
     // itself is no operand of A, its packed copy ha is): the re-scan's checkpoint, then the caller's
@@ -82,7 +84,7 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
     dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
     if constexpr (kWithO) dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
     dev::wgmma_commit();
-    if constexpr (!kWithO) store_ckpt(p.h_ckpt != nullptr);
+    if constexpr (kCkpt) store_ckpt(p.h_ckpt != nullptr);
     beside_a();
     dev::wgmma_wait<0>();
     dev::fence_regs(ha);
@@ -145,8 +147,9 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 }
 
 // One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
-// body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel. kWithO = (p.o set).
-template <typename WT, int K, int BV, bool kWithO>
+// body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel. kWithO = (p.o set),
+// kCkpt = (p.h_ckpt set).
+template <typename WT, int K, int BV, bool kWithO, bool kCkpt>
 __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int NT = dev::scan_threads<BV>();
@@ -216,7 +219,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
     if (p.scan_pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
     // chunk c + 1 into stage st ^ 1 (free since the barrier), issued while product A of chunk c is in
     // flight (ahead of A, its address and copy instructions sat on every step's critical path)
-    fwd_scan_step<WT, K, BV, kWithO>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, hT, [&] {
+    fwd_scan_step<WT, K, BV, kWithO, kCkpt>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, hT, [&] {
       load_chunk(c + 1, st ^ 1, c + 1 < nchunks && !stopped);
       dev::cp_async_commit();
     });
@@ -232,9 +235,12 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  // the forward (o) or the backward's re-scan when not paired with the dh scan (states only)
-  if (p.o) fwd_scan_cta<WT, K, BV, true>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
-  else fwd_scan_cta<WT, K, BV, false>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+  // the forward (o; a training forward also saving its states: o and h_ckpt) or the backward's
+  // re-scan when not paired with the dh scan (states only)
+  WT* sm = dev::scan_smem_base<WT>(smem_f4);
+  if (p.o && p.h_ckpt) fwd_scan_cta<WT, K, BV, true, true>(p, dev::scan_block(p), sm);
+  else if (p.o) fwd_scan_cta<WT, K, BV, true, false>(p, dev::scan_block(p), sm);
+  else fwd_scan_cta<WT, K, BV, false, true>(p, dev::scan_block(p), sm);
 }
 
 // The launch (kda_launch_shape.h): one CTA per (V-slice, value head, sequence); launch_scan's and
