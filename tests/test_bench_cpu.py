@@ -759,6 +759,25 @@ def test_table_has_flashkda_columns_blank_without_a_row(tmp_path):
     assert "flashkda ms" in table and "1.10x" in table
 
 
+def test_merge_note_names_the_rows_whose_fla_time_is_older():
+    """A run with --no-fla merged over one with fla: the note names each row pair from two
+    processes (the table's ratio there is across runs), and only those."""
+    from kernel_fun.bench import report
+
+    def row(case, impl, ms, date):
+        return report.new_row(family="kda", case=case, **{"pass": "fwd"}, impl=impl, status="ok", ms=ms,
+                              date=date, gpu="h200", device_name="NVIDIA H200")
+
+    old = [row("prod8192", "kernel_fun", 4.2, "D1"), row("prod8192", "fla", 9.2, "D1"),
+           row("small", "kernel_fun", 0.5, "D1"), row("small", "fla", 1.3, "D1")]
+    new = [row("prod8192", "kernel_fun", 4.1, "D2")]
+    _, meta = report.merge_runs([old, new])
+    assert "except in these rows" in meta["notes"][0]
+    assert "prod8192 fwd (ours D2, fla D1)" in meta["notes"][0] and "small" not in meta["notes"][0]
+    _, meta = report.merge_runs([old])
+    assert "come from the same process" in meta["notes"][0] and "except" not in meta["notes"][0]
+
+
 def test_merge_runs_keeps_flashkda_rows():
     rows, _ = _flashkda_table_rows()
     old = [dict(r, ms=None, status="not_run", note="flash_kda not importable (x)", date="2026-11-01")
