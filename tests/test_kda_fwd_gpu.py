@@ -472,7 +472,24 @@ BAD_ARGS = {  # argument index in kda_fwd's schema -> (bad value maker, the mess
     "options": (9, lambda t: t + ";x=1", "kernel_fun.kda: options: unknown key 'x'"),
     "o": (10, lambda t: t.float(), "kernel_fun.kda: o must be bfloat16"),
     "final_state": (11, lambda t: t[..., :-1], "kernel_fun.kda: final_state must have shape"),
+    # the state buffer for the backward only beside the saved factors (Aqk, Akk, M: None here)
+    "h_ckpt": (16, lambda t: torch.empty(2, 1, 64, 64, device="cuda", dtype=torch.bfloat16),
+               "kernel_fun.kda: h_ckpt (the states saved for the backward) needs Aqk, Akk and M"),
 }
+
+
+def test_raw_op_checks_the_state_buffer_shape():
+    """h_ckpt beside the factors must be [max_chunks, HV, V, K] (here 2 chunks of one head, 64 x 64)."""
+    inputs, kw = make_case(T=70, H=1, K=64, V=64)
+    q = inputs[0]
+    o = torch.empty(1, 70, 1, 64, dtype=q.dtype, device="cuda")
+    args = _raw_fwd_args(inputs, kw, o, None)
+    args[13:16] = [torch.empty(70, 1, 64, dtype=q.dtype, device="cuda") for _ in range(3)]
+    args[16] = torch.empty(1, 1, 64, 64, dtype=q.dtype, device="cuda")
+    with pytest.raises((ValueError, RuntimeError), match="h_ckpt must have shape"):
+        torch.ops.kernel_fun.kda_fwd(*args)
+    args[16] = torch.empty(2, 1, 64, 64, dtype=q.dtype, device="cuda")
+    torch.ops.kernel_fun.kda_fwd(*args)  # the right shape is taken
 
 
 @pytest.mark.parametrize("arg", list(BAD_ARGS))
