@@ -2,6 +2,7 @@
 // sequence.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cub/warp/warp_scan.cuh>
 
 #include <algorithm>
 #include <stdexcept>
@@ -38,21 +39,18 @@ __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
 //               grid (dev::scan_sequence): a schedule only, no result depends on it.
 //
 // Up to 32 sequences (a packed batch of a few documents, the common case) one warp does it all with
-// shuffles, in a fraction of the CTA-wide scan's and radix sort's time (which serve the rest); the
+// shuffles (cub's warp scan, and a rank found by counting), in a fraction of the CTA-wide scan's and radix sort's time (which serve the rest); the
 // map sits on the forward's and the backward's critical path, ahead of everything.
 __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
   if (p.N <= 32) {
     if (threadIdx.x >= 32) return;
     const int n = threadIdx.x;
     const int nc = n < p.N ? seq_len_chunks(p, n) : 0;
-    int incl = nc;  // inclusive prefix sum over the lanes
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int up = __shfl_up_sync(~0u, incl, d);
-      if (n >= d) incl += up;
-    }
-    if (n < p.N) p.chunk_offsets[n] = incl - nc;
-    if (n == 31) p.chunk_offsets[p.N] = incl;  // the padding lanes add 0: lane 31 holds the total
+    __shared__ typename cub::WarpScan<int>::TempStorage warp_scan;  // shuffles only on sm_90
+    int excl, total;
+    cub::WarpScan<int>(warp_scan).ExclusiveSum(nc, excl, total);  // the padding lanes add 0
+    if (n < p.N) p.chunk_offsets[n] = excl;
+    if (n == 0) p.chunk_offsets[p.N] = total;
     // rank n among the sequences: longer first, ties in index order (the radix sort's order below)
     int rank = 0;
 #pragma unroll
