@@ -20,8 +20,8 @@
 // to WT as MMA operands; accumulation is fp32 everywhere.
 // The backward's re-scan runs this kernel with o = null (no qg loads, no OT products, no o stores)
 // and h_ckpt set: the state before every chunk, [chunk][HV][V][K] in WT, for kda_bwd_grads. A
-// training forward that saves its states for the backward (KdaBwdParams::saved_states) runs it with
-// both o and h_ckpt set.
+// training forward that saves its states for the backward (kda_policy.h's save_states_pays) runs
+// it with both o and h_ckpt set.
 //
 // Shared memory: dev::ScanStage (csrc/kda/device/scan.cuh), with sVal = v.
 #pragma once
