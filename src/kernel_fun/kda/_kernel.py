@@ -83,6 +83,12 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o, ht, Aqk, Akk, M, h
 
 
+def _max_chunks(B, T, cu_seqlens):
+    """Every chunk the per-chunk grid can address (csrc/api's max_chunks, against which it checks the
+    buffers sized by this): B * ceil(T / 64), or T // 64 + N with cu_seqlens (N sequences)."""
+    return B * (-(-T // CHUNK)) if cu_seqlens is None else T // CHUNK + cu_seqlens.shape[0] - 1
+
+
 def _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states):
     opts = _decode(options)
     B, T, H, K = q.shape
@@ -92,9 +98,7 @@ def _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors
     ht = q.new_empty(_state_shape(N, HV, K, V, opts.state_v_first) if output_final_state else (0,),
                      dtype=torch.float32)
     fshape = (B * T, HV, CHUNK) if save_factors else (0,)
-    # every chunk the per-chunk grid can address (csrc/api's max_chunks; it checks this shape)
-    max_chunks = B * (-(-T // CHUNK)) if cu_seqlens is None else T // CHUNK + N
-    hshape = (max_chunks, HV, V, K) if save_states else (0,)
+    hshape = (_max_chunks(B, T, cu_seqlens), HV, V, K) if save_states else (0,)
     return o, ht, q.new_empty(fshape), q.new_empty(fshape), q.new_empty(fshape), q.new_empty(hshape)
 
 
@@ -209,7 +213,7 @@ def _state_buffer(q, v, opts, cu_seqlens, cu_seqlens_cpu):
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
     lens = (host[1:] - host[:-1]).to(torch.int64)
     total = int(((lens + CHUNK - 1) // CHUNK).sum())
-    return q.new_empty(1, T // CHUNK + cu_seqlens.numel() - 1, HV, *inner), total
+    return q.new_empty(1, _max_chunks(B, T, cu_seqlens), HV, *inner), total
 
 
 def _forward_with_states(q, k, v, g, beta, opts, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, A, D):
