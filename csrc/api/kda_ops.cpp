@@ -264,6 +264,15 @@ void raise_if(const std::string& err) {
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
+// One tensor a training forward passes on to its backward: shape and layout (check_tensor), q's
+// dtype, and 16-byte alignment (the kernels read and write it in 16-byte pieces).
+std::string saved_check(const Tensor& t, const Tensor& q, const char* name, const std::vector<int64_t>& shape) {
+  KDA_TRY(check_tensor(t, q, name, shape));
+  KDA_TRY(check_dtype(t, q.scalar_type(), name));
+  KDA_REQUIRE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
+  return "";
+}
+
 // The forward's factors saved for the backward (Aqk, Akk, M: [B*T, HV, 64] in q's dtype): all
 // three or none. Sets p.Aqk / p.Akk / p.M and p.saved_factors.
 std::string factor_check(KdaBwdParams& p, const Tensor& q, const OptT& Aqk, const OptT& Akk, const OptT& M,
@@ -272,11 +281,8 @@ std::string factor_check(KdaBwdParams& p, const Tensor& q, const OptT& Aqk, cons
   KDA_REQUIRE(n == 0 || n == 3, "Aqk, Akk and M ", role, " come together (all three or none)");
   if (n == 0) return "";
   const std::vector<int64_t> shape = {int64_t{p.B} * p.T, p.HV, kChunk};
-  for (auto [t, name] : {std::pair<const OptT*, const char*>{&Aqk, "Aqk"}, {&Akk, "Akk"}, {&M, "M"}}) {
-    KDA_TRY(check_tensor(**t, q, name, shape));
-    KDA_TRY(check_dtype(**t, q.scalar_type(), name));
-    KDA_REQUIRE(reinterpret_cast<uintptr_t>((*t)->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
-  }
+  for (auto [t, name] : {std::pair<const OptT*, const char*>{&Aqk, "Aqk"}, {&Akk, "Akk"}, {&M, "M"}})
+    KDA_TRY(saved_check(**t, q, name, shape));
   p.Aqk = Aqk->data_ptr();
   p.Akk = Akk->data_ptr();
   p.M = M->data_ptr();
@@ -292,9 +298,7 @@ std::string factor_check(KdaBwdParams& p, const Tensor& q, const OptT& Aqk, cons
 std::string states_check(KdaBwdParams& p, const Tensor& q, const OptT& h_ckpt, bool backward) {
   if (!h_ckpt) return "";
   KDA_REQUIRE(p.saved_factors, "h_ckpt (the states saved for the backward) needs Aqk, Akk and M");
-  KDA_TRY(check_tensor(*h_ckpt, q, "h_ckpt", {p.max_chunks, p.HV, p.V, p.K}));
-  KDA_TRY(check_dtype(*h_ckpt, q.scalar_type(), "h_ckpt"));
-  KDA_REQUIRE(reinterpret_cast<uintptr_t>(h_ckpt->data_ptr()) % 16 == 0, "h_ckpt must start 16-byte aligned");
+  KDA_TRY(saved_check(*h_ckpt, q, "h_ckpt", {p.max_chunks, p.HV, p.V, p.K}));
   if (p.recurrent) return "";
   const bool saved = kda::save_states_pays(p);
   if (backward) {
