@@ -190,9 +190,10 @@ inline bool sliced_backward(const KdaProblem& p, int slice_B) {
 
 // The forward (backward == false) or the whole backward's workspace. Buffers not needed for this
 // problem (GVA sums when HV == H, gate partials without an in-kernel gate, the factors the forward
-// saved: saved_factors; h_ckpt where the forward passes its buffer: h_ckpt_given) are absent. slice_B > 0 (fixed-length backward, bwd/kda_bwd_slice.h): the
-// per-token and per-chunk buffers hold slice_B batches, reused slice after slice; the gate
-// partials pbias / pA stay full-size (summed once after the last slice).
+// saved: saved_factors; h_ckpt where the forward passes its buffer: h_ckpt_given) are absent.
+// slice_B > 0 (fixed-length backward, bwd/kda_bwd_slice.h): the per-token and per-chunk buffers
+// hold slice_B batches, reused slice after slice; the gate partials pbias / pA stay full-size
+// (summed once after the last slice).
 inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
                                          int slice_B = 0, bool h_ckpt_given = false) {
   // p.recurrent (the fp32 token recurrence, recur/kda_recur.cuh) needs none of the chunk kernels'

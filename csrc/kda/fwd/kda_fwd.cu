@@ -39,8 +39,9 @@ __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
 //               grid (dev::scan_sequence): a schedule only, no result depends on it.
 //
 // Up to 32 sequences (a packed batch of a few documents, the common case) one warp does it all with
-// shuffles (cub's warp scan, and a rank found by counting), in a fraction of the CTA-wide scan's and radix sort's time (which serve the rest); the
-// map sits on the forward's and the backward's critical path, ahead of everything.
+// shuffles (cub's warp scan, and a rank found by counting), in a fraction of the CTA-wide scan's
+// and radix sort's time (which serve the rest); the map sits on the forward's and the backward's
+// critical path, ahead of everything.
 __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
   if (p.N <= 32) {
     if (threadIdx.x >= 32) return;
