@@ -294,10 +294,15 @@ def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, states, monkeypat
     if states == "workspace":
         monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
     B = 4
-    inputs, kw = make_case(B=B, T=300, H=2, HV=4, V=128, h0=True) if states != "saved" else \
-        make_case(B=B, T=130, H=16, HV=16, V=256, h0=True)
+    case = dict(B=B, T=300, H=2, HV=4, V=128, h0=True) if states != "saved" else \
+        dict(B=B, T=130, H=16, HV=16, V=256, h0=True)
+    inputs, kw = make_case(**case)
     do, dht = _do_dht(inputs, kw)
     monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", str(B))
+    # the path named: the forward's scan is the only state scan exactly when it saved the states
+    launches = _kda_launches(case)
+    rescans = launches.get("kda_fwd_scan_kernel", 0) - 1 + launches.get("kda_bwd_scans_kernel", 0)
+    assert (rescans == 0) == (states == "saved"), launches
     whole = _grads_ours(inputs, kw, do, dht)
     monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", slice_b)
     sliced = _grads_ours(inputs, kw, do, dht)
