@@ -73,25 +73,31 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["states", "saved", "recompute"])
+@pytest.mark.parametrize("path", ["training", "saved", "recompute"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_backward_matches_fp64_reference(name, path, emu):
-    """path "states": the forward's Aqk / Akk / M feed kda_bwd_prep and its scan's states replace the
-    re-scan (a training call); "saved": the factors only, the backward re-scans; "recompute": the
-    forward intra recomputes them (the raw op without saved factors)."""
+    """path "training": the forward's Aqk / Akk / M, its intra's w / qg / kg / exp2(G) (no
+    kda_bwd_prep) and its scan's states (no re-scan), as a training call keeps them; "saved": the
+    factors only, kda_bwd_prep and the re-scan rebuild the rest; "recompute": the forward intra
+    recomputes everything (the raw op without saved factors)."""
     inputs, kw = make_case(**CASES[name])
     q, k, v, g, beta = inputs
     B, T, HV, V = v.shape
     K = q.shape[-1]
     do, dht = _do_dht(inputs, kw, 7)
-    saved = states = None
+    saved = states = workspace = None
     if path != "recompute":
-        _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=path == "states")
+        _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=path == "training")
         saved = (ws["Aqk"], ws["Akk"], ws["M"])
         states = ws.get("h_ckpt")
-    grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=states)
+        if path == "training":
+            workspace = {n: ws[n].clone() for n in ("w", "qg", "kg", "gdecay")}
+    grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=states, workspace=workspace)
     if states is not None:  # read, never rewritten: no re-scan ran (its states differ in the last bits)
         assert torch.equal(st["h_ckpt"].view(torch.int16), states.view(torch.int16))
+    for n, t in (workspace or {}).items():  # likewise: no kda_bwd_prep ran
+        assert torch.equal(st[n].view(torch.int32 if n == "gdecay" else torch.int16),
+                           t.view(torch.int32 if n == "gdecay" else torch.int16)), n
     ref, rst = kda_bwd_reference(inputs, kw, do, dht)
     bad = {}
     for key, tol in (("dq", KDA_TOL["dq"]), ("dk", KDA_TOL["dk"]), ("dv", KDA_TOL["dv"]), ("dg", KDA_TOL["dg"]),
@@ -170,12 +176,15 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     do, dht = _do_dht(inputs, kw, 11)
     _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=True)
     saved = (ws["Aqk"], ws["Akk"], ws["M"])
-    # with the forward's states, each slice reads its part of them (kda_bwd_batch_slice)
-    for states in (None, ws["h_ckpt"]):
-        whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=states)[0]
+    # with the forward's states and workspace, each slice reads its part of them (kda_bwd_batch_slice)
+    kept = {n: ws[n].clone() for n in ("w", "qg", "kg", "gdecay")}
+    for states, workspace in ((None, None), (ws["h_ckpt"], None), (ws["h_ckpt"], kept)):
+        what = f"states {'saved' if states is not None else 'rescanned'}, workspace {'saved' if workspace else 'prep'}"
+        whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=states, workspace=workspace)[0]
         for nb in (1, 2):
-            sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, slice_b=nb, states=states)[0]
-            assert_bitwise_same(whole, sliced, f"slice of {nb}, states {'saved' if states is not None else 'rescanned'}")
+            sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, slice_b=nb, states=states,
+                                         workspace=workspace)[0]
+            assert_bitwise_same(whole, sliced, f"slice of {nb}, {what}")
 
 
 @pytest.mark.parametrize("case,bv", [

@@ -24,13 +24,13 @@ class _FakeOps:
         self.bwd_calls = 0
 
     def kda_fwd(self, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, options, o, ht, h_states,
-                Aqk, Akk, M, h_ckpt):
-        for t in (o, ht, Aqk, Akk, M, h_ckpt):
+                Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay):
+        for t in (o, ht, Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay):
             if t is not None:
                 t.zero_()
 
     def kda_bwd(self, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, Aqk, Akk, M, h_ckpt,
-                options, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0):
+                w, qg, kg, gdecay, options, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0):
         self.bwd_calls += 1
         for name, t in zip(GRAD_TAGS, (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)):
             if t is not None:

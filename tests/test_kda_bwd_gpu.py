@@ -372,6 +372,28 @@ def test_saved_states_replace_the_rescan(monkeypatch):
     assert few.get("kda_fwd_scan_kernel") == 1 and few.get("kda_bwd_scans_kernel") == 1, few
 
 
+def test_saved_workspace_replaces_prep(monkeypatch):
+    """A training forward keeps its intra's w, qg, kg and exp2(G), so the backward runs no
+    kda_bwd_prep; KERNEL_FUN_KDA_SAVE_WORKSPACE=0 rebuilds them there (once per batch slice)."""
+    monkeypatch.delenv("KERNEL_FUN_KDA_BWD_SLICE", raising=False)
+    monkeypatch.delenv("KERNEL_FUN_KDA_SAVE_WORKSPACE", raising=False)
+    case = dict(B=16, T=256, H=16, V=256)
+    kept = _kda_launches(case)
+    monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_WORKSPACE", "0")
+    rebuilt = _kda_launches(case)
+    assert "kda_bwd_prep_kernel" not in kept, kept
+    assert rebuilt.get("kda_bwd_prep_kernel") == 4, rebuilt
+
+
+@pytest.mark.parametrize("name", ["T1000", "GVA-2-4", "fp16", "varlen-fla-gva"])
+def test_gradients_with_prep_match_fp64_naive(name, monkeypatch):
+    """KERNEL_FUN_KDA_SAVE_WORKSPACE=0: kda_bwd_prep rebuilds w, qg, kg and exp2(G) from the saved
+    factors (the path every test above skips by default)."""
+    monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_WORKSPACE", "0")
+    case = {**CASES, **VARLEN_CASES}[name]
+    _check_against_naive(case, KDA_VARLEN_TOL if name in VARLEN_CASES else KDA_TOL)
+
+
 def test_backward_pairs_its_scans_only_when_both_fit_one_wave(monkeypatch):
     """kda_policy.h's bwd_pair_scans as launched: one sequence of 4 heads (8 scan CTAs at V = 128)
     runs kda_bwd_scans; 16 x 16 sequence-heads at V = 256 (128 CTAs per scan after the 4-batch
@@ -384,28 +406,29 @@ def test_backward_pairs_its_scans_only_when_both_fit_one_wave(monkeypatch):
     assert "kda_bwd_scans_kernel" not in big and "kda_bwd_dh_scan_kernel" in big, big
 
 
-def _bwd_workspace_bytes(B, T, HV, K, V, slice_b, states_saved):
+def _bwd_workspace_bytes(B, T, HV, K, V, slice_b, saved):
     """kda::workspace() of a fixed-length backward with saved factors and an in-kernel gate, with
-    slice_b batches per slice: w, qg, kg, exp2(G), h_ckpt (unless the forward saved the states),
+    slice_b batches per slice: w, qg, kg, exp2(G) and h_ckpt (unless the forward saved them: saved),
     dh_ckpt per slice; pbias, pA whole."""
     nts = -(-T // 64)
     rows, c = slice_b * T, slice_b * nts
-    return (3 * rows * HV * K * 2 + c * HV * K * 4 + (1 if states_saved else 2) * c * HV * V * K * 2
-            + B * nts * HV * (K + 1) * 4 + (B + 1) * 4)
+    per_slice = c * HV * V * K * 2 if saved else 3 * rows * HV * K * 2 + c * HV * K * 4 + 2 * c * HV * V * K * 2
+    return per_slice + B * nts * HV * (K + 1) * 4 + (B + 1) * 4
 
 
-@pytest.mark.parametrize("states", ["", "0"], ids=["saved-states", "rescan"])
+@pytest.mark.parametrize("states", ["", "0"], ids=["saved", "rebuilt"])
 def test_backward_memory_is_gradients_plus_one_slice_of_workspace(states, monkeypatch):
     """Peak memory of the backward (from after the forward to the gradients): the gradients plus the
     workspace of one batch slice, nothing else: no zero-filled gradients of the outputs the loss does
     not use (the saved factors, 3 x 32 MiB here), no whole-batch checkpoints (B16 T1024 H16 K128
     V256: 512 scan CTAs, so the launcher runs 4 slices of 4 batches; whole-batch workspace 704 MiB).
-    With the forward's saved states (held since the forward, so before the baseline) no per-slice
-    h_ckpt either."""
-    if states:
-        monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", states)
-    else:  # the default
-        monkeypatch.delenv("KERNEL_FUN_KDA_SAVE_STATES", raising=False)
+    With the forward's saved states and workspace (held since the forward, so before the baseline)
+    no per-slice h_ckpt, w, qg, kg or exp2(G) either."""
+    for knob in ("KERNEL_FUN_KDA_SAVE_STATES", "KERNEL_FUN_KDA_SAVE_WORKSPACE"):
+        if states:
+            monkeypatch.setenv(knob, states)
+        else:  # the default
+            monkeypatch.delenv(knob, raising=False)
     B, T, H, K, V = 16, 1024, 16, 128, 256
     inputs, kw = make_case(B=B, T=T, H=H, V=V, final=False)
     leaves = [x.detach().clone().to(torch.bfloat16).requires_grad_(True) for x in inputs]

@@ -310,7 +310,7 @@ def _raw_fwd_args(inputs, kw, o, ht):
     opts = options(inputs, kw)
     A, D = gate_params(opts, kw.get("A_log"), kw.get("dt_bias"))
     return [q, k, v, g, beta, A, D, kw.get("initial_state"), kw.get("cu_seqlens"), opts.encode(), o, ht, None,
-            None, None, None, None]
+            None, None, None, None, None, None, None, None]
 
 
 def test_opcheck():

@@ -219,7 +219,8 @@ std::string fill_problem(KdaProblem& p, const Tensor& q, const Tensor& k, const 
 // Allocates every workspace buffer of kda::workspace() on q's device and points p at them.
 std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backward) {
   std::vector<Tensor> out;
-  for (const WorkBuffer& b : kda::workspace(p, backward, p.saved_factors, p.slice_B, p.h_ckpt_given)) {
+  for (const WorkBuffer& b : kda::workspace(p, backward, p.saved_factors, p.slice_B, p.h_ckpt_given,
+                                            p.saved_workspace)) {
     const ScalarType st = b.is_int ? ScalarType::Int
                                    : (b.dtype == DType::kFloat32 ? ScalarType::Float : q.scalar_type());
     Tensor t = torch::stable::new_empty(q, b.shape, st);
@@ -311,6 +312,31 @@ std::string states_check(KdaBwdParams& p, const Tensor& q, const OptT& h_ckpt, b
   return "";
 }
 
+// The forward's w, qg, kg ([B*T, HV, K] in q's dtype) and gdecay ([max_chunks, HV, K] fp32), kept for
+// the backward, which then runs no kda_bwd_prep: all four or none, only beside the saved factors.
+// The forward's intra writes them there instead of into its workspace. The token recurrence neither
+// writes nor reads them.
+std::string workspace_check(KdaBwdParams& p, const Tensor& q, const OptT& w, const OptT& qg, const OptT& kg,
+                            const OptT& gdecay) {
+  const int n = (w ? 1 : 0) + (qg ? 1 : 0) + (kg ? 1 : 0) + (gdecay ? 1 : 0);
+  KDA_REQUIRE(n == 0 || n == 4, "w, qg, kg and gdecay (saved for the backward) come together (all four or none)");
+  if (n == 0) return "";
+  KDA_REQUIRE(p.saved_factors, "w, qg, kg and gdecay (saved for the backward) need Aqk, Akk and M");
+  const std::vector<int64_t> rows = {int64_t{p.B} * p.T, p.HV, p.K};
+  for (auto [t, name] : {std::pair<const OptT*, const char*>{&w, "w"}, {&qg, "qg"}, {&kg, "kg"}})
+    KDA_TRY(saved_check(**t, q, name, rows));
+  KDA_TRY(check_tensor(*gdecay, q, "gdecay", {p.max_chunks, p.HV, p.K}));
+  KDA_TRY(check_dtype(*gdecay, ScalarType::Float, "gdecay"));
+  KDA_REQUIRE(reinterpret_cast<uintptr_t>(gdecay->data_ptr()) % 16 == 0, "gdecay must start 16-byte aligned");
+  if (p.recurrent) return "";
+  p.w = w->data_ptr();
+  p.qg = qg->data_ptr();
+  p.kg = kg->data_ptr();
+  p.gdecay = static_cast<float*>(gdecay->data_ptr());
+  p.saved_workspace = true;
+  return "";
+}
+
 // ---------------------------------------------------------------- forward
 std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const OptT& final_state,
                         const OptT& h_states) {
@@ -348,7 +374,8 @@ std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const
 
 std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor& o, const OptT& final_state,
                             const OptT& h_states, const OptT& Aqk, const OptT& Akk, const OptT& M,
-                            const OptT& h_ckpt, bool poison_ws = false, bool profile = false, bool stages = false) {
+                            const OptT& h_ckpt, const OptT& w, const OptT& qg, const OptT& kg, const OptT& gdecay,
+                            bool poison_ws = false, bool profile = false, bool stages = false) {
   KdaBwdParams p;  // forward fields only; the rest stay null
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
   raise_if(fwd_outputs(p, q, o, final_state, h_states));
@@ -358,6 +385,7 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
   // same way, runs the recurrence too and never reads them)
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);
   raise_if(states_check(p, q, h_ckpt, false));
+  raise_if(workspace_check(p, q, w, qg, kg, gdecay));
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
   if (poison_ws) poison(ws);
   if (profile) {  // kda_fwd_intra's phase clocks, [max_chunks * HV][16] int64, appended last
@@ -387,8 +415,8 @@ std::vector<int64_t> kda_limits(Tensor probe) {
 }
 
 void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_states, OptT Aqk, OptT Akk,
-             OptT M, OptT h_ckpt) {
-  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M, h_ckpt);
+             OptT M, OptT h_ckpt, OptT w, OptT qg, OptT kg, OptT gdecay) {
+  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay);
 }
 
 // [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, chunk_ready, then with profile
@@ -417,8 +445,8 @@ std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_f
     poison(outs);
   }
   std::vector<Tensor> ws =
-      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, std::nullopt, poison_outputs, profile,
-              /*stages=*/true);
+      run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, std::nullopt, std::nullopt, std::nullopt,
+              std::nullopt, std::nullopt, poison_outputs, profile, /*stages=*/true);
   std::vector<Tensor> out = {o, ht, Aqk, Akk, M};
   for (auto& t : ws) out.push_back(t);
   return out;
@@ -476,7 +504,8 @@ std::string bwd_outputs(KdaBwdParams& p, const Tensor& q, const Tensor& g, const
 #define KF_KDA_GRAD_NAMES dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, const OptT& Aqk, const OptT& Akk,
-                            const OptT& M, const OptT& h_ckpt, const std::string& options, KF_KDA_GRADS,
+                            const OptT& M, const OptT& h_ckpt, const OptT& w, const OptT& qg, const OptT& kg,
+                            const OptT& gdecay, const std::string& options, KF_KDA_GRADS,
                             float* dbg_dA, float* dbg_dL,
                             bool poison_ws = false, bool profile = false, bool stages = false) {
   KdaBwdParams p;
@@ -485,6 +514,7 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   raise_if(factor_check(p, q, Aqk, Akk, M, "(saved by the forward)"));
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);  // as the forward decided (run_fwd)
   raise_if(states_check(p, q, h_ckpt, true));
+  raise_if(workspace_check(p, q, w, qg, kg, gdecay));
   // the workspace holds one batch slice, or (the stage op: the tests read it back) the whole batch
   p.slice_B = stages ? p.B : kda::kda_bwd_slice_batches(p);
   std::vector<Tensor> ws = alloc_workspace(q, p, true);
@@ -500,9 +530,10 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   return ws;
 }
 
-void kda_bwd(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, OptT h_ckpt, std::string options,
-             KF_KDA_GRADS) {
-  run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, h_ckpt, options, KF_KDA_GRAD_NAMES, nullptr, nullptr);
+void kda_bwd(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, OptT Akk, OptT M, OptT h_ckpt, OptT w, OptT qg, OptT kg,
+             OptT gdecay, std::string options, KF_KDA_GRADS) {
+  run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay, options, KF_KDA_GRAD_NAMES, nullptr,
+          nullptr);
 }
 
 // [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (each empty when not applicable),
@@ -536,7 +567,8 @@ std::vector<Tensor> kda_bwd_stages(KF_KDA_IN, Tensor dout, OptT dht, OptT Aqk, O
     poison(outs);
   }
   std::vector<Tensor> ws =
-      run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, std::nullopt, options, dq, dk, dv, dg, dbeta,
+      run_bwd(KF_KDA_IN_NAMES, dout, dht, Aqk, Akk, M, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+              std::nullopt, options, dq, dk, dv, dg, dbeta,
               has_alog ? OptT(dA_log) : std::nullopt,
               has_bias ? OptT(ddt) : std::nullopt, initial_state ? OptT(dh0) : std::nullopt,
               static_cast<float*>(dA.data_ptr()), static_cast<float*>(dL.data_ptr()), poison_outputs, profile,
@@ -556,7 +588,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
   m.def(
       "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, Tensor(a!) o, Tensor(b!)? final_state, "
-      "Tensor(c!)? h_states, Tensor(d!)? Aqk, Tensor(e!)? Akk, Tensor(f!)? M, Tensor(g!)? h_ckpt) -> ()");
+      "Tensor(c!)? h_states, Tensor(d!)? Aqk, Tensor(e!)? Akk, Tensor(f!)? M, Tensor(g!)? h_ckpt, Tensor(h!)? w, "
+      "Tensor(i!)? qg, Tensor(j!)? kg, Tensor(k!)? gdecay) -> ()");
   m.def(
       "kda_fwd_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, bool output_final_state, Tensor(a!)? h_states, "
@@ -564,7 +597,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
   m.def(
       "kda_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dht, Tensor? Aqk, Tensor? Akk, Tensor? M, "
-      "Tensor? h_ckpt, str options, Tensor(a!) dq, "
+      "Tensor? h_ckpt, Tensor? w, Tensor? qg, Tensor? kg, Tensor? gdecay, str options, Tensor(a!) dq, "
       "Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dg, Tensor(e!) dbeta, Tensor(f!)? dA_log, Tensor(g!)? ddt_bias, "
       "Tensor(h!)? dh0) -> ()");
   m.def(

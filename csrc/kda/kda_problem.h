@@ -125,6 +125,9 @@ struct KdaBwdParams : KdaFwdParams {
   // writes it.
   bool h_ckpt_given = false;
   bool saved_states = false;
+  // w, qg, kg and gdecay are the training forward's (its intra wrote them, whole batch; a batch slice
+  // uses its part): the backward runs no kda_bwd_prep.
+  bool saved_workspace = false;
   const void* dout = nullptr;  // do [B, T, HV, V], dtype WT
   const float* dht = nullptr;  // gradient of the final state (layout of h0), or null
 
@@ -195,7 +198,8 @@ inline bool sliced_backward(const KdaProblem& p, int slice_B) {
 // hold slice_B batches, reused slice after slice; the gate partials pbias / pA stay full-size
 // (summed once after the last slice).
 inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, bool saved_factors = false,
-                                         int slice_B = 0, bool h_ckpt_given = false) {
+                                         int slice_B = 0, bool h_ckpt_given = false,
+                                         bool workspace_given = false) {
   // p.recurrent (the fp32 token recurrence, recur/kda_recur.cuh) needs none of the chunk kernels'
   // buffers: the chunk map (a varlen sequence's row of the gate partials is its chunk), and in the
   // backward the replayed states, dq^ / dk^ (kda_bwd_group_sum finishes them, GVA or not) and the
@@ -207,15 +211,17 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   const int64_t C = sliced ? slice_B * ((int64_t{p.T} + kChunk - 1) / kChunk) : Cfull;
   const DType wt = p.dtype, f32 = DType::kFloat32;
   std::vector<WorkBuffer> b;
-  if (chunked) {
+  if (chunked && !workspace_given) {  // else the caller's (a training forward's, kept for its backward)
     b.push_back({WorkBuffer::kW, "w", {rows, HV, K}, wt});
     b.push_back({WorkBuffer::kQg, "qg", {rows, HV, K}, wt});
     b.push_back({WorkBuffer::kKg, "kg", {rows, HV, K}, wt});
+  }
+  if (chunked) {
     if (!saved_factors) {
       b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, kChunk}, wt});
       b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
     }
-    b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
+    if (!workspace_given) b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
   }
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)
   b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, f32, true});

@@ -37,8 +37,13 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
 // scan, the per-chunk gradients and (GVA) the group sums.
 template <typename Stages>
 void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
-  if (p.saved_factors) s.prep(p);
-  else s.intra(p);
+  if (p.saved_workspace) {
+    // w, qg, kg, gdecay: the training forward's
+  } else if (p.saved_factors) {
+    s.prep(p);
+  } else {
+    s.intra(p);
+  }
   if (p.saved_states) {  // the training forward's scan wrote h_ckpt: no re-scan
     s.dh_scan(p);
   } else if (s.pair_scans(p)) {

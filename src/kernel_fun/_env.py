@@ -9,6 +9,8 @@ KERNEL_FUN_KDA_CP=1          chunk_kda with cp_context runs on ours (kda/_cp.py)
 KERNEL_FUN_KDA_SAVE_STATES=0 a training forward passes no buffer for the state before every chunk to
                              its backward, which then re-runs the scan into per-slice workspace (less
                              memory where the backward runs in batch slices; docs/kda-backward.md)
+KERNEL_FUN_KDA_SAVE_WORKSPACE=0  a training forward does not keep its w, qg, kg and exp2(G) for the
+                             backward, which then rebuilds them (kda_bwd_prep; less memory)
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ struct KdaEmuArgs {
                           // chain stops at chunk 0); m > 0 pass 1 sees only chunks < m published
   int64_t recurrent;      // 1: the fp32 token recurrence (recur/kda_recur.cuh) where recurrent_possible
   int64_t saved_states;   // backward: h_ckpt is the training forward's states (no re-scan)
+  int64_t saved_workspace;  // backward: w, qg, kg, gdecay are the training forward's (no prep)
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -202,6 +203,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.recurrent = a.recurrent != 0 && kda::recurrent_possible(p);
   // the forward's states given and written (csrc/api's states_check where save_states_pays)
   p.h_ckpt_given = p.saved_states = a.saved_states != 0 && !p.recurrent;
+  p.saved_workspace = a.saved_workspace != 0 && !p.recurrent;  // as csrc/api's workspace_check
   return p;
 }
 

@@ -36,7 +36,8 @@ _PTRS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "cu_seqlens", "op
          "pbias", "pA", "dout", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias", "dbg_dA",
          "dbg_dL", "chunk_ready", "scan_save", "recur_state")
 _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", "g_dtype", "beta_dtype", "bv",
-         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop", "recurrent", "saved_states")
+         "saved_factors", "slice_b", "pair_scans", "balance", "stream_stop", "recurrent", "saved_states",
+         "saved_workspace")
 
 
 class KdaEmuArgs(ctypes.Structure):
@@ -367,7 +368,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
-                    recurrent=False, states=None, **_ignored):
+                    recurrent=False, states=None, workspace=None, **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -378,7 +379,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     (KdaBwdParams::balance: 1 I1, 2 E1), -1 = the default. recurrent=True: the fp32 token recurrence's
     backward where every sequence fits in one chunk (st's chunk-kernel stages are then unwritten).
     states: the forward's saved states (forward_stages' ws["h_ckpt"] with save_states), beside saved:
-    no re-scan; st["h_ckpt"] is then a copy of them."""
+    no re-scan; st["h_ckpt"] is then a copy of them. workspace: the forward's {w, qg, kg, gdecay}
+    (forward_stages' ws), beside saved: no kda_bwd_prep; st's are then copies of them."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -389,6 +391,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     if states is not None:  # in place of the per-call h_ckpt workspace, which then stays NaN
         ws["h_ckpt"] = gz.copy_in("h_ckpt (saved)", states.contiguous())
         f["h_ckpt"] = _ptr(ws["h_ckpt"])
+    for name in ("w", "qg", "kg", "gdecay") if workspace is not None else ():
+        ws[name] = gz.copy_in(name + " (saved)", workspace[name].contiguous())
+        f[name] = _ptr(ws[name])
     do_ = gz.copy_in("do", do.to(dt).contiguous())
     dht_ = gz.copy_in("dht", dht.to(torch.float32).contiguous()) if dht is not None else None
     grads = dict(dq=gz.alloc("dq", (B, T, H, K), dt), dk=gz.alloc("dk", (B, T, H, K), dt),
@@ -403,7 +408,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     a = KdaEmuArgs(**f, dout=_ptr(do_), dht=_ptr(dht_), **{n: _ptr(t) for n, t in grads.items()},
                    dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or 0),
                    slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance),
-                   saved_states=int(states is not None))
+                   saved_states=int(states is not None), saved_workspace=int(workspace is not None))
     L = lib()
     if L.kda_emu_backward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())

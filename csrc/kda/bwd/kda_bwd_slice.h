@@ -75,6 +75,12 @@ inline KdaBwdParams kda_bwd_batch_slice(const KdaBwdParams& full, int b0, int nb
   const int64_t chunk0 = b0 * nts;
   // the forward's whole-batch buffer (h_ckpt_given); otherwise h_ckpt is per-slice workspace
   if (full.h_ckpt_given) s.h_ckpt = adv_mut(full.h_ckpt, chunk0 * full.HV * full.V * full.K * wt);
+  if (full.saved_workspace) {  // the forward's whole-batch w, qg, kg, gdecay
+    s.w = adv_mut(full.w, tok * g_row * wt);
+    s.qg = adv_mut(full.qg, tok * g_row * wt);
+    s.kg = adv_mut(full.kg, tok * g_row * wt);
+    s.gdecay = static_cast<float*>(adv_mut(full.gdecay, chunk0 * full.HV * full.K * 4));
+  }
   s.dbg_clock = static_cast<long long*>(adv_mut(full.dbg_clock, chunk0 * full.HV * 16 * 8));
   s.pbias = static_cast<float*>(adv_mut(full.pbias, chunk0 * full.HV * full.K * 4));
   s.pA = static_cast<float*>(adv_mut(full.pA, chunk0 * full.HV * 4));

@@ -66,21 +66,26 @@ def gate_params(opts: KdaOptions, A_log, dt_bias):
 def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
                 cu_seqlens: torch.Tensor | None, options: str, output_final_state: bool, save_factors: bool,
-                save_states: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor]:
+                save_states: bool, save_workspace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
     """(o, final_state, Aqk, Akk, M, h). final_state is an empty tensor unless output_final_state;
     Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead of recomputing the
     forward intra) are empty tensors unless save_factors; h (the buffer for the state before every
     chunk, [max_chunks, HV, V, K] in q's dtype, which the forward's scan fills where the backward then
     skips its re-scan, else the backward's re-scan does) is empty unless save_states (which needs
-    save_factors)."""
-    o, ht, Aqk, Akk, M, h = _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors,
-                                             save_states)
+    save_factors); w, qg, kg ([B*T, HV, K] in q's dtype) and gdecay ([max_chunks, HV, K] fp32), the
+    forward intra's products that the backward then need not rebuild, are empty unless save_workspace
+    (which needs save_factors)."""
+    bufs = _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states,
+                            save_workspace)
+    o, ht, Aqk, Akk, M, h, w, qg, kg, gdecay = bufs
     _ext.ops().kda_fwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A_log, dt_bias,
                        None if initial_state is None else initial_state.contiguous(), cu_seqlens, options, o,
                        ht if output_final_state else None, None, *((Aqk, Akk, M) if save_factors else (None,) * 3),
-                       h if save_states else None)
-    return o, ht, Aqk, Akk, M, h
+                       h if save_states else None, *((w, qg, kg, gdecay) if save_workspace else (None,) * 4))
+    return bufs
 
 
 def _max_chunks(B, T, cu_seqlens):
@@ -89,7 +94,7 @@ def _max_chunks(B, T, cu_seqlens):
     return B * (-(-T // CHUNK)) if cu_seqlens is None else T // CHUNK + cu_seqlens.shape[0] - 1
 
 
-def _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states):
+def _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states, save_workspace):
     opts = _decode(options)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -98,14 +103,19 @@ def _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors
     ht = q.new_empty(_state_shape(N, HV, K, V, opts.state_v_first) if output_final_state else (0,),
                      dtype=torch.float32)
     fshape = (B * T, HV, CHUNK) if save_factors else (0,)
-    hshape = (_max_chunks(B, T, cu_seqlens), HV, V, K) if save_states else (0,)
-    return o, ht, q.new_empty(fshape), q.new_empty(fshape), q.new_empty(fshape), q.new_empty(hshape)
+    max_chunks = _max_chunks(B, T, cu_seqlens)
+    hshape = (max_chunks, HV, V, K) if save_states else (0,)
+    wshape = (B * T, HV, K) if save_workspace else (0,)
+    return (o, ht, q.new_empty(fshape), q.new_empty(fshape), q.new_empty(fshape), q.new_empty(hshape),
+            q.new_empty(wshape), q.new_empty(wshape), q.new_empty(wshape),
+            q.new_empty((max_chunks, HV, K) if save_workspace else (0,), dtype=torch.float32))
 
 
 @kda_forward.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, options, output_final_state, save_factors,
-      save_states):
-    return _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states)
+      save_states, save_workspace):
+    return _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states,
+                            save_workspace)
 
 
 @torch.library.custom_op("kernel_fun::kda_backward", mutates_args=())
@@ -113,16 +123,19 @@ def kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
                  cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, Aqk: torch.Tensor | None,
                  Akk: torch.Tensor | None, M: torch.Tensor | None, h: torch.Tensor | None,
-                 options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 w: torch.Tensor | None, qg: torch.Tensor | None, kg: torch.Tensor | None,
+                 gdecay: torch.Tensor | None, options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0): dg / dbeta in g's / beta's dtypes; dA_log,
     ddt_bias (fp32, flat) and dh0 (fp32) are empty tensors when A_log / dt_bias / initial_state is
     None. Aqk / Akk / M: the forward's saved factors (all three), or None to recompute them; h: the
-    forward's saved states (with the factors), or None to re-run the scan."""
+    forward's saved states (with the factors), or None to re-run the scan; w / qg / kg / gdecay: the
+    forward intra's (with the factors), or None to rebuild them (kda_bwd_prep)."""
     dq, dk, dv, dg, dbeta, dA, dD, dh0 = _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state)
     _ext.ops().kda_bwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A_log, dt_bias,
                        None if initial_state is None else initial_state.contiguous(), cu_seqlens, _aligned(do),
-                       None if dht is None else dht.contiguous(), Aqk, Akk, M, h, options, dq, dk, dv, dg, dbeta,
+                       None if dht is None else dht.contiguous(), Aqk, Akk, M, h, w, qg, kg, gdecay, options,
+                       dq, dk, dv, dg, dbeta,
                        dA if A_log is not None else None, dD if dt_bias is not None else None,
                        dh0 if initial_state is not None else None)
     return dq, dk, dv, dg, dbeta, dA, dD, dh0
@@ -142,19 +155,23 @@ def _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state):
 
 
 @kda_backward.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, Aqk, Akk, M, h, options):
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, Aqk, Akk, M, h, w, qg, kg, gdecay,
+      options):
     return _grad_buffers(q, v, g, beta, A_log, dt_bias, initial_state)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, options, output_final_state, save_factors,
-     save_states) = inputs
-    _, _, Aqk, Akk, M, h = output
+     save_states, save_workspace) = inputs
+    _, _, Aqk, Akk, M, h, w, qg, kg, gdecay = output
     if not save_factors:  # (autograd recorded the op, so the front asked for the factors: never here)
         Aqk = Akk = M = None
     if not save_states:
         h = None
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk, M, h)
+    if not save_workspace:
+        w = qg = kg = gdecay = None
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk, M, h, w, qg, kg,
+                          gdecay)
     # Outputs the loss does not use (the factors, a final state not asked for) arrive as None, not as
     # zero tensors autograd would allocate and fill: 0.75 GiB of zeros at prod8192 otherwise.
     ctx.set_materialize_grads(False)
@@ -163,15 +180,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dht, *_factor_grads):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk, M, h = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk, M, h, w, qg, kg, gdecay = ctx.saved_tensors
     if do is None:  # only the final state was used
         do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
     if not ctx.output_final_state:
         dht = None
     dq, dk, dv, dg, dbeta, dA, dD, dh0 = kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                                       do, dht, Aqk, Akk, M, h, ctx.options)
+                                                       do, dht, Aqk, Akk, M, h, w, qg, kg, gdecay, ctx.options)
     return (dq, dk, dv, dg, dbeta, dA if A_log is not None else None, dD if dt_bias is not None else None,
-            dh0 if initial_state is not None else None, None, None, None, None, None)
+            dh0 if initial_state is not None else None, None, None, None, None, None, None)
 
 
 kda_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -194,8 +211,10 @@ def forward(q, k, v, g, beta, *, options: str, initial_state, output_final_state
     # and a buffer for the state before every chunk, which the forward's scan fills where that saves
     # the backward its re-scan (kda_policy.h's save_states_pays; memory for time: docs/kda-backward.md)
     save_states = save and _env.flag("KERNEL_FUN_KDA_SAVE_STATES", True)
-    o, ht, _, _, _, _ = kda_forward(q, k, v, g, beta, A, D, initial_state, cu_seqlens, options,
-                                    bool(output_final_state), save, save_states)
+    # and the intra's w / qg / kg / exp2(G), so the backward need not rebuild them (kda_bwd_prep)
+    save_workspace = save and _env.flag("KERNEL_FUN_KDA_SAVE_WORKSPACE", True)
+    o, ht = kda_forward(q, k, v, g, beta, A, D, initial_state, cu_seqlens, options, bool(output_final_state), save,
+                        save_states, save_workspace)[:2]
     return o, (ht if output_final_state else None)
 
 
@@ -225,7 +244,7 @@ def _forward_with_states(q, k, v, g, beta, opts, initial_state, output_final_sta
     hs, total = _state_buffer(q, v, opts, cu_seqlens, cu_seqlens_cpu)
     _ext.ops().kda_fwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D,
                        None if initial_state is None else initial_state.contiguous(), cu_seqlens, opts.encode(), o, ht,
-                       hs, None, None, None, None)
+                       hs, None, None, None, None, None, None, None, None)
     return o, ht, hs[:, :total]
 
 
