@@ -262,6 +262,35 @@ def test_stages_match_fp64_stage_reference(name):
     assert not bad, f"stages off the reference: {bad}"
 
 
+@pytest.mark.parametrize("which", ["dq", "dk"])
+def test_raw_backward_names_a_misaligned_dq_dk(which):
+    """dq / dk rows are stored in 8-byte pieces (kda_bwd_grads; kda_bwd_group_sum with GVA), so an
+    output starting off 16 bytes is refused by name rather than written misaligned; the aligned call
+    runs."""
+    from kernel_fun.kda._kernel import gate_params
+    inputs, kw = make_case(T=70, H=1, HV=2, K=64, V=64)
+    q, k, v, g, beta = inputs
+    opts = options(inputs, kw)
+    A, D = gate_params(opts, kw.get("A_log"), kw.get("dt_bias"))
+    do = torch.randn_like(v)
+    grads = {n: torch.empty_like(t) for n, t in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta))}
+    dA = torch.empty(A.shape, device="cuda") if A is not None else None
+    dD = torch.empty(D.shape, device="cuda") if D is not None else None
+
+    def call(out):
+        torch.ops.kernel_fun.kda_bwd(q, k, v, g, beta, A, D, None, None, do, None, None, None, None, None, None,
+                                     None, None, None, opts.encode(), out["dq"], out["dk"], out["dv"], out["dg"],
+                                     out["dbeta"], dA, dD, None)
+
+    bad = dict(grads)
+    bad[which] = torch.empty(q.numel() + 4, dtype=q.dtype, device="cuda")[4:].view_as(q)  # 8 bytes off
+    with pytest.raises((ValueError, RuntimeError), match=f"{which} must start 16-byte aligned"):
+        call(bad)
+    call(grads)
+    torch.cuda.synchronize()
+    assert torch.isfinite(grads["dq"]).all() and torch.isfinite(grads["dk"]).all()
+
+
 def test_poisoned_outputs_are_all_written():
     """Every output starts as NaN (backward_stages(poison=True)) and comes back finite, equal to the
     unpoisoned run."""

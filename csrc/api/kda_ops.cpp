@@ -466,6 +466,9 @@ std::string bwd_outputs(KdaBwdParams& p, const Tensor& q, const Tensor& g, const
   KDA_TRY(check_dtype(dq, q.scalar_type(), "dq"));
   KDA_TRY(check_tensor(dk, q, "dk", {p.B, p.T, p.H, p.K}));
   KDA_TRY(check_dtype(dk, q.scalar_type(), "dk"));
+  // kda_bwd_grads and kda_bwd_group_sum store dq / dk rows in 8-byte pieces
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&dq, "dq"}, {&dk, "dk"}})
+    KDA_REQUIRE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
   KDA_TRY(check_tensor(dv, q, "dv", {p.B, p.T, p.HV, p.V}));
   KDA_TRY(check_dtype(dv, q.scalar_type(), "dv"));
   KDA_TRY(check_tensor(dg, q, "dg", {p.B, p.T, p.HV, p.K}));
