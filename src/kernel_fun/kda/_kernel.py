@@ -70,9 +70,9 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                                                                   torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
-    """(o, final_state, Aqk, Akk, M, h). final_state is an empty tensor unless output_final_state;
-    Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead of recomputing the
-    forward intra) are empty tensors unless save_factors; h (the buffer for the state before every
+    """(o, final_state, Aqk, Akk, M, h, w, qg, kg, gdecay). final_state is an empty tensor unless
+    output_final_state; Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead of
+    recomputing the forward intra) are empty tensors unless save_factors; h (the buffer for the state before every
     chunk, [max_chunks, HV, V, K] in q's dtype, which the forward's scan fills where the backward then
     skips its re-scan, else the backward's re-scan does) is empty unless save_states (which needs
     save_factors); w, qg, kg ([B*T, HV, K] in q's dtype) and gdecay ([max_chunks, HV, K] fp32), the
