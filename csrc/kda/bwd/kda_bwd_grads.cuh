@@ -3,8 +3,9 @@
 // 512 threads (16 warps), ~210 KB of smem at K = 128 (one CTA per SM, 16 warps to hide latency).
 //
 // Inputs per chunk: q, k, g, beta (raw; the gate, the cumsum, l2norm and beta's sigmoid are
-// recomputed exactly as the forward intra does), v, do, the recomputed workspace (w, kg, Aqk, Akk,
-// M) and the two checkpoints h_c (kda_fwd_scan) and dh_{c+1} (kda_bwd_dh_scan).
+// recomputed exactly as the forward intra does), v, do, Aqk, Akk and M (the forward's saved factors),
+// w and kg (the training forward's own, else rebuilt: kda_bwd_prep, or the intra without factors) and
+// the two checkpoints h_c (kda_fwd_scan) and dh_{c+1} (kda_bwd_dh_scan).
 //
 // Phases ("|" = barrier), each a device function below; warp w: row block rb = w & 3 (rows 16 rb ..),
 // column quarter cq = w >> 2:
