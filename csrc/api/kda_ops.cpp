@@ -17,6 +17,7 @@
 // throw for direct calls of the raw ops. Launches go to torch's current stream on q's device.
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <stdexcept>
 #include <string>
@@ -98,6 +99,12 @@ std::string check_dtype(const Tensor& t, ScalarType want, const char* name) {
   return "";
 }
 
+// The kernels read (cp.async) and write (vector stores) these tensors' rows in 8- or 16-byte pieces.
+std::string check_aligned16(const void* ptr, const char* name) {
+  KDA_REQUIRE(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, name, " must start 16-byte aligned");
+  return "";
+}
+
 std::string state_check(const Tensor& t, const Tensor& q, const char* name, const KdaProblem& p) {
   const std::vector<int64_t> shape = p.opt.state_v_first
                                          ? std::vector<int64_t>{p.N, p.HV, p.V, p.K}
@@ -167,7 +174,7 @@ std::string fill_problem(KdaProblem& p, const Tensor& q, const Tensor& k, const 
   KDA_TRY(check_tensor(g, q, "g", {B, T, HV, K}));
   KDA_TRY(check_tensor(beta, q, "beta", {B, T, HV}));
   // the scans and the backward copy rows of v (and q, k, do in the backward) with 16-byte cp.async
-  KDA_REQUIRE(reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0, "v must start 16-byte aligned");
+  KDA_TRY(check_aligned16(v.data_ptr(), "v"));
   int64_t N = B;
   if (cu_seqlens) {
     KDA_REQUIRE(B == 1, "cu_seqlens requires B == 1, got B=", B);
@@ -265,13 +272,13 @@ void raise_if(const std::string& err) {
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
-// One tensor a training forward passes on to its backward: shape and layout (check_tensor), q's
-// dtype, and 16-byte alignment (the kernels read and write it in 16-byte pieces).
-std::string saved_check(const Tensor& t, const Tensor& q, const char* name, const std::vector<int64_t>& shape) {
+// One tensor a training forward passes on to its backward: shape and layout (check_tensor), its
+// dtype (q's unless given), and 16-byte alignment (the kernels read and write it in 16-byte pieces).
+std::string saved_check(const Tensor& t, const Tensor& q, const char* name, const std::vector<int64_t>& shape,
+                        std::optional<ScalarType> dtype = std::nullopt) {
   KDA_TRY(check_tensor(t, q, name, shape));
-  KDA_TRY(check_dtype(t, q.scalar_type(), name));
-  KDA_REQUIRE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
-  return "";
+  KDA_TRY(check_dtype(t, dtype.value_or(q.scalar_type()), name));
+  return check_aligned16(t.data_ptr(), name);
 }
 
 // The forward's factors saved for the backward (Aqk, Akk, M: [B*T, HV, 64] in q's dtype): all
@@ -325,9 +332,7 @@ std::string workspace_check(KdaBwdParams& p, const Tensor& q, const OptT& w, con
   const std::vector<int64_t> rows = {int64_t{p.B} * p.T, p.HV, p.K};
   for (auto [t, name] : {std::pair<const OptT*, const char*>{&w, "w"}, {&qg, "qg"}, {&kg, "kg"}})
     KDA_TRY(saved_check(**t, q, name, rows));
-  KDA_TRY(check_tensor(*gdecay, q, "gdecay", {p.max_chunks, p.HV, p.K}));
-  KDA_TRY(check_dtype(*gdecay, ScalarType::Float, "gdecay"));
-  KDA_REQUIRE(reinterpret_cast<uintptr_t>(gdecay->data_ptr()) % 16 == 0, "gdecay must start 16-byte aligned");
+  KDA_TRY(saved_check(*gdecay, q, "gdecay", {p.max_chunks, p.HV, p.K}, ScalarType::Float));
   if (p.recurrent) return "";
   p.w = w->data_ptr();
   p.qg = qg->data_ptr();
@@ -458,17 +463,16 @@ std::string bwd_outputs(KdaBwdParams& p, const Tensor& q, const Tensor& g, const
                         const Tensor& dbeta, const OptT& dA_log, const OptT& ddt_bias, const OptT& dh0) {
   KDA_TRY(check_tensor(dout, q, "do", {p.B, p.T, p.HV, p.V}));
   KDA_TRY(check_dtype(dout, q.scalar_type(), "do"));
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&dout, "do"}})
-    KDA_REQUIRE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
-  KDA_REQUIRE(reinterpret_cast<uintptr_t>(p.k) % 16 == 0, "k must start 16-byte aligned");
+  KDA_TRY(check_aligned16(q.data_ptr(), "q"));
+  KDA_TRY(check_aligned16(dout.data_ptr(), "do"));
+  KDA_TRY(check_aligned16(p.k, "k"));
   if (dht) KDA_TRY(state_check(*dht, q, "dht", p));
   KDA_TRY(check_tensor(dq, q, "dq", {p.B, p.T, p.H, p.K}));
   KDA_TRY(check_dtype(dq, q.scalar_type(), "dq"));
   KDA_TRY(check_tensor(dk, q, "dk", {p.B, p.T, p.H, p.K}));
   KDA_TRY(check_dtype(dk, q.scalar_type(), "dk"));
-  // kda_bwd_grads and kda_bwd_group_sum store dq / dk rows in 8-byte pieces
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&dq, "dq"}, {&dk, "dk"}})
-    KDA_REQUIRE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
+  KDA_TRY(check_aligned16(dq.data_ptr(), "dq"));  // kda_bwd_grads' and kda_bwd_group_sum's 8-byte stores
+  KDA_TRY(check_aligned16(dk.data_ptr(), "dk"));
   KDA_TRY(check_tensor(dv, q, "dv", {p.B, p.T, p.HV, p.V}));
   KDA_TRY(check_dtype(dv, q.scalar_type(), "dv"));
   KDA_TRY(check_tensor(dg, q, "dg", {p.B, p.T, p.HV, p.K}));
