@@ -32,17 +32,15 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
   s.scan(p);
 }
 
-// One batch slice: rebuild the forward's workspace (from its saved Aqk / Akk / M, or all of it with
-// M) and the state before every chunk (unless the forward saved the states), then the reverse
-// scan, the per-chunk gradients and (GVA) the group sums.
+// One batch slice: rebuild the forward's workspace (unless the training forward kept its w, qg, kg
+// and gdecay: from its saved Aqk / Akk / M, or all of it with M) and the state before every chunk
+// (unless the forward saved the states), then the reverse scan, the per-chunk gradients and (GVA)
+// the group sums.
 template <typename Stages>
 void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
-  if (p.saved_workspace) {
-    // w, qg, kg, gdecay: the training forward's
-  } else if (p.saved_factors) {
-    s.prep(p);
-  } else {
-    s.intra(p);
+  if (!p.saved_workspace) {
+    if (p.saved_factors) s.prep(p);
+    else s.intra(p);
   }
   if (p.saved_states) {  // the training forward's scan wrote h_ckpt: no re-scan
     s.dh_scan(p);
