@@ -71,13 +71,13 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                                                                   torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
     """(o, final_state, Aqk, Akk, M, h, w, qg, kg, gdecay). final_state is an empty tensor unless
-    output_final_state; Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead of
-    recomputing the forward intra) are empty tensors unless save_factors; h (the buffer for the state before every
-    chunk, [max_chunks, HV, V, K] in q's dtype, which the forward's scan fills where the backward then
-    skips its re-scan, else the backward's re-scan does) is empty unless save_states (which needs
-    save_factors); w, qg, kg ([B*T, HV, K] in q's dtype) and gdecay ([max_chunks, HV, K] fp32), the
-    forward intra's products that the backward then need not rebuild, are empty unless save_workspace
-    (which needs save_factors)."""
+    output_final_state; Aqk, Akk and M ([B*T, HV, 64] in q's dtype, what the backward reads instead
+    of recomputing the forward intra) are empty tensors unless save_factors; h (the buffer for the
+    state before every chunk, [max_chunks, HV, V, K] in q's dtype, which the forward's scan fills
+    where the backward then skips its re-scan, else the backward's re-scan does) is empty unless
+    save_states (which needs save_factors); w, qg, kg ([B*T, HV, K] in q's dtype) and gdecay
+    ([max_chunks, HV, K] fp32), the forward intra's products that the backward then need not
+    rebuild, are empty unless save_workspace (which needs save_factors)."""
     bufs = _forward_buffers(q, v, cu_seqlens, options, output_final_state, save_factors, save_states,
                             save_workspace)
     o, ht, Aqk, Akk, M, h, w, qg, kg, gdecay = bufs
