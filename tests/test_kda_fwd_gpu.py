@@ -492,6 +492,37 @@ def test_raw_op_checks_the_state_buffer_shape():
     torch.ops.kernel_fun.kda_fwd(*args)  # the right shape is taken
 
 
+def test_raw_op_checks_the_saved_workspace():
+    """w, qg, kg (q's dtype, [B*T, HV, K]) and gdecay (fp32, [max_chunks, HV, K]) come together and
+    beside the factors; each wrong one is refused by name, and the right ones are taken."""
+    inputs, kw = make_case(T=70, H=1, K=64, V=64)
+    q = inputs[0]
+    o = torch.empty(1, 70, 1, 64, dtype=q.dtype, device="cuda")
+    args = _raw_fwd_args(inputs, kw, o, None)
+    rows = lambda: torch.empty(70, 1, 64, dtype=q.dtype, device="cuda")  # noqa: E731
+    ws = [rows(), rows(), rows(), torch.empty(2, 1, 64, device="cuda")]  # w, qg, kg, gdecay (2 chunks)
+
+    def refused(change, message):
+        bad = list(args)
+        bad[17:21] = ws
+        change(bad)
+        with pytest.raises((ValueError, RuntimeError)) as ei:
+            torch.ops.kernel_fun.kda_fwd(*bad)
+        assert message in str(ei.value), str(ei.value)
+
+    refused(lambda a: None, "w, qg, kg and gdecay (saved for the backward) need Aqk, Akk and M")
+    args[13:16] = [rows() for _ in range(3)]  # the factors from here on
+    refused(lambda a: a.__setitem__(20, None), "w, qg, kg and gdecay (saved for the backward) come together")
+    refused(lambda a: a.__setitem__(18, rows()[:-1]), "qg must have shape")
+    refused(lambda a: a.__setitem__(20, torch.empty(2, 1, 64, device="cuda", dtype=q.dtype)),
+            "gdecay must be float32")
+    refused(lambda a: a.__setitem__(20, torch.empty(1, 1, 64, device="cuda")), "gdecay must have shape")
+    refused(lambda a: a.__setitem__(20, torch.empty(2 * 64 + 1, device="cuda")[1:].view(2, 1, 64)),
+            "gdecay must start 16-byte aligned")
+    args[17:21] = ws
+    torch.ops.kernel_fun.kda_fwd(*args)  # the right ones are taken
+
+
 @pytest.mark.parametrize("arg", list(BAD_ARGS))
 def test_bad_inputs_name_the_argument(arg):
     inputs, kw = make_case(T=70, H=1, K=64, V=64)
