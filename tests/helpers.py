@@ -176,10 +176,11 @@ def kda_bwd_reference(inputs, kw: dict, do: torch.Tensor, dht: torch.Tensor | No
 
 
 
-def join_cp_group(rank: int, world: int, path: str, device: str, switch: str) -> None:
+def join_cp_group(rank: int, world: int, path: str, device: str, switch: str, shared_gpu: bool = False) -> None:
     """A spawned rank's setup for the context-parallel tests: the opt-in switch, gloo (CPU) or NCCL
     (one GPU per rank) through a rendezvous file, gloo over loopback (no dependence on the host name
-    resolving)."""
+    resolving). ``shared_gpu``: every rank on GPU 0, joined by gloo over CUDA tensors (NCCL refuses
+    two ranks on one device), so that a one-GPU machine runs the ranks on our kernels too."""
     import datetime
     import os
 
@@ -189,8 +190,9 @@ def join_cp_group(rank: int, world: int, path: str, device: str, switch: str) ->
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{path}", rank=rank,
+        torch.cuda.set_device(0 if shared_gpu else rank)
+    backend = "gloo" if device == "cpu" or shared_gpu else "nccl"
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
 
 

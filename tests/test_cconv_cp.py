@@ -44,8 +44,8 @@ def _run(x, w, b, r, dy, act, **kw):
     return y.detach(), x.grad, w.grad, b.grad
 
 
-def _worker(rank, world, path, case, out, device="cpu"):
-    join_cp_group(rank, world, path, device, "KERNEL_FUN_CCONV_CP")
+def _worker(rank, world, path, case, out, device="cpu", shared_gpu=False):
+    join_cp_group(rank, world, path, device, "KERNEL_FUN_CCONV_CP", shared_gpu)
     done = False
     try:
         x, w, b, r, dy = (None if t is None else _on(t, device) for t in _inputs(case))
@@ -98,10 +98,10 @@ WORLD = {"cross_w4": 2, "long_doc_4ranks": 4, "boundary_at_rank": 2, "residual_w
          "three_ranks_short_slices": 3, "one_token_before": 2}
 
 
-def _check_against_one_process(name, tmp_path, device, tol):
+def _check_against_one_process(name, tmp_path, device, tol, shared_gpu=False):
     case, world = CASES[name], WORLD[name]
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(world, str(tmp_path / "rdzv"), case, out, device), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "rdzv"), case, out, device, shared_gpu), nprocs=world, join=True)
     x, w, b, r, dy = (None if t is None else _on(t, device) for t in _inputs(case))
     y_ref, dx_ref, dw_ref, db_ref = (t.cpu() for t in _run(
         x, w, b, r, dy, case["act"], cu_seqlens=torch.tensor(case["cu"], dtype=torch.int32, device=device)))
@@ -132,6 +132,16 @@ def test_context_parallel_conv_on_gpus_equals_one_gpu(name, tmp_path):
     if torch.cuda.device_count() < WORLD[name]:
         pytest.skip(f"needs {WORLD[name]} GPUs, this machine has {torch.cuda.device_count()}")
     _check_against_one_process(name, tmp_path, "cuda", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cross_w4", "long_doc_4ranks", "one_token_before", "residual_w2"])
+def test_context_parallel_conv_ranks_on_one_gpu_equal_one_process(name, tmp_path):
+    """The same with every rank on GPU 0, joined by gloo over CUDA tensors (our kernels under each
+    rank; any GPU machine): the device path of the exchange, not NCCL."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _check_against_one_process(name, tmp_path, "cuda", 1e-5, shared_gpu=True)
 
 
 def test_context_parallel_conv_is_opt_in_and_checks_its_arguments(monkeypatch):

@@ -2,8 +2,9 @@
 gloo on the CPU (the torch reference underneath), each holding its slice of one packed sequence,
 against one process on the whole sequence: o and every gradient (q, k, v, g, beta, A_log, dt_bias).
 The contexts are fla's build_cp_context fields, made by helpers.cp_context;
-with fla importable, fla's own contexts are run too. The GPU variant (NCCL, our kernels) needs as
-many GPUs as ranks and skips otherwise."""
+with fla importable, fla's own contexts are run too. The GPU variants run our kernels: over NCCL
+with one GPU per rank (skips where there are fewer GPUs than ranks), and with every rank on one GPU
+joined by gloo over CUDA tensors (any GPU machine)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def _run(t, sl, state_v_first, **kw):
     return [o.detach().cpu()] + [leaves[n].grad.cpu() for n in GRADS]
 
 
-def _worker(rank, world, path, case, out, device):
-    join_cp_group(rank, world, path, device, "KERNEL_FUN_KDA_CP")
+def _worker(rank, world, path, case, out, device, shared_gpu=False):
+    join_cp_group(rank, world, path, device, "KERNEL_FUN_KDA_CP", shared_gpu)
     if case.get("two_calls"):
         import kernel_fun.kda._cp as cp
 
@@ -68,7 +69,16 @@ def _worker(rank, world, path, case, out, device):
             ctxs.append(build_cp_context(cu.to(device), dist.group.WORLD, cu_seqlens_cpu=cu))
         except ImportError:
             pass
-        torch.save([_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs], f"{out}.{rank}")
+        if device == "cuda":  # our kernels, not fla's: strict mode (a fallback raises), launches counted
+            import kernel_fun
+            from kernel_fun.check import count_kernel_ops
+
+            with kernel_fun.strict(), count_kernel_ops() as counts:
+                res = [_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs]
+            assert counts["kda_fwd"] >= len(ctxs) and counts["kda_bwd"] >= len(ctxs), dict(counts)
+        else:
+            res = [_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs]
+        torch.save(res, f"{out}.{rank}")
         done = True
     finally:
         leave_cp_group(done)
@@ -87,12 +97,12 @@ CASES = {
 }
 
 
-def _check(name, tmp_path, device, tol):
+def _check(name, tmp_path, device, tol, shared_gpu=False):
     case, world = CASES[name]
     if device == "cuda":  # K = V = 128, bf16: our kernels (K 16 would go to fla)
         case = dict(case, K=128, V=128)
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(world, str(tmp_path / "rdzv"), case, out, device), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "rdzv"), case, out, device, shared_gpu), nprocs=world, join=True)
     t = _inputs(case, device)
     ref = _run(t, slice(None), case.get("svf", False), cu_seqlens=torch.tensor(case["cu"], dtype=torch.int32,
                                                                               device=device))
@@ -142,3 +152,14 @@ def test_context_parallel_kda_is_opt_in_and_checks_its_arguments(monkeypatch):
     with pytest.raises(ValueError, match="cp_context has no 'is_last_rank'"):
         chunk_kda(q, q, v, g, beta, cp_context=types.SimpleNamespace(group=None, cu_seqlens=ctx.cu_seqlens,
                                                                       is_first_rank=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_kda_ranks_on_one_gpu_equal_one_process(name, tmp_path):
+    """The same with every rank on GPU 0, joined by gloo over CUDA tensors: our kernels under each
+    rank's local pass, [E | Phi] call, chain and backward, on a one-GPU machine. It checks the
+    context-parallel path on the device, not NCCL (the test above does, on the 2-GPU machine)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _check(name, tmp_path, "cuda", 3e-2, shared_gpu=True)
