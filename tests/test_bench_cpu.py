@@ -817,3 +817,56 @@ def test_build_flashkda_script_links_cutlass_and_builds_in_place(tmp_path):
     assert os.path.realpath(src / "cutlass") == os.path.realpath(
         os.path.join(list(spec.submodule_search_locations)[0], "source"))
     assert f"export PYTHONPATH={src}" in r.stdout
+
+
+# ---------------------------------------------------------------- --host-ahead
+
+def test_host_ahead_sleep_is_twice_the_slowest_enqueue_within_bounds():
+    assert brun.host_ahead_ms([5.0, 0.001, 0.002]) == pytest.approx(4.0)  # first call (compile) left out
+    assert brun.host_ahead_ms([0.001]) == pytest.approx(2.0)                # one call: it is all there is
+    assert brun.host_ahead_ms([0.0, 0.0001]) == brun.HOST_AHEAD_MIN_MS
+    assert brun.host_ahead_ms([]) == brun.HOST_AHEAD_MIN_MS
+    assert brun.host_ahead_ms([0.0, 1.0]) == brun.HOST_AHEAD_MAX_MS
+
+
+def test_host_ahead_puts_one_gpu_sleep_before_each_timed_call(fake_cuda, monkeypatch):
+    trace = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: trace.append(("sleep", cycles)), raising=False)
+    monkeypatch.setattr(brun, "_sleep_cycles_per_ms", 1000.0)  # the calibration's result, 1 cycle per us
+    orig_record = _FakeEvent.record
+    monkeypatch.setattr(_FakeEvent, "record", lambda self, stream=None: (trace.append(("event",)),
+                                                                          orig_record(self))[1])
+
+    class _Flush:
+        def zero_(self):
+            trace.append(("flush",))
+
+    def step():
+        time.sleep(0.002)  # the host's enqueue time: 2 ms
+        trace.append(("step",))
+
+    res = brun.time_calls(torch, step, warmup=3, iters=4, flush=_Flush(), host_ahead=True)
+    assert res["ms"] > 0
+    timed = trace[trace.index(("flush",)):]  # the warm-up calls come first, with no sleep
+    assert [e[0] for e in timed] == ["flush", "sleep", "event", "step", "event"] * 4
+    cycles = {e[1] for e in timed if e[0] == "sleep"}
+    assert len(cycles) == 1 and 4000 <= cycles.pop() <= 1000 * brun.HOST_AHEAD_MAX_MS  # >= 2 x 2 ms
+
+    trace.clear()
+    brun.time_calls(torch, step, warmup=2, iters=3, flush=_Flush())
+    assert not [e for e in trace if e[0] == "sleep"]  # off by default
+
+
+def test_host_ahead_rows_say_so_in_the_note_and_the_timing_line():
+    rows, meta = _synthetic_rows()
+    for r in rows:
+        r["host_ahead"] = r["impl"] == "kernel_fun"
+    md = report.markdown(rows, dict(meta, host_ahead="yes"))
+    assert "host kept ahead of the GPU (a GPU sleep before each timed call, --host-ahead): yes" in md
+    ok_ours = [r for r in rows if r["impl"] == "kernel_fun" and r["status"] == "ok"]
+    assert ok_ours and md.count("host kept ahead of the GPU: kernel_fun") == len(ok_ours)
+    merged, mmeta = report.merge_runs([rows])
+    assert mmeta["host_ahead"] == "rows marked in the note"
+    for r in rows:
+        r["host_ahead"] = False
+    assert report.merge_runs([rows])[1]["host_ahead"] == "no"

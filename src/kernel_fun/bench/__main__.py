@@ -1,5 +1,6 @@
 """CLI: ``python -m kernel_fun.bench [--family kda|cconv|all] [--case NAME ...] [--pass P]
-[--iters N] [--warmup N] [--out DIR] [--no-fla] [--no-flashkda] [--no-flush] [--budget-s S] [--seed N]
+[--iters N] [--warmup N] [--out DIR] [--no-fla] [--no-flashkda] [--no-flush] [--host-ahead] [--budget-s S]
+[--seed N]
 [--list | --merge JSON ...]``. See docs/benchmark.md."""
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="no FlashKDA rows (by default: bounded-gate forward rows with K=V=128, H=HV, "
                         "when flash_kda is importable)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    p.add_argument("--host-ahead", action="store_true",
+                   help="before each timed call the GPU sleeps longer than the host takes to enqueue the call, "
+                        "so the events time the GPU's work, not the host's launches (rows whose kernels take "
+                        "less than their launches; docs/benchmark.md)")
     p.add_argument("--budget-s", type=_budget, default=None, metavar="S",
                    help="start no new case after S seconds (> 0); the rest are reported as not run")
     # case i is seeded seed + i: a 32-bit seed (numpy's range) leaves torch's 64-bit one room
@@ -145,12 +150,13 @@ def main(argv=None) -> int:
         meta["versions"]["fla_backend"] = (f"FLA_TILELANG={os.environ['FLA_TILELANG']}: Triton backward"
                                            f"{'' if os.environ['FLA_TILELANG'] == '0' else ' unless tilelang is installed'}"
                                            f"; FLA_FLASH_KDA={os.environ['FLA_FLASH_KDA']}")
-    meta.update(iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush)
+    meta.update(iters=args.iters, warmup=args.warmup, flush_l2=not args.no_flush,
+                host_ahead="yes" if args.host_ahead else "no")
     print(f"kernel-fun bench on {meta['device_name']} ({meta['gpu']}): "
           f"{len(cases)} case(s) x {len(pass_list)} pass(es); versions {meta['versions']}", flush=True)
     cfg = Config(cases=cases, passes=pass_list, iters=args.iters, warmup=args.warmup,
                  with_fla=not args.no_fla, with_flashkda=not args.no_flashkda,
-                 flush_l2=not args.no_flush, seed=args.seed,
+                 flush_l2=not args.no_flush, host_ahead=args.host_ahead, seed=args.seed,
                  budget_s=args.budget_s)
 
     def checkpoint(rows_so_far):  # a run cut short (device time limit) still leaves results

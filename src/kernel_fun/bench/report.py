@@ -16,7 +16,7 @@ ROW_KEYS = (
     "family", "case", "pass", "impl", "status", "note", "ms", "ms_min", "ms_max", "iters",
     "warmup", "bytes", "tbps", "roofline_frac", "floor_ms", "speedup_vs_fla", "rel_rms_vs_kernel_fun", "engaged",
     "peak_mem_gib", "anchor_fla_ms", "shape", "params", "gpu", "device_name", "copy_tbps",
-    "versions", "date",
+    "versions", "date", "host_ahead",
 )
 STATUSES = ("ok", "not_run", "error")
 IMPLS = ("kernel_fun", "fla", "flashkda")
@@ -73,8 +73,13 @@ def speedup(ours: dict | None, fla: dict | None) -> float | None:
 
 def _note(ours: dict | None, fla: dict | None, fk: dict | None = None) -> str:
     present = [(tag, r) for tag, r in (("kernel_fun", ours), ("fla", fla), ("flashkda", fk)) if r]
-    return "; ".join(f"{tag}: {r['note']}" if len(present) > 1 else r["note"]
-                     for tag, r in present if r.get("note"))
+    notes = [f"{tag}: {r['note']}" if len(present) > 1 else r["note"] for tag, r in present if r.get("note")]
+    # rows timed with the host kept ahead of the GPU (--host-ahead) report GPU time: said per case,
+    # since a merged page may hold both kinds
+    ahead = [tag for tag, r in present if r.get("host_ahead") and r.get("status") == "ok"]
+    if ahead:
+        notes.append("host kept ahead of the GPU: " + ", ".join(ahead))
+    return "; ".join(notes)
 
 
 # flashkda ms, flashkda/ours: blank where FlashKDA has no row (it covers bounded fwd, K=V=128, no GVA)
@@ -147,7 +152,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"{_num(ct, '.2f')} TB/s |",
         f"| timing | CUDA events, {meta.get('warmup', '?')} warm-up calls, median of "
         f"{meta.get('iters', '?')}; L2 flushed before each timed call: "
-        f"{'yes' if meta.get('flush_l2') else 'no'} |",
+        f"{'yes' if meta.get('flush_l2') else 'no'}; host kept ahead of the GPU (a GPU sleep before each "
+        f"timed call, --host-ahead): {meta.get('host_ahead') or 'no'} |",
     ]
     if meta.get("wall_s") is not None:
         lines.append(f"| benchmark wall time | {meta['wall_s']:.0f} s |")
@@ -264,9 +270,16 @@ def merge_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
             "copy_tbps": last.get("copy_tbps"), "date": ", ".join(dates) or last.get("date"),
             "iters": ", ".join(sorted({str(r.get("iters")) for r in timed if r.get("iters")})) or None,
             "warmup": last.get("warmup"), "flush_l2": True,
+            "host_ahead": _host_ahead_summary(timed),
             "notes": [f"merged from {len(runs)} runs of the benchmark (one per device call); each row "
                       f"keeps its own date and versions in the JSON; {same}"]}
     return merged, meta
+
+
+def _host_ahead_summary(rows: list[dict]) -> str:
+    """The timing line's host-ahead entry for merged rows: yes, no, or the marked rows only."""
+    ahead = {bool(r.get("host_ahead")) for r in rows}
+    return "yes" if ahead == {True} else "no" if ahead != {True, False} else "rows marked in the note"
 
 
 def write_all(rows: list[dict], meta: dict, out_dir: str) -> list[str]:

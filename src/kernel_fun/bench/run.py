@@ -50,6 +50,7 @@ class Config:
     seed: int = 0
     device: str = "cuda"
     budget_s: float | None = None   # start no new case after this many seconds
+    host_ahead: bool = False        # a GPU sleep before each timed call (time_calls): GPU time, not launch time
     notes: list[str] = field(default_factory=list)
 
 
@@ -295,11 +296,48 @@ def measure_copy_tbps(torch, nbytes: int = 2 << 30, iters: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
+# The host-ahead sleep: at least this long, at most HOST_AHEAD_MAX_MS, and twice the host's time to
+# enqueue one call (its slowest warm-up call after the first).
+HOST_AHEAD_MIN_MS = 0.5
+HOST_AHEAD_MAX_MS = 50.0
+_sleep_cycles_per_ms: float | None = None
+
+
+def sleep_cycles_per_ms(torch) -> float:
+    """The rate of torch.cuda._sleep (a spin on the SM clock), measured once per process by CUDA
+    events around a sleep of 10^6 cycles."""
+    global _sleep_cycles_per_ms
+    if _sleep_cycles_per_ms is None:
+        n = 1_000_000
+        torch.cuda._sleep(n)  # the first launch of the sleep kernel is not timed
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(n)
+        b.record()
+        torch.cuda.synchronize()
+        _sleep_cycles_per_ms = n / max(a.elapsed_time(b), 1e-3)
+    return _sleep_cycles_per_ms
+
+
+def host_ahead_ms(host_s: list[float]) -> float:
+    """How long the GPU sleeps before each timed call: twice the host's slowest enqueue of one
+    call in the warm-up (seconds, first call left out: it may compile), within the bounds above."""
+    worst = max(host_s[1:] or host_s or [0.0]) * 1e3
+    return min(HOST_AHEAD_MAX_MS, max(HOST_AHEAD_MIN_MS, 2.0 * worst))
+
+
 def time_calls(torch, step, *, warmup: int, iters: int, before_each=None, flush=None,
-               probe=None) -> dict:
+               probe=None, host_ahead: bool = False) -> dict:
     """Warm up, then time ``iters`` calls of step() with CUDA events. The first warm-up call runs
     inside ``probe`` (a context manager) when given; if the probe reports a fallback, timing
-    stops there and {"fallback": reasons} is returned."""
+    stops there and {"fallback": reasons} is returned.
+
+    host_ahead: before each timed call the GPU sleeps (torch.cuda._sleep, after the L2 flush) for
+    ``host_ahead_ms`` of the warm-up's host enqueue times, so the host has queued the whole call
+    before its first kernel starts and the events time the GPU's work. Without it, a call whose
+    kernels take less time than the host's launches and autograd (bounded_b1's training call: ~1.3
+    ms of kernels) is timed at the host's pace, which wanders between calls."""
+    host_s: list[float] = []
     for i in range(max(1, warmup)):
         if before_each:
             before_each()
@@ -310,9 +348,12 @@ def time_calls(torch, step, *, warmup: int, iters: int, before_each=None, flush=
             if probe.fallbacks:
                 return {"fallback": probe.fallbacks}
         else:
+            t0 = time.perf_counter()
             step()
+            host_s.append(time.perf_counter() - t0)
     if before_each:
         before_each()
+    sleep_cycles = int(sleep_cycles_per_ms(torch) * host_ahead_ms(host_s)) if host_ahead else 0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -322,6 +363,8 @@ def time_calls(torch, step, *, warmup: int, iters: int, before_each=None, flush=
             before_each()
         if flush is not None:
             flush.zero_()
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         step()
@@ -439,7 +482,7 @@ def run(cfg: Config, meta: dict, log=print, on_case_done=None, progress=None) ->
                               iters=cfg.iters, warmup=cfg.warmup,
                               anchor_fla_ms=dict(case.anchor_fla_ms) or None,
                               shape=case.shape(), params=case.params(), status="not_run",
-                              **{"pass": pass_}, **common)
+                              host_ahead=cfg.host_ahead, **{"pass": pass_}, **common)
                 pass_rows[impl] = row
                 rows.append(row)
                 fn, sup, why = impls[case.family][impl]
@@ -545,7 +588,8 @@ def _measure_flashkda(torch, row, case, fwd, ref_fn, ref_why, inputs, cfg, flush
     try:
         step = flashkda_step(fwd, inputs, torch)
         with torch.no_grad():  # as the other forward rows (see _time_one)
-            res = time_calls(torch, step, warmup=cfg.warmup, iters=cfg.iters, flush=flush)
+            res = time_calls(torch, step, warmup=cfg.warmup, iters=cfg.iters, flush=flush,
+                             host_ahead=cfg.host_ahead)
             stage = "agreement check"
             got = step()
             want = ref_fn(*inputs["args"], **inputs["kwargs"])[0]
@@ -581,7 +625,7 @@ def _time_one(torch, fn, inputs, grad, do, cfg, flush, probe) -> dict:
                     t.grad = None
 
             return time_calls(torch, step, warmup=cfg.warmup, iters=cfg.iters, before_each=reset,
-                              flush=flush, probe=probe)
+                              flush=flush, probe=probe, host_ahead=cfg.host_ahead)
 
         def fstep():
             fn(*args, **kwargs)
@@ -591,7 +635,7 @@ def _time_one(torch, fn, inputs, grad, do, cfg, flush, probe) -> dict:
         # in the fwd+bwd row that follows (fla's varlen fwd+bwd failed that way on 2026-12-01).
         with torch.no_grad():
             return time_calls(torch, fstep, warmup=cfg.warmup, iters=cfg.iters, flush=flush,
-                              probe=probe)
+                              probe=probe, host_ahead=cfg.host_ahead)
     except Exception as e:  # noqa: BLE001 - a failing implementation is a row, not a crash
         return {"error": _short(e)}
     finally:
