@@ -279,7 +279,9 @@ def merge_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
 def _host_ahead_summary(rows: list[dict]) -> str:
     """The timing line's host-ahead entry for merged rows: yes, no, or the marked rows only."""
     ahead = {bool(r.get("host_ahead")) for r in rows}
-    return "yes" if ahead == {True} else "no" if ahead != {True, False} else "rows marked in the note"
+    if ahead == {True}:
+        return "yes"
+    return "rows marked in the note" if True in ahead else "no"
 
 
 def write_all(rows: list[dict], meta: dict, out_dir: str) -> list[str]:
