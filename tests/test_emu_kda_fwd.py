@@ -586,3 +586,99 @@ def test_cluster_misuse_is_reported(emu, bug, words):
         finally:
             emu.set_schedule()
     assert bad, f"cluster misuse {bug} not reported"
+
+
+# ------------------------------------------------------------------------------------------------ split forward
+# The split forward (csrc/kda/fwd/kda_fwd_split.cuh): each sequence's scan in pieces of L chunks, pass 1
+# ([E | Phi] of every piece but the last, from zero / the identity), the chain of the pieces' initial
+# states, pass 2 (the ordinary scan over the pieces). Pieces shorter than L (a sequence's tail, partial
+# chunks), one-chunk pieces, empty and one-token documents, h0 and none, both state layouts, GVA, fp16.
+SPLIT_CASES = {
+    # weak decays (a chunk keeps ~0.8 of the state, see CASES): a piece's state carries into the next,
+    # so the map Phi and the chain are what the comparison sees (with the strong gates the state before
+    # a piece has decayed to nothing within it, and a missing Phi would pass)
+    "L1-B2-T200-h0": dict(B=2, T=200, gate="precomputed_weak", h0=True, L=1),
+    "L2-K128-V128-bv128-h0-vfirst": dict(T=330, K=128, V=128, gate="precomputed_weak", h0=True, state_v_first=True,
+                                         L=2, bv=128),
+    "L2-varlen-empty-onetoken": dict(T=330, cu=[0, 0, 1, 65, 330], gate="precomputed_weak", h0=True, L=2),
+    "L2-GVA-fp16-K128-V128-bv64": dict(T=260, H=1, HV=2, K=128, V=128, gate="bounded_weak", dtype=torch.float16,
+                                       L=2, bv=64),
+    "L1-unbounded-no-ht": dict(T=200, h0=True, L=1, final=False),
+    "L1-extreme-1000": dict(T=200, gate="precomputed", extreme=0.5, h0=True, L=1),
+    "L3-bounded-weak-varlen-int64": dict(T=450, gate="bounded_weak", cu=[0, 300, 450], cu_dtype=torch.int64, L=3),
+}
+
+
+def _piece_starts(cu, B, T, L):
+    """(global chunk, flattened first token, sequence, empty) of every piece, in piece order:
+    kda_split_map_kernel's cut (an empty sequence is one empty piece)."""
+    segs = [(b * T, b * T + T) for b in range(B)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    out, chunk0 = [], 0
+    for n, (s, e) in enumerate(segs):
+        nc = -(-(e - s) // 64)
+        for i in range(max(1, -(-nc // L))):
+            out.append((chunk0 + i * L, s + i * L * 64, n, nc == 0))
+        chunk0 += nc
+    return out
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_forward_matches_fp64_reference_and_unsplit(name, emu, ref):
+    case = dict(SPLIT_CASES[name])
+    L, bv, final = case.pop("L"), case.pop("bv", 64), case.pop("final", True)
+    inputs, kw = make_case(**case)
+    kw["output_final_state"] = final
+    o, ht, hs, ws = emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv, split_chunks=L)
+    o_ref, ht_ref, st = kda_reference(inputs, kw, return_stages=True, ref=ref)
+    vfirst = kw.get("state_v_first")
+    checks = {"o": (o_ref, o), "h": (st["h"], hs.transpose(-1, -2) if vfirst else hs)}
+    if final:
+        checks["ht"] = (ht_ref, ht)
+    # the chain's result: every piece's initial state is the reference's state before its first chunk
+    B, T = inputs[0].shape[:2]
+    HV, K, V = inputs[2].shape[2], inputs[0].shape[3], inputs[2].shape[3]
+    lay = ws["split_layout"]
+    pieces = _piece_starts(case.get("cu"), B, T, L)
+    init = ws["split_state"][lay["init"]: lay["init"] + len(pieces) * HV * K * V].view(len(pieces), HV, K, V)
+    if vfirst:
+        init = init.view(len(pieces), HV, V, K).transpose(-1, -2)
+    h_all = st["h"].reshape(-1, HV, K, V)
+    h0 = kw.get("initial_state")
+    want = []
+    for chunk, _, n, empty in pieces:
+        if not empty:
+            want.append(h_all[chunk])
+        else:  # an empty sequence's one piece starts (and ends) with its initial state
+            want.append(torch.zeros(HV, K, V) if h0 is None else (h0[n].transpose(-1, -2) if vfirst else h0[n]))
+    checks["piece initial states"] = (torch.stack(want), init)
+    bad = {key: rel_rms(r, got) for key, (r, got) in checks.items() if r.numel() and not rel_rms(r, got) <= TOL}
+    assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
+    # the map the kernels built: the pieces' first tokens (the derived problem's cu_seqlens)
+    cu_pieces = ws["split_map"][lay["cu"]: lay["cu"] + 2 * len(pieces)].view(torch.int64)
+    assert cu_pieces.tolist() == [tok for _, tok, _, _ in pieces]
+    assert ws["split_map"][lay["seq_piece0"] + (len(case["cu"]) - 1 if case.get("cu") else B)].item() == len(pieces)
+    # beside the unsplit forward: the same to the operands' precision (not bitwise: Phi's product and
+    # the chain round differently from one long chain)
+    o1, ht1, hs1, _ = emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv)
+    assert rel_rms(o1.double(), o) < 5e-3 and rel_rms(hs1.double(), hs) < 5e-3
+    if final:
+        assert rel_rms(ht1, ht) < 5e-3
+
+
+def test_split_forward_deterministic(emu):
+    inputs, kw = make_case(T=260, cu=[0, 10, 260], h0=True)
+    a = emu.forward_stages(*inputs, **kw, bv=64, split_chunks=1)
+    b = emu.forward_stages(*inputs, **kw, bv=64, split_chunks=1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(_bits(a[3]["split_state"]), _bits(b[3]["split_state"]))
+
+
+def test_split_choice_model(emu):
+    """kda_policy.h's fwd_split_choice: it splits few long chains (B1 T32768 with 8 heads: 16 scan
+    chains on 132 SMs) and never where the heads fill the GPU or the intra dominates."""
+    chunks, bv, cost, other = emu.split_choice(1, 32768, 8, 8, 128, 128)
+    assert chunks > 0 and bv in (64, 128) and cost < 0.9 * other
+    assert 512 // chunks <= 33  # at most kSplitMaxExtraPieces + 1 pieces
+    assert emu.split_choice(1, 32768, 32, 32, 128, 128)[0] == 0  # long_b1_t32k: the intra alone is ~1.5 ms
+    assert emu.split_choice(16, 8192, 16, 16, 128, 128)[0] == 0  # bounded_b16: 512 chains
+    assert emu.split_choice(1, 32768, 8, 8, 64, 64)[1] == 64  # K = 64: the virtual columns are one 64-slice

@@ -755,3 +755,86 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "serialised: same bits, every chain resumed from chunk 0" in r.stdout, r.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# The split forward (csrc/kda/fwd/kda_fwd_split.cuh; opt-in with KERNEL_FUN_KDA_FWD_SPLIT until it is
+# timed): each sequence's scan in pieces of L chunks, pass 1 ([E | Phi] from zero / the identity), the
+# chain of the pieces' initial states, pass 2 (the ordinary scan over the pieces). Weak decays, so a
+# piece's state reaches far into the next and a wrong map or chain shows (with strong gates the state
+# entering a piece has decayed to nothing within it).
+SPLIT_CASES = {
+    "T4000-h0-L4-bv64": dict(T=4000, gate="precomputed_weak", h0=True, L=4, bv=64),
+    "T4000-h0-L4-bv128": dict(T=4000, gate="precomputed_weak", h0=True, L=4, bv=128),
+    "varlen-empty-onetoken-L2": dict(T=2000, cu=[0, 0, 1, 65, 700, 2000], gate="precomputed_weak", h0=True, L=2,
+                                     bv=64),
+    "gva-vfirst-fp16-L3": dict(T=1500, H=1, HV=2, dtype=torch.float16, gate="bounded_weak", state_v_first=True,
+                               h0=True, L=3, bv=64),
+    "K64-V64-L1-no-ht": dict(T=1000, K=64, V=64, gate="precomputed_weak", final=False, L=1, bv=64),
+    "extreme-1000-L2": dict(T=1000, gate="precomputed", extreme=0.5, h0=True, L=2, bv=64),
+    "B2-T16384-H4-model-L": dict(B=2, T=16384, H=4, gate="bounded_weak", h0=True, L=0, bv=0),
+}
+
+
+def _split(monkeypatch, L, bv, on=True):
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_SPLIT", "1" if on else "0")
+    if L:
+        monkeypatch.setenv("KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS", str(L))
+    else:
+        monkeypatch.delenv("KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS", raising=False)
+    if bv:
+        monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", str(bv))
+    else:
+        monkeypatch.delenv("KERNEL_FUN_KDA_SCAN_BV", raising=False)
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_forward_matches_fp64_reference_and_unsplit(monkeypatch, name):
+    """o, the final state and the per-chunk states against the fp64 reference and against the
+    unsplit forward (to the operands' precision: Phi's product and the chain round differently from
+    one long chain), bitwise the same over two calls; the pieces' map proves the split ran."""
+    case = dict(SPLIT_CASES[name])
+    L, bv = case.pop("L"), case.pop("bv")
+    inputs, kw = make_case(**case)
+    _split(monkeypatch, L, bv)
+    o, ht, hs, ws = run_ours(inputs, kw, return_intermediate_states=True)
+    o_b, ht_b, hs_b, ws_b = run_ours(inputs, kw, return_intermediate_states=True)
+    assert ws["split_map"].numel() > 0 and ws["split_state"].numel() > 0, "the forward did not split"
+    assert torch.equal(o, o_b) and torch.equal(hs, hs_b) and torch.equal(ws["split_state"], ws_b["split_state"])
+    if ht is not None:
+        assert torch.equal(ht, ht_b)
+    o_ref, ht_ref, st = reference(inputs, kw, return_stages=True)
+    assert rel_rms(o_ref, o) <= KDA_TOL["o"]
+    assert rel_rms(st["h"], hs.transpose(-1, -2) if kw.get("state_v_first") else hs) <= STAGE_TOL
+    if ht is not None:
+        assert rel_rms(ht_ref, ht) <= KDA_TOL["ht"]
+    _split(monkeypatch, L, bv, on=False)
+    o1, ht1, hs1, ws1 = run_ours(inputs, kw, return_intermediate_states=True)
+    assert ws1["split_map"].numel() == 0, "split with KERNEL_FUN_KDA_FWD_SPLIT=0"
+    assert rel_rms(o1.double(), o) < 5e-3 and rel_rms(hs1.double(), hs) < 5e-3
+    if ht is not None:
+        assert rel_rms(ht1, ht) < 5e-3
+
+
+def test_split_forward_is_off_by_default_and_serves_training(monkeypatch):
+    """KERNEL_FUN_KDA_FWD_SPLIT unset: no split (it is not yet timed on a GPU). With it on, a
+    training call through chunk_kda runs our kernels once each way and its output and gradients
+    match the unsplit call's to the operands' precision."""
+    monkeypatch.delenv("KERNEL_FUN_KDA_FWD_SPLIT", raising=False)
+    inputs, kw = make_case(T=8192, H=4, gate="bounded_weak", h0=True)
+    assert run_ours(inputs, kw)[3]["split_map"].numel() == 0
+
+    from kernel_fun.kda import chunk_kda
+
+    def grads(split):
+        _split(monkeypatch, 16, 0, on=split)
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        h0 = kw["initial_state"].detach().clone().requires_grad_(True)
+        call = {n: x for n, x in kw.items() if x is not None and n != "initial_state"}
+        with our_launches(kda_fwd=1, kda_bwd=1):
+            o, ht = chunk_kda(*leaves, initial_state=h0, **call)
+            (o.float().square().sum() + ht.square().sum()).backward()
+        return [o.detach(), ht.detach()] + [x.grad for x in leaves if x.grad is not None] + [h0.grad]
+
+    for a, b in zip(grads(True), grads(False)):
+        assert rel_rms(b.double(), a) < 5e-3

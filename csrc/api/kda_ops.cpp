@@ -250,6 +250,8 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kChunkReady: p.chunk_ready = static_cast<int*>(ptr); break;
       case WorkBuffer::kScanSave: p.scan_save = static_cast<float*>(ptr); break;
       case WorkBuffer::kRecurState: p.recur_state = static_cast<float*>(ptr); break;
+      case WorkBuffer::kSplitMap: p.split_map = static_cast<int*>(ptr); break;
+      case WorkBuffer::kSplitState: p.split_state = static_cast<float*>(ptr); break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));
@@ -389,6 +391,8 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
   // kernels' workspace (a training forward's factors then stay unwritten: its backward, deciding the
   // same way, runs the recurrence too and never reads them)
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);
+  // few long chains: the scan in pieces (decided here: the workspace holds the pieces' states)
+  if (!p.recurrent) p.split_chunks = kda::kda_fwd_split_chunks(p);
   raise_if(states_check(p, q, h_ckpt, false));
   raise_if(workspace_check(p, q, w, qg, kg, gdecay));
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
@@ -424,7 +428,8 @@ void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_
   run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay);
 }
 
-// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, chunk_ready, then with profile
+// [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, chunk_ready, split_map, split_state,
+//  scan_save where the forward can stream, then with profile
 //  kda_fwd_intra's phase clocks ([max_chunks * HV][16] int64)]
 std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_final_state, OptT h_states,
                                    bool poison_outputs, bool profile) {

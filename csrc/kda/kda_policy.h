@@ -115,6 +115,84 @@ inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
   return best;
 }
 
+// The split forward (fwd/kda_fwd_split.cuh; issue 21 item 1): where few (sequence, value head,
+// V-slice) chains leave most SMs idle and the chains are long, each sequence's chunks are cut into
+// pieces of L chunks. Pass 1 runs every piece but the last from a zero state, carrying K more value
+// columns from the identity (the product of the piece's transitions, Phi); a short fp32 chain forms
+// each piece's true initial state (h_in(s + 1) = Phi_s h_in(s) + E_s); pass 2 is the ordinary scan
+// over the pieces from those states (o, the per-chunk states, the final state). Each pass takes L
+// steps per chain instead of the sequence's whole chunk count, for (V + K) / V more chains in pass 1.
+// The intra runs alone before it (no overlap with the scan as in the streamed forward).
+// Possible: a pass-1 and pass-2 grid of at most one wave of chains per sequence set (HV N V / 64 <=
+// the policy's SMs), at most kSplitMaxSeqs sequences (the piece map is one thread's loop), V and
+// the virtual columns in whole slices (bv divides V and K), at least 4 chunks.
+constexpr int kSplitMaxSeqs = 64;
+inline bool fwd_split_possible(const KdaProblem& p) {
+  return !p.recurrent && p.N > 0 && p.N <= kSplitMaxSeqs && p.HV > 0 && p.V % 64 == 0 && p.max_chunks >= 4 &&
+         static_cast<long>(p.HV) * p.N * (p.V / 64) <= kPolicySMs;
+}
+// The piece length for a wanted one: at least ceil(max_chunks / kSplitMaxExtraPieces), so the pieces'
+// states stay bounded (kda_problem.h's split_piece_bound), and at least 1.
+inline int split_chunks_for(const KdaProblem& p, int want) {
+  const int least = (p.max_chunks + kSplitMaxExtraPieces - 1) / kSplitMaxExtraPieces;
+  return std::max({want, least, 1});
+}
+struct SplitChoice {
+  int chunks = 0;         // the piece length L, or 0: do not split
+  int bv = 0;             // the scans' V-slice width
+  double cost = 0;        // modelled us of the split forward
+  double cost_other = 0;  // modelled us of the forward it would replace (streamed or two kernels)
+};
+// Model (us), from the constants fitted for the streamed forward (fwd_stream_choice; not yet fitted to
+// a split forward measured on a GPU): the intra alone, then pass 1's and pass 2's waves of L steps
+// (a pass-1 step assumed as long as an ordinary one, though it has no o), the chain (~1.5 us per
+// piece) and ~12 us for the three small launches. Fixed-length batches only: a varlen batch's
+// longest document is not known on the host. It splits where the model is at least 10% under the
+// forward it replaces.
+inline double split_cost(const KdaProblem& p, int L, int bv, int sms) {
+  const double kw = p.K / 128.0;
+  const long nts = (p.T + kChunk - 1) / kChunk;
+  const long S = (nts + L - 1) / L;
+  const long rows = static_cast<long>(p.HV) * p.N;
+  const long slots = static_cast<long>(sms) * scan_ctas_per_sm(p.K, bv);
+  const double step = (bv == 128 ? 3.8 : 3.0) * (0.5 + 0.5 * kw);
+  const long intra_ctas = static_cast<long>(p.max_chunks) * p.HV;
+  const double intra = static_cast<double>((intra_ctas + 2L * sms - 1) / (2L * sms)) * 24.4 * (0.4 + 0.6 * kw);
+  const long c1 = rows * (S - 1) * (p.V / bv) + rows * std::max(S - 2, 0L) * (p.K / bv);
+  const long c2 = rows * S * (p.V / bv);
+  const double t1 = static_cast<double>((c1 + slots - 1) / slots) * L * step;
+  const double t2 = static_cast<double>((c2 + slots - 1) / slots) * L * step;
+  return intra + t1 + 1.5 * S + t2 + 12.0;
+}
+inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
+  SplitChoice best;
+  if (!fwd_split_possible(p) || p.cu_seqlens || sms < 16) return best;
+  const StreamChoice st = fwd_stream_choice(p, sms);
+  best.cost_other = st.bv ? st.cost : st.cost_now;
+  const int nts = (p.T + kChunk - 1) / kChunk;
+  double cost = 0;
+  int chunks = 0, width = 0;
+  for (int bv : {64, 128}) {
+    if (p.V % bv != 0 || p.K % bv != 0) continue;
+    for (int S = 2; S <= kSplitMaxExtraPieces; ++S) {
+      const int L = split_chunks_for(p, (nts + S - 1) / S);
+      if (L >= nts) continue;
+      const double c = split_cost(p, L, bv, sms);
+      if (chunks == 0 || c < cost) {
+        cost = c;
+        chunks = L;
+        width = bv;
+      }
+    }
+  }
+  if (chunks > 0 && cost < 0.9 * best.cost_other) {
+    best.chunks = chunks;
+    best.bv = width;
+    best.cost = cost;
+  }
+  return best;
+}
+
 // Whether the backward runs its re-scan and its dh scan as ONE launch (bwd/kda_bwd_scans.cuh):
 // when the CTAs of both fit in one wave, the launch takes the longer scan's time instead of the sum
 // of both (B = 1 and few heads: long_b1_t32k pairs 64 + 64 CTAs on 132 SMs). With more CTAs than

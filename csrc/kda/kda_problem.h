@@ -83,6 +83,13 @@ struct KdaProblem {
   // chunk kernels (kda_policy.h's recurrent_possible; decided once per call by the launcher side,
   // kda_recurrent_choice, and never for the stage ops, which read the chunk kernels' workspace).
   bool recurrent = false;
+  // The forward's scan split into pieces of this many chunks that run in parallel (fwd/kda_fwd_split.cuh;
+  // kda_policy.h's fwd_split_choice), or 0: one chain per sequence. Decided once per call by csrc/api
+  // (kda_fwd_split_chunks), before the workspace is sized (kda::workspace holds the pieces' states).
+  int split_chunks = 0;
+  // The split forward's derived problem (fwd/kda_fwd_split.h's split_pieces): the sequences' count,
+  // whose pieces are this problem's N sequences; 0 in every other problem.
+  int split_seqs = 0;
 };
 
 // Forward: the two kernels' outputs and the workspace between them (dtype WT unless noted;
@@ -110,6 +117,9 @@ struct KdaFwdParams : KdaProblem {
   int scan_pass = 0;           // kda_fwd_scan: 0 ordinary; 1 the streamed first pass (waits for chunk
                                // flags, may stop early); 2 the resume pass (from scan_save, no waits)
   int stream_bv = 0;           // the streamed forward's V-slice width, decided once per call (kda_forward)
+  int split_bv = 0;            // the split forward's V-slice width (kda_forward, where p.split_chunks > 0)
+  int* split_map = nullptr;    // the split forward (p.split_chunks > 0): the pieces' map (SplitLayout), int32
+  float* split_state = nullptr;  // the split forward: the pieces' local states, initial and final states, fp32
   long long* dbg_intra_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_fwd_intra
                                          // (profiling, the forward stages op only)
 };
@@ -164,7 +174,7 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kCount };
+                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kSplitMap, kSplitState, kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
@@ -185,6 +195,53 @@ inline int64_t stream_flag_count(const KdaProblem& p) {
 }
 // Where the resume chunks start in chunk_ready.
 __host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return static_cast<int64_t>(p.max_chunks) * p.HV + 1; }
+
+// ---- the split forward (fwd/kda_fwd_split.cuh): each sequence's chunks cut into pieces of
+// p.split_chunks chunks (at least one piece per sequence, empty ones included), run as a derived varlen
+// problem whose sequences are the pieces.
+// At most this many pieces beyond one per sequence: the piece length is at least
+// ceil(max_chunks / kSplitMaxExtraPieces) (kda_policy.h's split_chunks_for), so the pieces' states
+// stay a bounded multiple of the sequences' own.
+constexpr int kSplitMaxExtraPieces = 32;
+// The pieces a problem can have (the derived problem's N, its grids' bound): every sequence has
+// max(1, ceil(chunks / L)) <= 1 + chunks / L pieces, and the chunks add up to at most max_chunks.
+__host__ __device__ inline int split_piece_bound(const KdaProblem& p) {
+  return p.split_chunks > 0 ? p.N + p.max_chunks / p.split_chunks : 0;
+}
+// Where the pieces live in the two split buffers (NP = split_piece_bound). split_map, int32:
+//   [0, NP]          chunk offsets of the pieces, then [NP + 1, 2 NP + 1) their order (the identity):
+//                    the derived problem's chunk_offsets (dev::seq_info, dev::scan_sequence)
+//   cu  (int64)      [NP + 1] the pieces' first tokens, then the end: the derived problem's cu_seqlens
+//   seq_piece0       [N + 1] the first piece of each sequence, then the piece count
+//   piece_seq        [NP] the sequence of each piece
+//   piece_flags      [NP] bit 0: the sequence's first piece, bit 1: its last (pieces past the count: 2)
+// split_state, fp32:
+//   local            [NP, HV, K, V + K] each piece's final state from zero (columns < V: E) and the
+//                    product of its chunks' transitions (columns V + j: Phi e_j), pass 1
+//   init             [NP, HV, K, V] (h0's layout) the true state entering each piece, from the chain
+//   final            [NP, HV, K, V] (h0's layout) each piece's final state, pass 2 (the last -> ht)
+struct SplitLayout {
+  int N, NP;
+  int64_t cu, seq_piece0, piece_seq, piece_flags, map_ints;  // split_map offsets (int32 units)
+  int64_t init, final_, state_floats;                         // split_state offsets (floats); local at 0
+  __host__ __device__ SplitLayout(int n, int np, int HV, int K, int V) : N(n), NP(np) {
+    cu = (2 * int64_t{NP} + 2) & ~int64_t{1};  // past the chunk offsets and the order, 8-byte aligned
+    seq_piece0 = cu + 2 * (int64_t{NP} + 1);
+    piece_seq = seq_piece0 + N + 1;
+    piece_flags = piece_seq + NP;
+    map_ints = piece_flags + NP;
+    const int64_t st = int64_t{HV} * K;
+    init = int64_t{NP} * st * (V + K);
+    final_ = init + int64_t{NP} * st * V;
+    state_floats = final_ + int64_t{NP} * st * V;
+  }
+};
+// The layout of a problem (split_chunks > 0) or of its derived problem (split_seqs > 0: N is the
+// pieces' bound, split_seqs the sequences').
+__host__ __device__ inline SplitLayout split_layout(const KdaProblem& p) {
+  return p.split_seqs > 0 ? SplitLayout(p.split_seqs, p.N, p.HV, p.K, p.V)
+                          : SplitLayout(p.N, split_piece_bound(p), p.HV, p.K, p.V);
+}
 
 // Whether a backward of p runs in slices of slice_B batches (bwd/kda_bwd_slice.h): fixed length only.
 inline bool sliced_backward(const KdaProblem& p, int slice_B) {
@@ -231,6 +288,10 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   if (!backward) {
     if (chunked) {
       b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {stream_flag_count(p)}, f32, true});
+      // the split forward's pieces (empty where the call does not split: the list keeps its order)
+      const SplitLayout sl = split_layout(p);
+      b.push_back({WorkBuffer::kSplitMap, "split_map", {p.split_chunks > 0 ? sl.map_ints : 0}, f32, true});
+      b.push_back({WorkBuffer::kSplitState, "split_state", {p.split_chunks > 0 ? sl.state_floats : 0}, f32});
       if (fwd_stream_possible(p)) b.push_back({WorkBuffer::kScanSave, "scan_save", {p.N, HV, K, V}, f32});
     }
     return b;

@@ -5,13 +5,26 @@
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
 // Stages provides: chunk_map, recurrent_forward, fused (bool) and fused_forward, streamed_forward, intra, scan
-// (Fwd / Bwd params), recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
+// (Fwd / Bwd params), split_map, scan_local, split_chain, split_final, recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
 
 #include "kda/bwd/kda_bwd_slice.h"
+#include "kda/fwd/kda_fwd_split.h"
 #include "kda/kda_problem.h"
 
 namespace kernel_fun::kda {
+
+// The split forward's scan (fwd/kda_fwd_split.cuh, kda_policy.h's fwd_split_choice): the pieces'
+// map, pass 1 (each piece's [E | Phi] from zero), the chain of the pieces' initial states, pass 2
+// (the ordinary scan over the pieces), and the last pieces' final states into ht.
+template <typename Stages>
+void split_scan_sequence(const KdaFwdParams& p, Stages& s) {
+  s.split_map(p);
+  s.scan_local(split_local(p));
+  s.split_chain(p);
+  s.scan(split_pieces(p));
+  if (p.ht) s.split_final(p);
+}
 
 template <typename Stages>
 void forward_sequence(const KdaFwdParams& p, Stages& s) {
@@ -22,6 +35,11 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
   }
   if (s.fused(p)) {  // intra and scan in one kernel (fwd/kda_fwd_fused.cuh), where it is chosen
     s.fused_forward(p);
+    return;
+  }
+  if (p.split_chunks > 0) {  // few long chains: the scan in pieces (the launcher's decision, before the
+    s.intra(p);              // workspace was sized)
+    split_scan_sequence(p, s);
     return;
   }
   if (p.chunk_ready) {  // streamed: the scan with the intra beside it (the launcher kept chunk_ready

@@ -26,6 +26,7 @@
 #include "kda/fwd/kda_fwd_fused.cuh"
 #include "kda/fwd/kda_fwd_intra.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
+#include "kda/fwd/kda_fwd_split.cuh"
 #include "kda/recur/kda_recur.cuh"
 
 namespace {
@@ -116,6 +117,9 @@ struct KdaEmuArgs {
   int64_t recurrent;      // 1: the fp32 token recurrence (recur/kda_recur.cuh) where recurrent_possible
   int64_t saved_states;   // backward: h_ckpt is the training forward's states (no re-scan)
   int64_t saved_workspace;  // backward: w, qg, kg, gdecay are the training forward's (no prep)
+  int64_t split_chunks;   // forward: the split forward's piece length in chunks (fwd/kda_fwd_split.cuh), or 0
+  int32_t* split_map;     // the split forward's buffers (kda_problem.h's SplitLayout), or null
+  float* split_state;
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -204,6 +208,9 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   // the forward's states given and written (csrc/api's states_check where save_states_pays)
   p.h_ckpt_given = p.saved_states = a.saved_states != 0 && !p.recurrent;
   p.saved_workspace = a.saved_workspace != 0 && !p.recurrent;  // as csrc/api's workspace_check
+  p.split_chunks = p.recurrent ? 0 : static_cast<int>(a.split_chunks);
+  p.split_map = a.split_map;
+  p.split_state = a.split_state;
   return p;
 }
 
@@ -317,6 +324,17 @@ struct EmuStages {
     pass.scan_pass = 2;
     ::scan<WT, K, BV>(pass);
   }
+  // the split forward's stages (kda_sequence.h's split_scan_sequence), at the emulator's one width
+  void split_map(const kda::KdaFwdParams& p) { launch(kda::split_map_launch(p), kda::kda_split_map_kernel, p); }
+  void scan_local(const kda::KdaFwdParams& p) {
+    launch(kda::fwd_scan_local_launch<WT, K, BV>(p), kda::kda_fwd_scan_local_kernel<WT, K, BV>, p);
+  }
+  void split_chain(const kda::KdaFwdParams& p) {
+    launch(kda::split_chain_launch(p), kda::kda_split_chain_kernel, p);
+  }
+  void split_final(const kda::KdaFwdParams& p) {
+    launch(kda::split_final_launch(p), kda::kda_split_final_kernel, p);
+  }
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }
   void prep(const kda::KdaBwdParams& p) { ::prep<WT, K>(p); }
@@ -344,6 +362,8 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   if (bwd && a.balance >= 0) p.balance = static_cast<int>(a.balance);  // the forward's args leave it 0
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
   if (bv > 0 && p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
+  if (p.split_chunks > 0 && (p.K % bv != 0 || !p.split_map || !p.split_state))
+    throw std::invalid_argument("kda_emu: the split forward needs bv dividing K and its two buffers");
   const int64_t pr = a.pair_scans;
   // the launchers' switch (kda_dispatch.h): the same variants, the same errors
   kda::dispatch_wt_k_bv(p.dtype, p.K, bv, "kda_emu", [&](auto wt, auto k, auto b) {
@@ -447,6 +467,38 @@ int kda_emu_stream_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K
   cost[0] = c.cost;
   cost[1] = c.cost_now;
   return c.bv;
+}
+
+// The split forward's buffer layout for a problem (kda_problem.h's SplitLayout): out = {NP, map ints,
+// state floats, cu, seq_piece0, piece_seq, piece_flags, init, final}.
+int kda_emu_split_layout(const KdaEmuArgs* a, int64_t* out) {
+  return guarded([&] {
+    const kda::KdaBwdParams p = make_params(*a);
+    const kda::SplitLayout l = kda::split_layout(p);
+    const int64_t v[9] = {l.NP, l.map_ints, l.state_floats, l.cu, l.seq_piece0, l.piece_seq, l.piece_flags, l.init,
+                          l.final_};
+    for (int i = 0; i < 9; ++i) out[i] = v[i];
+  });
+}
+
+// kda_policy.h's split-forward choice for a fixed-length problem on a device of `sms` SMs: the piece
+// length in chunks (0: no split); bv_cost = {the scans' width, the modelled split time, the modelled
+// time of the forward it would replace (us)}.
+int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms,
+                         double* bv_cost) {
+  kda::KdaProblem p;
+  p.B = p.N = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.K = static_cast<int>(K);
+  p.V = static_cast<int>(V);
+  p.max_chunks = static_cast<int>(B * ((T + kda::kChunk - 1) / kda::kChunk));
+  const kda::SplitChoice c = kda::fwd_split_choice(p, static_cast<int>(sms));
+  bv_cost[0] = c.bv;
+  bv_cost[1] = c.cost;
+  bv_cost[2] = c.cost_other;
+  return c.chunks;
 }
 
 int kda_emu_fused_forward(const KdaEmuArgs* a) {

@@ -42,7 +42,8 @@ _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", 
 
 class KdaEmuArgs(ctypes.Structure):
     """Mirror of KdaEmuArgs in kda_emu.cpp (every field 8 bytes)."""
-    _fields_ = [(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS]
+    _fields_ = ([(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS] +
+                [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p)])
 
 
 def lib():
@@ -72,6 +73,10 @@ def lib():
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
         L.kda_emu_stream_choice.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_void_p]
         L.kda_emu_stream_choice.restype = ctypes.c_int
+        L.kda_emu_split_layout.argtypes = [ctypes.POINTER(KdaEmuArgs), vp]
+        L.kda_emu_split_layout.restype = ctypes.c_int
+        L.kda_emu_split_choice.argtypes = [ctypes.c_int64] * 7 + [vp]
+        L.kda_emu_split_choice.restype = ctypes.c_int
         L.kda_emu_fused_forward.argtypes = [ctypes.POINTER(KdaEmuArgs)]
         L.kda_emu_fused_forward.restype = ctypes.c_int
         L.kda_emu_intra_stage_check.argtypes = [ctypes.POINTER(KdaEmuArgs), vp, vp, vp]
@@ -94,6 +99,17 @@ def stream_choice(B, T, H, HV, K, V, sms=132):
     cost = (ctypes.c_double * 2)()
     bv = lib().kda_emu_stream_choice(B, T, H, HV, K, V, sms, ctypes.cast(cost, ctypes.c_void_p))
     return bv, cost[0], cost[1]
+
+
+def split_choice(B, T, H, HV, K, V, sms=132):
+    """kda_policy.h's fwd_split_choice for a fixed-length problem: (piece length in chunks or 0, the
+    scans' width, modelled split us, modelled us of the forward it would replace)."""
+    out = (ctypes.c_double * 3)()
+    chunks = lib().kda_emu_split_choice(B, T, H, HV, K, V, sms, ctypes.cast(out, ctypes.c_void_p))
+    return chunks, int(out[0]), out[1], out[2]
+
+
+SPLIT_LAYOUT = ("NP", "map_ints", "state_floats", "cu", "seq_piece0", "piece_seq", "piece_flags", "init", "final")
 
 
 def set_schedule(order: str = "forward", warp_greedy: bool = False, seed: int = 0) -> None:
@@ -220,7 +236,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
-                   streamed=False, stream_stop=-1, recurrent=False, save_states=False):
+                   streamed=False, stream_stop=-1, recurrent=False, save_states=False, split_chunks=0):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     recurrent=True: the fp32 token recurrence (csrc/kda/recur/) where every sequence fits in one chunk
     (the chunk kernels' workspace in ws is then left unwritten).
@@ -232,7 +248,10 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     the intra runs before pass 1 (no chain stops), 0 after it (every chain stops at chunk 0, as
     under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published.
     save_states=True: the scan also writes the state before every chunk into ws["h_ckpt"] (a
-    training forward's saved states, [max_chunks, HV, V, K], which backward_stages' states reads)."""
+    training forward's saved states, [max_chunks, HV, V, K], which backward_stages' states reads).
+    split_chunks=L > 0: the split forward (csrc/kda/fwd/kda_fwd_split.cuh) with pieces of L chunks,
+    whatever the launch policy says; ws["split_map"] (int32), ws["split_state"] (fp32) and
+    ws["split_layout"] (kda_problem.h's SplitLayout, a dict of SPLIT_LAYOUT)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -260,8 +279,16 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
-                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")))
+                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")), split_chunks=int(split_chunks))
     L = lib()
+    if split_chunks:
+        lay = (ctypes.c_int64 * len(SPLIT_LAYOUT))()
+        if L.kda_emu_split_layout(ctypes.byref(a), ctypes.cast(lay, ctypes.c_void_p)):
+            raise RuntimeError(L.kda_emu_last_error().decode())
+        ws["split_layout"] = dict(zip(SPLIT_LAYOUT, list(lay)))
+        ws["split_map"] = gz.alloc("split_map", (lay[1],), torch.int32, fill=-1)
+        ws["split_state"] = gz.alloc("split_state", (lay[2],), torch.float32)
+        a.split_map, a.split_state = _ptr(ws["split_map"]), _ptr(ws["split_state"])
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()

@@ -188,11 +188,12 @@ __device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const 
 
 // Async load of chunk cc of sequence seq into the stage at base (rows past the sequence end are
 // zero-filled); nothing when go is false. with_q = false skips qg and Aqk (the backward's re-scan
-// computes no output). Branch-free, as scan_load_values.
+// computes no output); values = false the value tile (the split forward's virtual columns, whose
+// tile stays zero). Branch-free, as scan_load_values.
 template <typename WT, int K, int BV, int NT>
 __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>& src, const KdaProblem& p,
                                                 const SeqInfo& seq, int cc, int hv, int v0, bool with_q,
-                                                bool go = true) {
+                                                bool go = true, bool values = true) {
   using S = ScanStage<WT, K, BV>;
   const int tid = threadIdx.x, HV = p.HV;
   const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
@@ -224,7 +225,7 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
     cp_async16_if(base + S::kAqk + so, src.Aqk + off, nb, in && with_q);
     cp_async16_if(base + S::kAkk + so, src.Akk + off, nb, in);
   }
-  scan_load_values<WT, K, BV, NT>(base, src.val, p, seq, cc, hv, v0, go);
+  scan_load_values<WT, K, BV, NT>(base, src.val, p, seq, cc, hv, v0, go && values);
   float* dec = reinterpret_cast<float*>(base + S::kDec);
   const float* gdec = src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K;
   static_assert(K / 4 <= NT, "one exp2(G) piece per thread");

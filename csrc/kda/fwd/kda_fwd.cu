@@ -12,6 +12,7 @@
 #include "common/env.h"
 #include "kda/device/sequence.cuh"
 #include "kda/fwd/kda_fwd_launch.h"
+#include "kda/fwd/kda_fwd_split.cuh"
 #include "kda/kda_dispatch.h"
 #include "kda/kda_launch.h"
 #include "kda/kda_policy.h"
@@ -130,6 +131,7 @@ int kda_scan_bv_override(const KdaProblem& p) {
 
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
   if (p.chunk_ready) return p.stream_bv;  // the streamed forward's width (kda_forward decided it once)
+  if (p.split_bv) return p.split_bv;      // the split forward's (likewise)
   const int forced = kda_scan_bv_override(p);
   return forced ? forced : scan_choice(p).bv;
 }
@@ -173,6 +175,42 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
   kda_fwd_scan(pass, stream);
 }
 
+int kda_fwd_split_chunks(const KdaProblem& p) {
+  const int mode = env_int("KERNEL_FUN_KDA_FWD_SPLIT", 0);
+  if (mode <= 0 || mode > 2 || !fwd_split_possible(p)) return 0;
+  const SplitChoice c = fwd_split_choice(p, num_sms());
+  if (mode == 2) return c.chunks;
+  const int forced = env_int("KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS", 0);
+  return split_chunks_for(p, forced > 0 ? forced : c.chunks > 0 ? c.chunks : (p.max_chunks + 7) / 8);
+}
+
+int kda_fwd_split_bv(const KdaProblem& p) {
+  const int forced = kda_scan_bv_override(p);
+  if (forced && p.K % forced == 0) return forced;
+  const int model = fwd_split_choice(p, num_sms()).bv;
+  return model ? model : 64;
+}
+
+void kda_split_map(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch(kda_split_map_kernel, split_map_launch(p), p, stream);
+}
+
+void kda_fwd_scan_local(const KdaFwdParams& p, cudaStream_t stream) {
+  if (p.K % p.split_bv != 0 || p.V % p.split_bv != 0)  // the virtual columns are whole slices
+    throw std::invalid_argument("kda_fwd_scan_local: the value slice must divide V and K");
+  dispatch_wt_k_bv(p.dtype, p.K, p.split_bv, "kda_fwd_scan_local", [&](auto wt, auto k, auto bv) {
+    launch_scan_local<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
+  });
+}
+
+void kda_split_chain(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch(kda_split_chain_kernel, split_chain_launch(p), p, stream);
+}
+
+void kda_split_final(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch(kda_split_final_kernel, split_final_launch(p), p, stream);
+}
+
 bool kda_fwd_fused_wanted(const KdaFwdParams& p) {
   // KERNEL_FUN_KDA_FWD_FUSED=1 opts in (timing only). Version 0 writes o and the final state only:
   // not where the forward saves its factors for the backward (M set), nor the per-chunk states;
@@ -188,8 +226,13 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
-  if (f.stream_bv == 0) f.chunk_ready = nullptr;  // kept only where it streams
+  if (f.split_chunks > 0) {  // csrc/api split it (kda_fwd_split_chunks): never streamed as well
+    f.split_bv = kda_fwd_split_bv(f);
+    f.chunk_ready = nullptr;
+  } else {
+    f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
+    if (f.stream_bv == 0) f.chunk_ready = nullptr;  // kept only where it streams
+  }
   StreamStages stages{stream};
   forward_sequence(f, stages);
 }

@@ -15,6 +15,9 @@ void launch_intra(const KdaFwdParams& p, cudaStream_t stream);
 template <typename WT, int K, int BV>  // BV in {64, 128}
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream);
 
+template <typename WT, int K, int BV>  // the split forward's pass 1 (kda_fwd_scan_local_kernel)
+void launch_scan_local(const KdaFwdParams& p, cudaStream_t stream);
+
 template <typename WT, int K, int BV>  // kda_fwd_fused.cuh, version 0; BV = 128 only is instantiated
 void launch_fused(const KdaFwdParams& p, cudaStream_t stream);
 

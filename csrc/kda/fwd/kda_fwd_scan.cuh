@@ -45,8 +45,9 @@ namespace kernel_fun::kda {
 // state (h_ckpt) are written, in A's shadow: the re-scan always, the forward when it saves its
 // states for the backward (a third instantiation, so the plain forward carries no store code; the
 // same stores ahead of A, behind a runtime branch, cost the training forward's scan +15% per step
-// at B1 T32768 H32, 2026-12-04).
-template <typename WT, int K, int BV, bool kWithO, bool kCkpt, typename BesideA>
+// at B1 T32768 H32, 2026-12-04). kStates = false: no per-chunk states (h_states) whatever p says (the
+// split forward's pass 1, where that dead store's address registers spilled the loop).
+template <typename WT, int K, int BV, bool kWithO, bool kCkpt, bool kStates = true, typename BesideA>
 __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
                                               const dev::ScanOperands<WT, K, BV>& op, int c, float (&hT)[K / 8][4],
                                               BesideA&& beside_a) {
@@ -62,7 +63,7 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 
   // ---------------- A: WHT = hT @ w^T, OT = hT @ qg^T   ([16 v] x [64 tokens] per warp; wgmma, the
   // warpgroup's 64 value rows at once, B = the swizzled w / qg tiles, K-major)
-  if (hst)  // the state read by chunk c (fla's h), in the output dtype
+  if (kStates && hst)  // the state read by chunk c (fla's h), in the output dtype
     dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
   float whT[8][4], oT[8][4];
   {
@@ -243,6 +244,80 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   else fwd_scan_cta<WT, K, BV, false, true>(p, dev::scan_block(p), sm);
 }
 
+// Pass 1 of the split forward (kda_fwd_split.cuh; p = fwd/kda_fwd_split.h's split_local: the pieces
+// as sequences), one CTA per (V-slice of the V + K columns, value head, piece): the piece's chunks
+// from a zero state (a sequence's first piece from h0), no o, no states but the last. The slices at
+// columns >= V are virtual: their value tile is zero and their state starts as the identity (column
+// V + j = e_j), so after the piece they hold Phi = the product of its chunks' transitions
+// (exp2(G) - kg^T w per chunk, as the real columns see them, bf16 operands included). The result
+// [E | Phi] goes to split_state's `local` ([piece][hv][k][V + K], fp32). A sequence's last piece is
+// left to pass 2, and its first needs no Phi (its E starts from h0): those CTAs return at once.
+template <typename WT, int K, int BV>
+__device__ __forceinline__ void fwd_scan_local_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
+  using S = dev::ScanStage<WT, K, BV>;
+  constexpr int NT = dev::scan_threads<BV>();
+  constexpr int NK = K / 8;
+  const SplitLayout l = split_layout(p);
+  const int flags = p.split_map[l.piece_flags + b.n];
+  const bool virt = b.vs * BV >= p.V;  // uniform: V and K are whole slices (fwd_split_possible)
+  if ((flags & 2) || (virt && (flags & 1))) return;
+
+  const dev::ScanPlace<K, BV> pl(p, b);
+  const int t = pl.t, hv = pl.hv, col0 = pl.col0, nchunks = pl.nchunks;
+  float hT[NK][4];
+  if (virt) {  // the identity: row k of column V + j is 1 where k = j
+#pragma unroll
+    for (int j = 0; j < NK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hT[j][e] = (8 * j + 2 * t + (e & 1)) == col0 + 8 * (e >> 1) - p.V ? 1.f : 0.f;
+    // the value tile of both stages: zero once, never loaded
+    for (int i = threadIdx.x; i < 2 * kChunk * S::VP; i += NT) {
+      const int st = i / (kChunk * S::VP), r = i % (kChunk * S::VP);
+      sm[st * S::kStageElems + S::kVal + r] = dev::Elem<WT>::from_float(0.f);
+    }
+  } else {
+    const int n = p.split_map[l.piece_seq + b.n];
+    dev::load_state<K>(hT, (flags & 1) ? p.h0 : nullptr, dev::state_base<K>(p, n, hv), p, col0, t);
+  }
+
+  const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
+  auto load_chunk = [&](int cc, int st, bool go) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, pl.seq, cc, hv, virt ? 0 : pl.v0, false,
+                                        go, !virt);
+  };
+  load_chunk(0, 0, nchunks > 0);
+  dev::cp_async_commit();
+  for (int c = 0; c < nchunks; ++c) {
+    const int st = c & 1;
+    dev::cp_async_wait<0>();
+    __syncthreads();  // stage st landed for everyone; everyone is done with stage st ^ 1
+    fwd_scan_step<WT, K, BV, false, false, false>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, hT,
+                                                  [&] {
+      load_chunk(c + 1, st ^ 1, c + 1 < nchunks);
+      dev::cp_async_commit();
+    });
+  }
+  dev::cp_async_wait<0>();
+  const int W = p.V + K;
+  float* dst = p.split_state + (static_cast<int64_t>(b.n) * p.HV + hv) * K * W;
+#pragma unroll
+  for (int j = 0; j < NK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[static_cast<int64_t>(8 * j + 2 * t + (e & 1)) * W + col0 + 8 * (e >> 1)] = hT[j][e];
+}
+
+template <typename WT, int K, int BV>
+__global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_local_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  fwd_scan_local_cta<WT, K, BV>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+}
+
+// Its launch: (V + K) / BV slices per (value head, piece).
+template <typename WT, int K, int BV>
+inline LaunchShape fwd_scan_local_launch(const KdaProblem& p) {
+  return dev::scan_launch<WT, K, BV>(p, (p.V + K) / BV);
+}
+
 // The launch (kda_launch_shape.h): one CTA per (V-slice, value head, sequence); launch_scan's and
 // the emulator's.
 template <typename WT, int K, int BV>
@@ -254,6 +329,10 @@ inline LaunchShape fwd_scan_launch(const KdaProblem& p) {
 template <typename WT, int K, int BV>
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
   dev::launch(kda_fwd_scan_kernel<WT, K, BV>, fwd_scan_launch<WT, K, BV>(p), p, stream);
+}
+template <typename WT, int K, int BV>
+void launch_scan_local(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch(kda_fwd_scan_local_kernel<WT, K, BV>, fwd_scan_local_launch<WT, K, BV>(p), p, stream);
 }
 #endif
 

@@ -255,7 +255,9 @@ def forward_stages(q, k, v, g, beta, *, opts: KdaOptions, initial_state=None, ou
     ws = {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 64]; gdecay: [max_chunks, HV, K] fp32;
     chunk_offsets: [2N+1] int32, the chunk offsets then the sequences longest first; chunk_ready:
     the streamed forward's flags, counter and resume chunks (int32; unwritten where it does not
-    stream); scan_save: the streamed chains' saved states, only where the forward can stream}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta); M = (I + L)^-1
+    stream); split_map (int32), split_state (fp32): the split forward's pieces, their local, initial and
+    final states (kda_problem.h's SplitLayout; empty where the forward does not split); scan_save: the
+    streamed chains' saved states, only where the forward can stream}. qg and Aqk carry `scale`; Akk = (I + L)^-1 diag(beta); M = (I + L)^-1
     (the three factors a training forward saves). With poison, every output and workspace buffer
     starts as NaN. With profile also ws["clock"]: kda_fwd_intra's clock64() at its phase boundaries,
     [CTAs, 16] (scripts/kda_phases.py)."""
@@ -264,7 +266,8 @@ def forward_stages(q, k, v, g, beta, *, opts: KdaOptions, initial_state=None, ou
     out = _ext.ops().kda_fwd_stages(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D,
                                     None if initial_state is None else initial_state.contiguous(), cu_seqlens,
                                     opts.encode(), bool(output_final_state), hs, bool(poison), bool(profile))
-    names = ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay", "chunk_offsets", "chunk_ready", "scan_save")
+    names = ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay", "chunk_offsets", "chunk_ready", "split_map", "split_state",
+             "scan_save")
     ws = dict(zip(names, out[2:-1] if profile else out[2:]))  # scan_save: only where it can stream
     if profile:
         ws["clock"] = out[-1].view(-1, 16)

@@ -1,6 +1,7 @@
-// kda_fwd_scan for fp16, K=64, V-slice 64.
+// kda_fwd_scan (and the split forward's pass 1, kda_fwd_scan_local) for fp16, K=64, V-slice 64.
 #include "kda/fwd/kda_fwd_scan.cuh"
 
 namespace kernel_fun::kda {
 template void launch_scan<__half, 64, 64>(const KdaFwdParams& p, cudaStream_t stream);
+template void launch_scan_local<__half, 64, 64>(const KdaFwdParams& p, cudaStream_t stream);
 }

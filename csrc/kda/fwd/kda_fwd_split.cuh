@@ -1,0 +1,146 @@
+// The split forward's small kernels (kda_policy.h's fwd_split_choice; issue 21 item 1): with few,
+// long chains, each sequence's chunks are cut into pieces of L = p.split_chunks chunks that run in
+// parallel. The stages (kda_sequence.h's split_scan_sequence):
+//   kda_split_map_kernel        the pieces (kda_problem.h's SplitLayout): a varlen problem whose
+//                               sequences are the pieces (fwd/kda_fwd_split.h), on the device, so a
+//                               varlen batch needs no host sync
+//   kda_fwd_scan_local_kernel   pass 1 (kda_fwd_scan.cuh): every piece but a sequence's last from a
+//                               zero state, its E (the real columns) and Phi (K virtual columns
+//                               from the identity)
+//   kda_split_chain_kernel      h_in(0) = h0, h_in(1) = E_0 (the first piece ran from h0),
+//                               h_in(s + 1) = Phi_s h_in(s) + E_s: each piece's true initial state, in
+//                               fp32, the pieces in order (deterministic)
+//   kda_fwd_scan_kernel         pass 2: the ordinary scan over the pieces from h_in (o, the
+//                               per-chunk states, each piece's final state)
+//   kda_split_final_kernel      the last piece's final state -> ht
+// Rounding: pass 2 computes each piece from its h_in exactly as the unsplit scan would from the same
+// state; h_in differs from the unsplit chain's state by the rounding of Phi's product and of the
+// chain (Phi's columns advance through the same bf16 / fp16 operands as the state), so the results
+// match the unsplit forward to the inputs' precision, not bit for bit.
+#pragma once
+
+#include "kda/device/primitives.cuh"
+#include "kda/device/sequence.cuh"
+#include "kda/fwd/kda_fwd_split.h"
+#include "kda/kda_launch_shape.h"
+
+namespace kernel_fun::kda {
+
+// The piece map: one thread's loop over the sequences (fwd_split_possible: at most kSplitMaxSeqs of
+// them, and at most kSplitMaxExtraPieces pieces beyond one each). Pieces past the count are empty,
+// at the end of the token axis, and flagged last (pass 1 skips them; pass 2 finds nothing to do).
+__global__ void __launch_bounds__(32) kda_split_map_kernel(const KdaFwdParams p) {
+  const SplitLayout l = split_layout(p);
+  int* m = p.split_map;
+  for (int z = threadIdx.x; z < l.NP; z += 32) m[l.NP + 1 + z] = z;  // the order: the identity
+  if (threadIdx.x != 0) return;
+  int64_t* cu = reinterpret_cast<int64_t*>(m + l.cu);
+  const int L = p.split_chunks;
+  int piece = 0, end_chunk = 0;
+  int64_t end = 0;
+  for (int n = 0; n < p.N; ++n) {
+    const dev::SeqInfo s = dev::seq_info(p, n);
+    const int nc = (s.len + kChunk - 1) / kChunk;
+    const int np = nc > 0 ? (nc + L - 1) / L : 1;  // an empty sequence is one empty piece: ht = h0
+    m[l.seq_piece0 + n] = piece;
+    for (int i = 0; i < np; ++i, ++piece) {
+      cu[piece] = s.bos + static_cast<int64_t>(i) * L * kChunk;
+      m[piece] = s.chunk0 + i * L;
+      m[l.piece_seq + piece] = n;
+      m[l.piece_flags + piece] = (i == 0 ? 1 : 0) | (i == np - 1 ? 2 : 0);
+    }
+    end = s.bos + s.len;
+    end_chunk = s.chunk0 + nc;
+  }
+  m[l.seq_piece0 + p.N] = piece;
+  for (int z = piece; z <= l.NP; ++z) {
+    cu[z] = end;
+    m[z] = end_chunk;
+    if (z < l.NP) {
+      m[l.piece_seq + z] = 0;
+      m[l.piece_flags + z] = 2;
+    }
+  }
+}
+
+inline LaunchShape split_map_launch(const KdaProblem& p) {
+  return {dim3(p.N > 0 ? 1u : 0u), 32, 0};
+}
+
+// The chain, one CTA per (32 value columns, value head, sequence), 2 K threads: thread (k, half) owns
+// row k of the state, columns 16 half .. 16 half + 15 of the block. Per piece: Phi_s [K][K] staged
+// in shared memory (row pitch K + 1: a warp's 32 rows k read one column j conflict-free) and the
+// incoming state [K][32] (row pitch 33; read as broadcasts), then h_in(s + 1) = Phi_s h_in(s) + E_s with the sum
+// over j in index order. Every piece's h_in goes to split_state's `init` in h0's layout.
+constexpr int kSplitChainCols = 32;
+__global__ void __launch_bounds__(256) kda_split_chain_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float, smem);
+  const int K = p.K, V = p.V, HV = p.HV, W = V + K;
+  const int hv = blockIdx.y, n = blockIdx.z;
+  const int k = threadIdx.x % K, half = threadIdx.x / K;
+  const int col = blockIdx.x * kSplitChainCols + 16 * half;  // this thread's first column
+  const SplitLayout l = split_layout(p);
+  const int* m = p.split_map;
+  const int p0 = m[l.seq_piece0 + n], np = m[l.seq_piece0 + n + 1] - p0;
+  float* sPhi = smem;                     // [K][K + 1]
+  float* sH = smem + K * (K + 1);         // [K][33]: row pitch 33, so the 32 rows' stores are conflict-free
+  // element (k, v) of a [K, V] state in h0's layout (dev::state_offset, for a run-time K)
+  auto at = [&](int kk, int v) { return p.opt.state_v_first ? int64_t{v} * K + kk : int64_t{kk} * V + v; };
+  const int64_t size = int64_t{K} * V;
+  float h[16];
+  const float* h0 = p.h0 ? p.h0 + (static_cast<int64_t>(n) * HV + hv) * size : nullptr;
+#pragma unroll
+  for (int c = 0; c < 16; ++c) h[c] = h0 ? h0[at(k, col + c)] : 0.f;
+  auto store_init = [&](int piece) {
+    float* dst = p.split_state + l.init + (static_cast<int64_t>(piece) * HV + hv) * size;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) dst[at(k, col + c)] = h[c];
+  };
+  store_init(p0);
+  for (int s = 1; s < np; ++s) {
+    const float* loc = p.split_state + (static_cast<int64_t>(p0 + s - 1) * HV + hv) * K * W;  // [K][V + K]
+    if (s == 1) {  // the first piece ran from h0: its E is h_in(1)
+#pragma unroll
+      for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];
+    } else {
+      __syncthreads();  // everyone is done with the previous piece's sPhi / sH
+      for (int i = threadIdx.x; i < K * K; i += blockDim.x) sPhi[(i / K) * (K + 1) + i % K] = loc[int64_t{i / K} * W + V + i % K];
+#pragma unroll
+      for (int c = 0; c < 16; ++c) sH[k * (kSplitChainCols + 1) + 16 * half + c] = h[c];
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];  // + E_{s-1}
+      for (int j = 0; j < K; ++j) {
+        const float phi = sPhi[k * (K + 1) + j];
+#pragma unroll
+        for (int c = 0; c < 16; ++c) h[c] = fmaf(phi, sH[j * (kSplitChainCols + 1) + 16 * half + c], h[c]);
+      }
+    }
+    store_init(p0 + s);
+  }
+}
+
+inline LaunchShape split_chain_launch(const KdaProblem& p) {
+  const size_t smem = sizeof(float) * (static_cast<size_t>(p.K) * (p.K + 1) + static_cast<size_t>(p.K) * (kSplitChainCols + 1));
+  return {dim3(static_cast<unsigned>(p.V / kSplitChainCols), static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N)),
+          2 * p.K, smem};
+}
+
+// The last piece's final state of each sequence into ht (both in h0's layout: one contiguous [K, V]
+// block per (sequence, value head)).
+constexpr int kSplitFinalBlocks = 8;
+__global__ void __launch_bounds__(256) kda_split_final_kernel(const KdaFwdParams p) {
+  const SplitLayout l = split_layout(p);
+  const int hv = blockIdx.y, n = blockIdx.z;
+  const int last = p.split_map[l.seq_piece0 + n + 1] - 1;
+  const int64_t size = int64_t{p.K} * p.V;
+  const float* src = p.split_state + l.final_ + (static_cast<int64_t>(last) * p.HV + hv) * size;
+  float* dst = p.ht + (static_cast<int64_t>(n) * p.HV + hv) * size;
+  for (int64_t i = blockIdx.x * 256 + threadIdx.x; i < size; i += kSplitFinalBlocks * 256) dst[i] = src[i];
+}
+
+inline LaunchShape split_final_launch(const KdaProblem& p) {
+  return {dim3(kSplitFinalBlocks, static_cast<unsigned>(p.HV), static_cast<unsigned>(p.N)), 256, 0};
+}
+
+}  // namespace kernel_fun::kda
