@@ -32,7 +32,7 @@ def _restore_dispatch_memory():
 
 
 ANCHOR_CASES = {"prod8192", "k3_h32", "small", "bounded_b16", "bounded_b8_h32", "bounded_b1", "long_b1_t32k",
-                "long_b1_t128k", "varlen", "gva", "cconv_d2048", "cconv_d4096", "cconv_small"}
+                "long_b1_t32k_h8", "long_b1_t128k", "varlen", "gva", "cconv_d2048", "cconv_d4096", "cconv_small"}
 
 
 def _cli(*args, env_extra=None):
@@ -178,6 +178,8 @@ def test_case_list_holds_every_anchor_case():
         c = by[n]
         assert (c.K, c.V, c.lower_bound, c.safe_gate) == (128, 128, -5.0, True), n
     assert (by["long_b1_t32k"].B, by["long_b1_t32k"].T, by["long_b1_t32k"].H) == (1, 32768, 32)
+    h8 = by["long_b1_t32k_h8"]
+    assert (h8.B, h8.T, h8.H, h8.HV, h8.K, h8.V, h8.lower_bound) == (1, 32768, 8, 8, 128, 128, -5.0)
     b = by["bounded_b8_h32"]  # anchors-h200.md: fla 6.73 ms for B8 T8192 H32 bounded fwd
     assert (b.B, b.T, b.H, b.HV, b.anchor_fla_ms) == (8, 8192, 32, 32, {"fwd": 6.73})
     assert bc.CASE_NAMES.index("bounded_b8_h32") == bc.CASE_NAMES.index("bounded_b16") + 1
@@ -581,7 +583,7 @@ def test_forward_rows_leave_no_inference_tensors_for_the_fwd_bwd_row(fake_cuda, 
 # ---------------------------------------------------------------- FlashKDA rows
 
 FLASHKDA_ROWS = {("bounded_b16", "fwd"), ("bounded_b8_h32", "fwd"), ("bounded_b1", "fwd"),
-                 ("long_b1_t32k", "fwd"), ("long_b1_t128k", "fwd"), ("varlen", "fwd")}
+                 ("long_b1_t32k", "fwd"), ("long_b1_t32k_h8", "fwd"), ("long_b1_t128k", "fwd"), ("varlen", "fwd")}
 
 
 def test_flashkda_rows_only_for_bounded_forward_k128_without_gva():
