@@ -277,3 +277,76 @@ def test_grads_load_balancing(emu, name):
     assert_bitwise_same(grads(1), grads(3), "E1 tiles moved, I1 balanced")
     for key, ref in grads(0).items():
         assert rel_rms(ref.double(), grads(1)[key].double()) <= STAGE_TOL, key
+
+
+# The split scans (csrc/kda/fwd/kda_fwd_split.cuh): the re-scan as the split forward's, the dh scan in
+# pieces chained from the end (pass 1: [F | Psi] of every piece but a sequence's first; the reverse
+# chain; pass 2: the ordinary dh scan over the pieces; the first piece's gradient -> dh0). Weak decays,
+# so a piece's state gradient reaches far into the piece before it.
+SPLIT_CASES = {
+    "L1-B2-T200-h0": dict(B=2, T=200, K=64, V=64, gate="precomputed_weak", h0=True, L=1),
+    "L2-K128-V128-bv128-vfirst": dict(T=330, K=128, V=128, gate="precomputed_weak", h0=True, state_v_first=True,
+                                      L=2, bv=128),
+    "L2-varlen-empty-onetoken": dict(T=330, cu=[0, 0, 1, 65, 330], gate="bounded_weak", h0=True, L=2),
+    "L2-gva-fp16-K128": dict(T=260, H=1, HV=2, K=128, V=64, gate="precomputed_weak", dtype=torch.float16, L=2),
+    "L1-unbounded-no-h0": dict(T=200, L=1),
+}
+
+
+@pytest.mark.parametrize("states", [False, True], ids=["rescan", "saved-states"])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_backward_matches_fp64_reference_and_unsplit(name, states, emu):
+    """Every gradient and the state / state-gradient checkpoints against the fp64 stage reference, and
+    beside the unsplit backward (to the operands' precision); the chain's gradients entering the
+    pieces' ends against the reference's dh at those chunks. states: the forward's saved states
+    (no re-scan: the dh scan alone is split) or the split re-scan."""
+    case = dict(SPLIT_CASES[name])
+    L, bv = case.pop("L"), case.pop("bv", 64)
+    inputs, kw = make_case(**case)
+    q, v = inputs[0], inputs[2]
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    do, dht = _do_dht(inputs, kw, 3)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=states, bv=bv)
+    saved = (ws["Aqk"], ws["Akk"], ws["M"])
+    kept = ws["h_ckpt"] if states else None
+    grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=kept, bv=bv, split_chunks=L)
+    ref, rst = kda_bwd_reference(inputs, kw, do, dht)
+    bad = {}
+    for key, tol in (("dq", KDA_TOL["dq"]), ("dk", KDA_TOL["dk"]), ("dv", KDA_TOL["dv"]), ("dg", KDA_TOL["dg"]),
+                     ("dbeta", KDA_TOL["dbeta"]), ("dh0", KDA_TOL["dh0"]), ("dA_log", DA_LOG_TOL),
+                     ("ddt_bias", KDA_TOL["dbias"])):
+        if ref.get(key) is not None and not rel_rms(ref[key], grads[key].reshape(ref[key].shape)) <= tol:
+            bad[key] = rel_rms(ref[key], grads[key].reshape(ref[key].shape))
+    nck = rst["h"].shape[1] * rst["h"].shape[0]
+    h_ref = rst["h"].reshape(nck, HV, K, V).transpose(-1, -2)
+    dh_ref = rst["dh"].reshape(nck, HV, K, V).transpose(-1, -2)
+    for key, (r, got) in {"h": (h_ref, st["h_ckpt"][:nck]), "dh": (dh_ref, st["dh_ckpt"][:nck])}.items():
+        if not rel_rms(r, got) <= STAGE_TOL:
+            bad["stage " + key] = rel_rms(r, got)
+    # the reverse chain: a piece's `init` is the state gradient at its end = dh_ckpt's row of its last
+    # chunk (dh_{c+1} of chunk c), i.e. the reference's dh there
+    lay = st["split_layout"]
+    from test_emu_kda_fwd import _piece_starts
+    pieces = _piece_starts(case.get("cu"), B, T, L)
+    init = st["split_state"][lay["init"]: lay["init"] + len(pieces) * HV * K * V].view(len(pieces), HV, K, V)
+    if kw.get("state_v_first"):
+        init = init.view(len(pieces), HV, V, K).transpose(-1, -2)
+    ends = [(chunk, n, i + 1 == len(pieces) or pieces[i + 1][2] != n, empty)
+            for i, (chunk, _, n, empty) in enumerate(pieces)]
+    want, got = [], []
+    for i, (chunk, n, last, empty) in enumerate(ends):
+        if empty or last:  # a sequence's last piece ends at dht (checked through dh0 / dh above)
+            continue
+        nxt = pieces[i + 1][0]  # the next piece's first chunk: dh entering it = dh_{c+1} of chunk nxt - 1
+        want.append(dh_ref[nxt - 1].transpose(-1, -2))
+        got.append(init[i])
+    if want:
+        err = rel_rms(torch.stack(want), torch.stack(got))
+        if not err <= STAGE_TOL:
+            bad["pieces' end gradients"] = err
+    assert not bad, f"off the fp64 reference: {bad}"
+    apart, _ = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=kept, bv=bv)
+    for key, t in apart.items():
+        if t is not None:
+            assert rel_rms(t.double(), grads[key]) < 5e-3, key

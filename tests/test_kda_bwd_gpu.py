@@ -582,3 +582,31 @@ def test_gradient_parity_with_fla(name, monkeypatch):
         b = max(acc.FLA_TOL[key], acc.FLA_FACTOR * e_fla)
         assert e_ours <= b, f"{key}: ours {e_ours:.3e}, fla {e_fla:.3e} ({report})"
     print(f"{name} rel-RMS (ours, fla): {report}")
+
+
+# The split scans (csrc/kda/fwd/kda_fwd_split.cuh; opt-in with KERNEL_FUN_KDA_SPLIT until timed): the
+# forward's scan, the backward's re-scan and its dh scan in pieces of L chunks. Weak decays, so a
+# wrong map or chain reaches the gradients.
+SPLIT_CASES = {
+    "T3000-h0-L4": dict(T=3000, gate="precomputed_weak", h0=True, L=4),
+    "varlen-empty-onetoken-L2": dict(T=2000, cu=[0, 0, 1, 65, 700, 2000], gate="bounded_weak", h0=True, L=2),
+    "gva-vfirst-fp16-L3": dict(T=1500, H=1, HV=2, dtype=torch.float16, gate="precomputed_weak", state_v_first=True,
+                               h0=True, L=3),
+    "B2-K64-V64-unbounded-L1": dict(B=2, T=700, K=64, V=64, h0=True, L=1),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_scans_gradients_match_fp64_naive(name, monkeypatch):
+    """Every gradient of a training call whose scans are split (the launches counted by the
+    profiler: pass 1 of both scans, both chains) against autograd through the fp64 naive recurrence."""
+    case = dict(SPLIT_CASES[name])
+    L = case.pop("L")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "1")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", str(L))
+    launches = _kda_launches(case)
+    for kern in ("kda_split_map_kernel", "kda_fwd_scan_local_kernel", "kda_bwd_dh_scan_local_kernel",
+                 "kda_split_chain_kernel"):
+        assert launches.get(kern, 0) >= 1, (kern, launches)
+    assert "kda_bwd_scans_kernel" not in launches, launches
+    _check_against_naive(case, KDA_VARLEN_TOL if "cu" in case else KDA_TOL)

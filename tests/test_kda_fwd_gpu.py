@@ -758,7 +758,7 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# The split forward (csrc/kda/fwd/kda_fwd_split.cuh; opt-in with KERNEL_FUN_KDA_FWD_SPLIT until it is
+# The split forward (csrc/kda/fwd/kda_fwd_split.cuh; opt-in with KERNEL_FUN_KDA_SPLIT until it is
 # timed): each sequence's scan in pieces of L chunks, pass 1 ([E | Phi] from zero / the identity), the
 # chain of the pieces' initial states, pass 2 (the ordinary scan over the pieces). Weak decays, so a
 # piece's state reaches far into the next and a wrong map or chain shows (with strong gates the state
@@ -777,11 +777,11 @@ SPLIT_CASES = {
 
 
 def _split(monkeypatch, L, bv, on=True):
-    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_SPLIT", "1" if on else "0")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "1" if on else "0")
     if L:
-        monkeypatch.setenv("KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS", str(L))
+        monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", str(L))
     else:
-        monkeypatch.delenv("KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS", raising=False)
+        monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", raising=False)
     if bv:
         monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", str(bv))
     else:
@@ -810,17 +810,17 @@ def test_split_forward_matches_fp64_reference_and_unsplit(monkeypatch, name):
         assert rel_rms(ht_ref, ht) <= KDA_TOL["ht"]
     _split(monkeypatch, L, bv, on=False)
     o1, ht1, hs1, ws1 = run_ours(inputs, kw, return_intermediate_states=True)
-    assert ws1["split_map"].numel() == 0, "split with KERNEL_FUN_KDA_FWD_SPLIT=0"
+    assert ws1["split_map"].numel() == 0, "split with KERNEL_FUN_KDA_SPLIT=0"
     assert rel_rms(o1.double(), o) < 5e-3 and rel_rms(hs1.double(), hs) < 5e-3
     if ht is not None:
         assert rel_rms(ht1, ht) < 5e-3
 
 
 def test_split_forward_is_off_by_default_and_serves_training(monkeypatch):
-    """KERNEL_FUN_KDA_FWD_SPLIT unset: no split (it is not yet timed on a GPU). With it on, a
+    """KERNEL_FUN_KDA_SPLIT unset: no split (it is not yet timed on a GPU). With it on, a
     training call through chunk_kda runs our kernels once each way and its output and gradients
     match the unsplit call's to the operands' precision."""
-    monkeypatch.delenv("KERNEL_FUN_KDA_FWD_SPLIT", raising=False)
+    monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT", raising=False)
     inputs, kw = make_case(T=8192, H=4, gate="bounded_weak", h0=True)
     assert run_ours(inputs, kw)[3]["split_map"].numel() == 0
 

@@ -4,7 +4,8 @@
 // Stage table (docs/kda.md maps each to its math, its fp64 reference and its tests):
 //   forward   kda_chunk_map -> kda_fwd_intra -> kda_fwd_scan (or kda_fwd_fused: opt-in, for timing;
 //             or split, few long chains: kda_split_map -> kda_fwd_scan_local (pass 1) ->
-//             kda_split_chain -> kda_fwd_scan (pass 2, over the pieces) -> kda_split_final;
+//             kda_split_chain -> kda_fwd_scan (pass 2, over the pieces) -> kda_split_final; the
+//             backward's scans likewise, the dh scan through kda_bwd_dh_scan_local;
 //             or streamed, few chains (kda_policy.h): kda_fwd_scan pass 1 with kda_fwd_intra beside
 //             it, then kda_fwd_scan pass 2 for any chain pass 1 stopped)
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
@@ -41,19 +42,20 @@ int kda_fwd_scan_bv(const KdaFwdParams& p);
 // it streams.
 int kda_fwd_stream_bv(const KdaFwdParams& p);
 void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream);
-// The split forward (fwd/kda_fwd_split.cuh; kda_policy.h's fwd_split_choice): few long chains, each
-// sequence's scan in pieces of kda_fwd_split_chunks(p) chunks (0: no split), decided once per call by
-// csrc/api before it sizes the workspace: KERNEL_FUN_KDA_FWD_SPLIT unset or 0 never (until the split
-// is timed on a GPU), 1 wherever fwd_split_possible (the piece length KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS
-// if set, else the model's, else an eighth of the chunks), 2 where the model says it pays.
-// kda_fwd_split_bv: the V-slice width of its scans (KERNEL_FUN_KDA_SCAN_BV where it divides V and K,
-// else the model's).
-int kda_fwd_split_chunks(const KdaProblem& p);
-int kda_fwd_split_bv(const KdaProblem& p);
+// The split scans (fwd/kda_fwd_split.cuh; kda_policy.h's fwd_split_choice): few long chains, each
+// sequence's scans in pieces of kda_split_chunks(p) chunks (0: no split), decided once per call by
+// csrc/api before it sizes the workspace, the forward and the backward alike: KERNEL_FUN_KDA_SPLIT
+// unset or 0 never (until the split is timed on a GPU), 1 wherever fwd_split_possible (the piece
+// length KERNEL_FUN_KDA_SPLIT_CHUNKS if set, else the model's, else an eighth of the chunks), 2 where
+// the model says it pays. kda_split_bv: the V-slice width of the split scans (KERNEL_FUN_KDA_SCAN_BV
+// where it divides V and K, else the model's).
+int kda_split_chunks(const KdaProblem& p);
+int kda_split_bv(const KdaProblem& p);
 void kda_split_map(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan_local(const KdaFwdParams& p, cudaStream_t stream);
-void kda_split_chain(const KdaFwdParams& p, cudaStream_t stream);
-void kda_split_final(const KdaFwdParams& p, cudaStream_t stream);
+void kda_bwd_dh_scan_local(const KdaBwdParams& p, cudaStream_t stream);
+void kda_split_chain(const KdaFwdParams& p, bool reverse, cudaStream_t stream);
+void kda_split_final(const KdaFwdParams& p, bool reverse, cudaStream_t stream);
 // Version 0 of the fused forward (fwd/kda_fwd_fused.cuh): intra and scan in one kernel, no
 // workspace. Not the default: forward_sequence (kda_sequence.h) takes it only with
 // KERNEL_FUN_KDA_FWD_FUSED=1 (timing), where the factors are not saved and V is a multiple of 128.
@@ -101,8 +103,9 @@ struct StreamStages {
   void streamed_forward(const KdaFwdParams& p) { kda_fwd_streamed(p, stream); }
   void split_map(const KdaFwdParams& p) { kda_split_map(p, stream); }
   void scan_local(const KdaFwdParams& p) { kda_fwd_scan_local(p, stream); }
-  void split_chain(const KdaFwdParams& p) { kda_split_chain(p, stream); }
-  void split_final(const KdaFwdParams& p) { kda_split_final(p, stream); }
+  void dh_local(const KdaBwdParams& p) { kda_bwd_dh_scan_local(p, stream); }
+  void split_chain(const KdaFwdParams& p, bool reverse) { kda_split_chain(p, reverse, stream); }
+  void split_final(const KdaFwdParams& p, bool reverse) { kda_split_final(p, reverse, stream); }
   void intra(const KdaFwdParams& p) { kda_fwd_intra(p, stream); }
   void scan(const KdaFwdParams& p) { kda_fwd_scan(p, stream); }
   void prep(const KdaBwdParams& p) { kda_bwd_prep(p, stream); }

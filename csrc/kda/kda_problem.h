@@ -83,9 +83,10 @@ struct KdaProblem {
   // chunk kernels (kda_policy.h's recurrent_possible; decided once per call by the launcher side,
   // kda_recurrent_choice, and never for the stage ops, which read the chunk kernels' workspace).
   bool recurrent = false;
-  // The forward's scan split into pieces of this many chunks that run in parallel (fwd/kda_fwd_split.cuh;
-  // kda_policy.h's fwd_split_choice), or 0: one chain per sequence. Decided once per call by csrc/api
-  // (kda_fwd_split_chunks), before the workspace is sized (kda::workspace holds the pieces' states).
+  // The scans (the forward's, the backward's re-scan and dh scan) split into pieces of this many chunks
+  // that run in parallel (fwd/kda_fwd_split.cuh; kda_policy.h's fwd_split_choice), or 0: one chain per
+  // sequence. Decided once per call by csrc/api
+  // (kda_split_chunks), before the workspace is sized (kda::workspace holds the pieces' states).
   int split_chunks = 0;
   // The split forward's derived problem (fwd/kda_fwd_split.h's split_pieces): the sequences' count,
   // whose pieces are this problem's N sequences; 0 in every other problem.
@@ -310,6 +311,11 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   if (p.opt.gate_mode != GateMode::kPrecomputed) {
     b.push_back({WorkBuffer::kPbias, "pbias", {Cfull, HV, K}, f32});
     b.push_back({WorkBuffer::kPA, "pA", {Cfull, HV}, f32});
+  }
+  if (chunked) {  // the split scans' pieces (empty where the call does not split), last
+    const SplitLayout sl = split_layout(p);
+    b.push_back({WorkBuffer::kSplitMap, "split_map", {p.split_chunks > 0 ? sl.map_ints : 0}, f32, true});
+    b.push_back({WorkBuffer::kSplitState, "split_state", {p.split_chunks > 0 ? sl.state_floats : 0}, f32});
   }
   return b;
 }

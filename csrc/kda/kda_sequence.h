@@ -5,7 +5,7 @@
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
 // Stages provides: chunk_map, recurrent_forward, fused (bool) and fused_forward, streamed_forward, intra, scan
-// (Fwd / Bwd params), split_map, scan_local, split_chain, split_final, recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
+// (Fwd / Bwd params), split_map, scan_local, dh_local, split_chain, split_final (both with a reverse flag), recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
 
 #include "kda/bwd/kda_bwd_slice.h"
@@ -14,16 +14,25 @@
 
 namespace kernel_fun::kda {
 
-// The split forward's scan (fwd/kda_fwd_split.cuh, kda_policy.h's fwd_split_choice): the pieces'
-// map, pass 1 (each piece's [E | Phi] from zero), the chain of the pieces' initial states, pass 2
-// (the ordinary scan over the pieces), and the last pieces' final states into ht.
+// The split scans (fwd/kda_fwd_split.cuh, kda_policy.h's fwd_split_choice), after the pieces' map
+// (split_map). The forward scan: pass 1 (each piece's [E | Phi] from zero), the chain of the pieces'
+// initial states, pass 2 (the ordinary scan over the pieces), the last pieces' final states into ht.
 template <typename Stages>
-void split_scan_sequence(const KdaFwdParams& p, Stages& s) {
-  s.split_map(p);
+void split_scan_passes(const KdaFwdParams& p, Stages& s) {
   s.scan_local(split_local(p));
-  s.split_chain(p);
+  s.split_chain(p, false);
   s.scan(split_pieces(p));
-  if (p.ht) s.split_final(p);
+  if (p.ht) s.split_final(p, false);
+}
+// The dh scan, the mirror: pass 1 (each piece's [F | Psi] from a zero gradient at its end), the
+// chain from the last piece, pass 2 (the ordinary dh scan over the pieces), the first pieces'
+// gradients into dh0.
+template <typename Stages>
+void split_dh_passes(const KdaBwdParams& p, Stages& s) {
+  s.dh_local(split_dh_local(p));
+  s.split_chain(split_dh_chain(p), true);
+  s.dh_scan(split_dh_pieces(p));
+  if (p.dh0) s.split_final(split_dh_chain(p), true);
 }
 
 template <typename Stages>
@@ -37,9 +46,10 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
     s.fused_forward(p);
     return;
   }
-  if (p.split_chunks > 0) {  // few long chains: the scan in pieces (the launcher's decision, before the
+  if (p.split_chunks > 0) {  // few long chains: the scan in pieces (csrc/api's decision, before the
     s.intra(p);              // workspace was sized)
-    split_scan_sequence(p, s);
+    s.split_map(p);
+    split_scan_passes(p, s);
     return;
   }
   if (p.chunk_ready) {  // streamed: the scan with the intra beside it (the launcher kept chunk_ready
@@ -60,7 +70,11 @@ void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
     if (p.saved_factors) s.prep(p);
     else s.intra(p);
   }
-  if (p.saved_states) {  // the training forward's scan wrote h_ckpt: no re-scan
+  if (p.split_chunks > 0) {  // few long chains: both scans in pieces (the re-scan writes states only)
+    s.split_map(p);
+    if (!p.saved_states) split_scan_passes(p, s);
+    split_dh_passes(p, s);
+  } else if (p.saved_states) {  // the training forward's scan wrote h_ckpt: no re-scan
     s.dh_scan(p);
   } else if (s.pair_scans(p)) {
     s.scans(p);

@@ -324,16 +324,22 @@ struct EmuStages {
     pass.scan_pass = 2;
     ::scan<WT, K, BV>(pass);
   }
-  // the split forward's stages (kda_sequence.h's split_scan_sequence), at the emulator's one width
+  // the split scans' stages (kda_sequence.h's split_scan_passes / split_dh_passes); pass 1 at the
+  // emulator's one width, pass 2 as the scans without a split
   void split_map(const kda::KdaFwdParams& p) { launch(kda::split_map_launch(p), kda::kda_split_map_kernel, p); }
   void scan_local(const kda::KdaFwdParams& p) {
     launch(kda::fwd_scan_local_launch<WT, K, BV>(p), kda::kda_fwd_scan_local_kernel<WT, K, BV>, p);
   }
-  void split_chain(const kda::KdaFwdParams& p) {
-    launch(kda::split_chain_launch(p), kda::kda_split_chain_kernel, p);
+  void dh_local(const kda::KdaBwdParams& p) {
+    launch(kda::dh_scan_local_launch<WT, K, BV>(p), kda::kda_bwd_dh_scan_local_kernel<WT, K, BV>, p);
   }
-  void split_final(const kda::KdaFwdParams& p) {
-    launch(kda::split_final_launch(p), kda::kda_split_final_kernel, p);
+  void split_chain(const kda::KdaFwdParams& p, bool reverse) {
+    launch(kda::split_chain_launch(p), reverse ? kda::kda_split_chain_kernel<true> : kda::kda_split_chain_kernel<false>,
+           p);
+  }
+  void split_final(const kda::KdaFwdParams& p, bool reverse) {
+    launch(kda::split_final_launch(p), reverse ? kda::kda_split_final_kernel<true> : kda::kda_split_final_kernel<false>,
+           p);
   }
   void intra(const kda::KdaFwdParams& p) { ::intra<WT, K>(p); }
   void scan(const kda::KdaFwdParams& p) { ::scan<WT, K, BV>(p); }

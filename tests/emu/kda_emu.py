@@ -232,6 +232,21 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
     return gz, ws, fields, (cu, enc)
 
 
+def _split_buffers(a, gz, ws, split_chunks):
+    """The split scans' two buffers (kda_problem.h's SplitLayout) for args a, guarded, into ws (with
+    ws["split_layout"]) and a; nothing when split_chunks is 0."""
+    if not split_chunks:
+        return
+    a.split_chunks = int(split_chunks)
+    lay = (ctypes.c_int64 * len(SPLIT_LAYOUT))()
+    if lib().kda_emu_split_layout(ctypes.byref(a), ctypes.cast(lay, ctypes.c_void_p)):
+        raise RuntimeError(lib().kda_emu_last_error().decode())
+    ws["split_layout"] = dict(zip(SPLIT_LAYOUT, list(lay)))
+    ws["split_map"] = gz.alloc("split_map", (lay[1],), torch.int32, fill=-1)
+    ws["split_state"] = gz.alloc("split_state", (lay[2],), torch.float32)
+    a.split_map, a.split_state = _ptr(ws["split_map"]), _ptr(ws["split_state"])
+
+
 def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
@@ -279,16 +294,9 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
-                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")), split_chunks=int(split_chunks))
+                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")))
     L = lib()
-    if split_chunks:
-        lay = (ctypes.c_int64 * len(SPLIT_LAYOUT))()
-        if L.kda_emu_split_layout(ctypes.byref(a), ctypes.cast(lay, ctypes.c_void_p)):
-            raise RuntimeError(L.kda_emu_last_error().decode())
-        ws["split_layout"] = dict(zip(SPLIT_LAYOUT, list(lay)))
-        ws["split_map"] = gz.alloc("split_map", (lay[1],), torch.int32, fill=-1)
-        ws["split_state"] = gz.alloc("split_state", (lay[2],), torch.float32)
-        a.split_map, a.split_state = _ptr(ws["split_map"]), _ptr(ws["split_state"])
+    _split_buffers(a, gz, ws, split_chunks)
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()
@@ -395,7 +403,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
-                    recurrent=False, states=None, workspace=None, **_ignored):
+                    recurrent=False, states=None, workspace=None, split_chunks=0, **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -407,7 +415,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     backward where every sequence fits in one chunk (st's chunk-kernel stages are then unwritten).
     states: the forward's saved states (forward_stages' ws["h_ckpt"] with save_states), beside saved:
     no re-scan; st["h_ckpt"] is then a copy of them. workspace: the forward's {w, qg, kg, gdecay}
-    (forward_stages' ws), beside saved: no kda_bwd_prep; st's are then copies of them."""
+    (forward_stages' ws), beside saved: no kda_bwd_prep; st's are then copies of them.
+    split_chunks=L > 0: the split scans (the re-scan and the dh scan in pieces of L chunks), whatever
+    the launch policy says; st["split_map"], st["split_state"], st["split_layout"] as forward_stages'."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -437,6 +447,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                    slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance),
                    saved_states=int(states is not None), saved_workspace=int(workspace is not None))
     L = lib()
+    _split_buffers(a, gz, ws, split_chunks)
     if L.kda_emu_backward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()

@@ -17,6 +17,7 @@
 namespace kernel_fun::kda {
 
 int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
+  if (p.split_bv) return p.split_bv;  // the split scans' width (kda_backward decided it once)
   const int forced = kda_scan_bv_override(p);  // the override sets both scans
   return forced ? forced : dh_scan_bv(p, kda_fwd_scan_bv(p));
 }
@@ -27,6 +28,14 @@ void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
   // its own width for varlen (kda_policy.h's dh_scan_bv).
   dispatch_wt_k_bv(p.dtype, p.K, kda_bwd_dh_scan_bv(p), "kda_bwd_dh_scan", [&](auto wt, auto k, auto bv) {
     launch_dh_scan<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
+  });
+}
+
+void kda_bwd_dh_scan_local(const KdaBwdParams& p, cudaStream_t stream) {
+  if (p.K % p.split_bv != 0 || p.V % p.split_bv != 0)  // the virtual columns are whole slices
+    throw std::invalid_argument("kda_bwd_dh_scan_local: the value slice must divide V and K");
+  dispatch_wt_k_bv(p.dtype, p.K, p.split_bv, "kda_bwd_dh_scan_local", [&](auto wt, auto k, auto bv) {
+    launch_dh_scan_local<typename decltype(wt)::type, decltype(k)::value, decltype(bv)::value>(p, stream);
   });
 }
 
@@ -77,8 +86,10 @@ int kda_bwd_slice_batches(const KdaProblem& p) {
 
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
+  KdaBwdParams b = p;
+  if (b.split_chunks > 0) b.split_bv = kda_split_bv(b);  // csrc/api split it (kda_split_chunks)
   StreamStages stages{stream};
-  backward_sequence(p, stages);
+  backward_sequence(b, stages);
 }
 
 }  // namespace kernel_fun::kda

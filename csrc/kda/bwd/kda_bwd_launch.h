@@ -11,6 +11,9 @@ namespace kernel_fun::kda {
 template <typename WT, int K, int BV>  // BV in {64, 128}
 void launch_dh_scan(const KdaBwdParams& p, cudaStream_t stream);
 
+template <typename WT, int K, int BV>  // the split backward's pass 1 (kda_bwd_dh_scan_local_kernel)
+void launch_dh_scan_local(const KdaBwdParams& p, cudaStream_t stream);
+
 template <typename WT, int K, int BV>  // both scans in one launch (kda_bwd_scans.cuh)
 void launch_scans(const KdaBwdParams& p, cudaStream_t stream);
 

@@ -275,6 +275,39 @@ __device__ __forceinline__ void store_state_ckpt(WT* hc, const float (&sT)[K / 8
                             t);
 }
 
+// ---- the split scans' pass 1 (kda_fwd_scan_local_kernel, kda_bwd_dh_scan_local_kernel)
+
+// sT = the identity on the virtual columns: row k of virtual column c (c = col0 - V, the column's
+// index past the real ones) is 1 where k = c. After a piece the columns hold the product of its
+// chunks' transitions applied to the identity, i.e. the piece's map.
+template <int K>
+__device__ __forceinline__ void identity_state(float (&sT)[K / 8][4], int c0, int t) {
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sT[j][e] = (8 * j + 2 * t + (e & 1)) == c0 + 8 * (e >> 1) ? 1.f : 0.f;
+}
+
+// Zero the value tile of both stages (the virtual columns' v or do), once before the first load:
+// their loads then skip the tile (scan_load_chunk's values = false), so it stays zero.
+template <typename WT, int K, int BV, int NT>
+__device__ __forceinline__ void zero_values(WT* sm) {
+  using S = ScanStage<WT, K, BV>;
+  constexpr int kTileElems = kChunk * S::VP;
+  for (int i = threadIdx.x; i < 2 * kTileElems; i += NT)
+    sm[(i / kTileElems) * S::kStageElems + S::kVal + i % kTileElems] = Elem<WT>::from_float(0.f);
+}
+
+// sT into one piece's [K][W] fp32 block of split_state's `local` (W = V + K columns: the real ones,
+// then the virtual ones), at the thread's columns col0, col0 + 8.
+template <int K>
+__device__ __forceinline__ void store_split_local(float* dst, int W, const float (&sT)[K / 8][4], int col0, int t) {
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[static_cast<int64_t>(8 * j + 2 * t + (e & 1)) * W + col0 + 8 * (e >> 1)] = sT[j][e];
+}
+
 // sT[:, k] *= exp2(G)[k]: the chunk's decay of every state row.
 template <int K>
 __device__ __forceinline__ void decay_state(float (&sT)[K / 8][4], const float* sDec, int t) {

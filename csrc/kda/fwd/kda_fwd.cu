@@ -175,16 +175,16 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
   kda_fwd_scan(pass, stream);
 }
 
-int kda_fwd_split_chunks(const KdaProblem& p) {
-  const int mode = env_int("KERNEL_FUN_KDA_FWD_SPLIT", 0);
+int kda_split_chunks(const KdaProblem& p) {
+  const int mode = env_int("KERNEL_FUN_KDA_SPLIT", 0);
   if (mode <= 0 || mode > 2 || !fwd_split_possible(p)) return 0;
   const SplitChoice c = fwd_split_choice(p, num_sms());
   if (mode == 2) return c.chunks;
-  const int forced = env_int("KERNEL_FUN_KDA_FWD_SPLIT_CHUNKS", 0);
+  const int forced = env_int("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0);
   return split_chunks_for(p, forced > 0 ? forced : c.chunks > 0 ? c.chunks : (p.max_chunks + 7) / 8);
 }
 
-int kda_fwd_split_bv(const KdaProblem& p) {
+int kda_split_bv(const KdaProblem& p) {
   const int forced = kda_scan_bv_override(p);
   if (forced && p.K % forced == 0) return forced;
   const int model = fwd_split_choice(p, num_sms()).bv;
@@ -203,12 +203,12 @@ void kda_fwd_scan_local(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
-void kda_split_chain(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch(kda_split_chain_kernel, split_chain_launch(p), p, stream);
+void kda_split_chain(const KdaFwdParams& p, bool reverse, cudaStream_t stream) {
+  dev::launch(reverse ? kda_split_chain_kernel<true> : kda_split_chain_kernel<false>, split_chain_launch(p), p, stream);
 }
 
-void kda_split_final(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch(kda_split_final_kernel, split_final_launch(p), p, stream);
+void kda_split_final(const KdaFwdParams& p, bool reverse, cudaStream_t stream) {
+  dev::launch(reverse ? kda_split_final_kernel<true> : kda_split_final_kernel<false>, split_final_launch(p), p, stream);
 }
 
 bool kda_fwd_fused_wanted(const KdaFwdParams& p) {
@@ -226,8 +226,8 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  if (f.split_chunks > 0) {  // csrc/api split it (kda_fwd_split_chunks): never streamed as well
-    f.split_bv = kda_fwd_split_bv(f);
+  if (f.split_chunks > 0) {  // csrc/api split it (kda_split_chunks): never streamed as well
+    f.split_bv = kda_split_bv(f);
     f.chunk_ready = nullptr;
   } else {
     f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees

@@ -265,16 +265,9 @@ __device__ __forceinline__ void fwd_scan_local_cta(const KdaFwdParams& p, const 
   const dev::ScanPlace<K, BV> pl(p, b);
   const int t = pl.t, hv = pl.hv, col0 = pl.col0, nchunks = pl.nchunks;
   float hT[NK][4];
-  if (virt) {  // the identity: row k of column V + j is 1 where k = j
-#pragma unroll
-    for (int j = 0; j < NK; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) hT[j][e] = (8 * j + 2 * t + (e & 1)) == col0 + 8 * (e >> 1) - p.V ? 1.f : 0.f;
-    // the value tile of both stages: zero once, never loaded
-    for (int i = threadIdx.x; i < 2 * kChunk * S::VP; i += NT) {
-      const int st = i / (kChunk * S::VP), r = i % (kChunk * S::VP);
-      sm[st * S::kStageElems + S::kVal + r] = dev::Elem<WT>::from_float(0.f);
-    }
+  if (virt) {  // the identity; the value tile of both stages zero once, never loaded
+    dev::identity_state<K>(hT, col0 - p.V, t);
+    dev::zero_values<WT, K, BV, NT>(sm);
   } else {
     const int n = p.split_map[l.piece_seq + b.n];
     dev::load_state<K>(hT, (flags & 1) ? p.h0 : nullptr, dev::state_base<K>(p, n, hv), p, col0, t);
@@ -298,12 +291,8 @@ __device__ __forceinline__ void fwd_scan_local_cta(const KdaFwdParams& p, const 
     });
   }
   dev::cp_async_wait<0>();
-  const int W = p.V + K;
-  float* dst = p.split_state + (static_cast<int64_t>(b.n) * p.HV + hv) * K * W;
-#pragma unroll
-  for (int j = 0; j < NK; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dst[static_cast<int64_t>(8 * j + 2 * t + (e & 1)) * W + col0 + 8 * (e >> 1)] = hT[j][e];
+  dev::store_split_local<K>(p.split_state + (static_cast<int64_t>(b.n) * p.HV + hv) * K * (p.V + K), p.V + K, hT, col0,
+                            t);
 }
 
 template <typename WT, int K, int BV>

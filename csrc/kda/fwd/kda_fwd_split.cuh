@@ -7,12 +7,17 @@
 //   kda_fwd_scan_local_kernel   pass 1 (kda_fwd_scan.cuh): every piece but a sequence's last from a
 //                               zero state, its E (the real columns) and Phi (K virtual columns
 //                               from the identity)
-//   kda_split_chain_kernel      h_in(0) = h0, h_in(1) = E_0 (the first piece ran from h0),
+//   kda_split_chain_kernel<0>   h_in(0) = h0, h_in(1) = E_0 (the first piece ran from h0),
 //                               h_in(s + 1) = Phi_s h_in(s) + E_s: each piece's true initial state, in
 //                               fp32, the pieces in order (deterministic)
 //   kda_fwd_scan_kernel         pass 2: the ordinary scan over the pieces from h_in (o, the
 //                               per-chunk states, each piece's final state)
-//   kda_split_final_kernel      the last piece's final state -> ht
+//   kda_split_final_kernel<0>   the last piece's final state -> ht
+// The backward's dh scan mirrors it (kda_sequence.h's split_dh_passes): kda_bwd_dh_scan_local_kernel
+// (pass 1: every piece but a sequence's first, from a zero gradient at its end, F and Psi),
+// kda_split_chain_kernel<1> (the pieces from the last), kda_bwd_dh_scan_kernel over the pieces
+// (pass 2: dv, the checkpoints), kda_split_final_kernel<1> (the first piece's gradient -> dh0). Where
+// the backward re-runs the forward scan (no saved states) that is split as the forward's.
 // Rounding: pass 2 computes each piece from its h_in exactly as the unsplit scan would from the same
 // state; h_in differs from the unsplit chain's state by the rounding of Phi's product and of the
 // chain (Phi's columns advance through the same bf16 / fp16 operands as the state), so the results
@@ -68,11 +73,18 @@ inline LaunchShape split_map_launch(const KdaProblem& p) {
 }
 
 // The chain, one CTA per (32 value columns, value head, sequence), 2 K threads: thread (k, half) owns
-// row k of the state, columns 16 half .. 16 half + 15 of the block. Per piece: Phi_s [K][K] staged
-// in shared memory (row pitch K + 1: a warp's 32 rows k read one column j conflict-free) and the
-// incoming state [K][32] (row pitch 33; read as broadcasts), then h_in(s + 1) = Phi_s h_in(s) + E_s with the sum
-// over j in index order. Every piece's h_in goes to split_state's `init` in h0's layout.
+// row k of the state, columns 16 half .. 16 half + 15 of the block. Per piece: the map [K][K]
+// staged in shared memory (row pitch K + 1: a warp's 32 rows k read one column j conflict-free) and
+// the incoming state [K][32] (row pitch 33; read as broadcasts), then next = map x state + local,
+// with the sum over j in index order. Every piece's incoming state goes to split_state's `init` in
+// h0's layout.
+//   forward (kReverse = false): the pieces in order, h_in(0) = h0, h_in(1) = E_0 (the first piece
+//     ran from h0), h_in(s + 1) = Phi_s h_in(s) + E_s;
+//   reverse (the dh scan's, p = split_dh_chain's view: h0 = dht): the pieces from the last,
+//     dh_in(S - 1) = dht, dh_in(S - 2) = F_{S-1} (the last piece ran from dht),
+//     dh_in(s - 1) = Psi_s dh_in(s) + F_s.
 constexpr int kSplitChainCols = 32;
+template <bool kReverse>
 __global__ void __launch_bounds__(256) kda_split_chain_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float, smem);
   const int K = p.K, V = p.V, HV = p.HV, W = V + K;
@@ -87,36 +99,38 @@ __global__ void __launch_bounds__(256) kda_split_chain_kernel(const KdaFwdParams
   // element (k, v) of a [K, V] state in h0's layout (dev::state_offset, for a run-time K)
   auto at = [&](int kk, int v) { return p.opt.state_v_first ? int64_t{v} * K + kk : int64_t{kk} * V + v; };
   const int64_t size = int64_t{K} * V;
+  // the i-th piece of the chain: first to last, or last to first
+  auto piece = [&](int i) { return kReverse ? p0 + np - 1 - i : p0 + i; };
   float h[16];
   const float* h0 = p.h0 ? p.h0 + (static_cast<int64_t>(n) * HV + hv) * size : nullptr;
 #pragma unroll
   for (int c = 0; c < 16; ++c) h[c] = h0 ? h0[at(k, col + c)] : 0.f;
-  auto store_init = [&](int piece) {
-    float* dst = p.split_state + l.init + (static_cast<int64_t>(piece) * HV + hv) * size;
+  auto store_init = [&](int pc) {
+    float* dst = p.split_state + l.init + (static_cast<int64_t>(pc) * HV + hv) * size;
 #pragma unroll
     for (int c = 0; c < 16; ++c) dst[at(k, col + c)] = h[c];
   };
-  store_init(p0);
-  for (int s = 1; s < np; ++s) {
-    const float* loc = p.split_state + (static_cast<int64_t>(p0 + s - 1) * HV + hv) * K * W;  // [K][V + K]
-    if (s == 1) {  // the first piece ran from h0: its E is h_in(1)
+  store_init(piece(0));
+  for (int i = 1; i < np; ++i) {
+    const float* loc = p.split_state + (static_cast<int64_t>(piece(i - 1)) * HV + hv) * K * W;  // [K][V + K]
+    if (i == 1) {  // the chain's first piece ran from h0 (dht): its local state is the next one's
 #pragma unroll
       for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];
     } else {
       __syncthreads();  // everyone is done with the previous piece's sPhi / sH
-      for (int i = threadIdx.x; i < K * K; i += blockDim.x) sPhi[(i / K) * (K + 1) + i % K] = loc[int64_t{i / K} * W + V + i % K];
+      for (int x = threadIdx.x; x < K * K; x += blockDim.x) sPhi[(x / K) * (K + 1) + x % K] = loc[int64_t{x / K} * W + V + x % K];
 #pragma unroll
       for (int c = 0; c < 16; ++c) sH[k * (kSplitChainCols + 1) + 16 * half + c] = h[c];
       __syncthreads();
 #pragma unroll
-      for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];  // + E_{s-1}
+      for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];  // + the local state
       for (int j = 0; j < K; ++j) {
         const float phi = sPhi[k * (K + 1) + j];
 #pragma unroll
         for (int c = 0; c < 16; ++c) h[c] = fmaf(phi, sH[j * (kSplitChainCols + 1) + 16 * half + c], h[c]);
       }
     }
-    store_init(p0 + s);
+    store_init(piece(i));
   }
 }
 
@@ -126,15 +140,17 @@ inline LaunchShape split_chain_launch(const KdaProblem& p) {
           2 * p.K, smem};
 }
 
-// The last piece's final state of each sequence into ht (both in h0's layout: one contiguous [K, V]
-// block per (sequence, value head)).
+// The last piece's final state of each sequence into ht (kReverse: the first piece's gradient at
+// its start into dh0, through split_dh_chain's view, whose ht is dh0); both in h0's layout, one
+// contiguous [K, V] block per (sequence, value head).
 constexpr int kSplitFinalBlocks = 8;
+template <bool kReverse>
 __global__ void __launch_bounds__(256) kda_split_final_kernel(const KdaFwdParams p) {
   const SplitLayout l = split_layout(p);
   const int hv = blockIdx.y, n = blockIdx.z;
-  const int last = p.split_map[l.seq_piece0 + n + 1] - 1;
+  const int pc = kReverse ? p.split_map[l.seq_piece0 + n] : p.split_map[l.seq_piece0 + n + 1] - 1;
   const int64_t size = int64_t{p.K} * p.V;
-  const float* src = p.split_state + l.final_ + (static_cast<int64_t>(last) * p.HV + hv) * size;
+  const float* src = p.split_state + l.final_ + (static_cast<int64_t>(pc) * p.HV + hv) * size;
   float* dst = p.ht + (static_cast<int64_t>(n) * p.HV + hv) * size;
   for (int64_t i = blockIdx.x * 256 + threadIdx.x; i < size; i += kSplitFinalBlocks * 256) dst[i] = src[i];
 }

@@ -1,5 +1,5 @@
-// The split forward's two derived problems (host code, no CUDA calls; kda_sequence.h's
-// split_scan_sequence and the kernels of kda_fwd_split.cuh). With p.split_chunks = L > 0 every
+// The split scans' derived problems (host code, no CUDA calls; kda_sequence.h's split_scan_passes /
+// split_dh_passes and the kernels of kda_fwd_split.cuh). With p.split_chunks = L > 0 every
 // sequence's chunks are cut into pieces of L chunks (kda_problem.h's SplitLayout), and the pieces
 // become the sequences of a varlen problem: their first tokens are its cu_seqlens, their first global
 // chunks its chunk offsets. A piece's rows of the intra's workspace, its exp2(G) rows and its
@@ -39,6 +39,41 @@ inline KdaFwdParams split_local(const KdaFwdParams& p) {
   q.ht = nullptr;
   q.h_states = nullptr;
   q.h_ckpt = nullptr;
+  return q;
+}
+
+// ---- the split backward's dh scan (the mirror: pieces chained from the end)
+
+// Pass 1 (kda_bwd_dh_scan_local_kernel): every piece but a sequence's first, from a zero gradient
+// at its end (a sequence's last piece from dht, the original one), no dv, no checkpoints, no dh0.
+inline KdaBwdParams split_dh_local(const KdaBwdParams& p) {
+  KdaBwdParams q = p;
+  static_cast<KdaFwdParams&>(q) = split_pieces(p);
+  q.dv = nullptr;
+  q.dh_ckpt = nullptr;
+  q.dh0 = nullptr;
+  return q;
+}
+
+// The reverse chain's and the final copy's view (kda_split_chain_kernel<true>,
+// kda_split_final_kernel<true>): the state entering the chain is dht (h0's place), and the first
+// piece's gradient goes to dh0 (ht's place).
+inline KdaFwdParams split_dh_chain(const KdaBwdParams& p) {
+  KdaFwdParams q = p;
+  q.h0 = p.dht;
+  q.ht = p.dh0;
+  return q;
+}
+
+// Pass 2: the ordinary dh scan over the pieces, each from its true gradient at its end (the chain's
+// `init`), writing dv, the checkpoints dh_{c+1} and each piece's gradient at its start (`final`;
+// the first piece's is copied into dh0).
+inline KdaBwdParams split_dh_pieces(const KdaBwdParams& p) {
+  KdaBwdParams q = p;
+  static_cast<KdaFwdParams&>(q) = split_pieces(p);
+  const SplitLayout l = split_layout(p);
+  q.dht = p.split_state + l.init;
+  q.dh0 = p.dh0 ? p.split_state + l.final_ : nullptr;
   return q;
 }
 

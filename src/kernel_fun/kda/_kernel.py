@@ -302,7 +302,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     ws = out[10:]
     base = [n for n in _BWD_WS if saved is None or n not in ("Aqk", "Akk", "M")]
     names = base + (["dqhat", "dkhat"] if v.shape[2] != q.shape[2] else []) + \
-        (["pbias", "pA"] if opts.gate != "precomputed" else [])
+        (["pbias", "pA"] if opts.gate != "precomputed" else []) + ["split_map", "split_state"]
     if profile:
         st["clock"] = ws[-1].view(-1, 16)
         ws = ws[:-1]

@@ -3,5 +3,6 @@
 
 namespace kernel_fun::kda {
 template void launch_dh_scan<__nv_bfloat16, 64, 64>(const KdaBwdParams& p, cudaStream_t stream);
+template void launch_dh_scan_local<__nv_bfloat16, 64, 64>(const KdaBwdParams& p, cudaStream_t stream);
 template void launch_scans<__nv_bfloat16, 64, 64>(const KdaBwdParams& p, cudaStream_t stream);
 }

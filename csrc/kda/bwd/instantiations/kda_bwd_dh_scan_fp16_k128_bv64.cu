@@ -3,5 +3,6 @@
 
 namespace kernel_fun::kda {
 template void launch_dh_scan<__half, 128, 64>(const KdaBwdParams& p, cudaStream_t stream);
+template void launch_dh_scan_local<__half, 128, 64>(const KdaBwdParams& p, cudaStream_t stream);
 template void launch_scans<__half, 128, 64>(const KdaBwdParams& p, cudaStream_t stream);
 }
