@@ -350,3 +350,16 @@ def test_split_backward_matches_fp64_reference_and_unsplit(name, states, emu):
     for key, t in apart.items():
         if t is not None:
             assert rel_rms(t.double(), grads[key]) < 5e-3, key
+
+
+def test_split_backward_in_batch_slices_is_bitwise_the_whole_batch(emu):
+    """The split scans per batch slice (each slice's own pieces' map, in the one split buffer reused
+    slice after slice) give exactly the gradients of the split backward over the whole batch."""
+    inputs, kw = make_case(B=3, T=200, K=64, V=64, gate="precomputed_weak", h0=True)
+    do, dht = _do_dht(inputs, kw, 13)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, bv=64)
+    saved = (ws["Aqk"], ws["Akk"], ws["M"])
+    whole = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, bv=64, split_chunks=1)[0]
+    for nb in (1, 2):
+        sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, bv=64, split_chunks=1, slice_b=nb)[0]
+        assert_bitwise_same(whole, sliced, f"split, slices of {nb}")

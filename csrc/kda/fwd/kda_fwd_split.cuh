@@ -1,6 +1,6 @@
-// The split forward's small kernels (kda_policy.h's fwd_split_choice; issue 21 item 1): with few,
-// long chains, each sequence's chunks are cut into pieces of L = p.split_chunks chunks that run in
-// parallel. The stages (kda_sequence.h's split_scan_sequence):
+// The split scans' small kernels (kda_policy.h's fwd_split_choice; issue 21 item 1): with few, long
+// chains, each sequence's chunks are cut into pieces of L = p.split_chunks chunks that run in
+// parallel. The forward's stages (kda_sequence.h's split_map, then split_scan_passes):
 //   kda_split_map_kernel        the pieces (kda_problem.h's SplitLayout): a varlen problem whose
 //                               sequences are the pieces (fwd/kda_fwd_split.h), on the device, so a
 //                               varlen batch needs no host sync
