@@ -1,7 +1,7 @@
 """The KDA kernels under compute-sanitizer: a few small forward + backward calls that between them
 launch every KDA kernel (the two-kernel forward, the opt-in fused forward, the backward from saved
 factors and by recompute, the paired scans, GVA's group sums, the gate-parameter passes, the token
-recurrence of one-chunk problems), in strict
+recurrence of one-chunk problems, the opt-in split scans), in strict
 mode so that nothing falls back to fla. Run by scripts/sanitize_kda.sh, once per tool; alone it is
 a smoke test.
 
@@ -70,6 +70,25 @@ def run_calls() -> None:
             torch.cuda.synchronize()
             print(f"ok: {what} (fused forward {os.environ.get('KERNEL_FUN_KDA_FWD_FUSED', '0')})", flush=True)
             del args, kw, leaves
+        # the split scans (opt-in): pieces of one chunk, the forward's and both of the backward's scans
+        split = [("split scans: varlen, empty and one-token documents, bounded, K=V=128",
+                  dict(T=200, H=2, HV=2, K=128, V=128, gate="bounded", cu=cu)),
+                 ("split scans: GVA, K=64 V=128, fp16", dict(T=300, H=1, HV=2, K=64, V=128, gate="unbounded",
+                                                             dtype=torch.float16))]
+        keep = {n: os.environ.get(n) for n in ("KERNEL_FUN_KDA_SPLIT", "KERNEL_FUN_KDA_SPLIT_CHUNKS")}
+        os.environ.update(KERNEL_FUN_KDA_SPLIT="1", KERNEL_FUN_KDA_SPLIT_CHUNKS="1")
+        try:
+            for what, shape in split:
+                args, kw, leaves = _inputs(**shape)
+                _train(args, kw, leaves)
+                print(f"ok: {what}", flush=True)
+                del args, kw, leaves
+        finally:
+            for n, v in keep.items():
+                if v is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = v
 
 
 def _print_live_blocks() -> None:
