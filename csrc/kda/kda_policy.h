@@ -115,17 +115,17 @@ inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
   return best;
 }
 
-// The split forward (fwd/kda_fwd_split.cuh; issue 21 item 1): where few (sequence, value head,
-// V-slice) chains leave most SMs idle and the chains are long, each sequence's chunks are cut into
-// pieces of L chunks. Pass 1 runs every piece but the last from a zero state, carrying K more value
+// The split scans (fwd/kda_fwd_split.cuh; issue 21 item 1): where few (sequence, value head, V-slice)
+// chains leave most SMs idle and the chains are long, each sequence's chunks are cut into pieces of L
+// chunks, for the forward's scan and (the mirror) the backward's; the model below is the forward's. Pass 1 runs every piece but the last from a zero state, carrying K more value
 // columns from the identity (the product of the piece's transitions, Phi); a short fp32 chain forms
 // each piece's true initial state (h_in(s + 1) = Phi_s h_in(s) + E_s); pass 2 is the ordinary scan
 // over the pieces from those states (o, the per-chunk states, the final state). Each pass takes L
 // steps per chain instead of the sequence's whole chunk count, for (V + K) / V more chains in pass 1.
 // The intra runs alone before it (no overlap with the scan as in the streamed forward).
-// Possible: a pass-1 and pass-2 grid of at most one wave of chains per sequence set (HV N V / 64 <=
-// the policy's SMs), at most kSplitMaxSeqs sequences (the piece map is one thread's loop), V and
-// the virtual columns in whole slices (bv divides V and K), at least 4 chunks.
+// Possible: few chains (HV N V / 64 at most the policy's SM count), at most kSplitMaxSeqs sequences
+// (the piece map is one thread's loop), at least 4 chunks; the launcher's width divides V and K (the
+// virtual columns are whole slices).
 constexpr int kSplitMaxSeqs = 64;
 inline bool fwd_split_possible(const KdaProblem& p) {
   return !p.recurrent && p.N > 0 && p.N <= kSplitMaxSeqs && p.HV > 0 && p.V % 64 == 0 && p.max_chunks >= 4 &&

@@ -5,7 +5,8 @@
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
 // Stages provides: chunk_map, recurrent_forward, fused (bool) and fused_forward, streamed_forward, intra, scan
-// (Fwd / Bwd params), split_map, scan_local, dh_local, split_chain, split_final (both with a reverse flag), recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
+// (Fwd / Bwd params), split_map, scan_local, dh_local, split_chain and split_final (with a reverse flag),
+// recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
 
 #include "kda/bwd/kda_bwd_slice.h"
