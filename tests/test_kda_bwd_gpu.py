@@ -371,7 +371,8 @@ def _kda_launches(case: dict) -> dict:
     out = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and "kda_" in e.key:
-            name = e.key.split("<")[0].split("::")[-1].replace("void ", "")
+            # "void ns::name<args>(params)" or, not a template, "ns::name(ns::Params)"
+            name = e.key.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")
             out[name] = out.get(name, 0) + e.count
     return out
 
