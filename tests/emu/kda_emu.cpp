@@ -445,6 +445,19 @@ void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, i
   });
 }
 
+// A fixed-length problem of these sizes, for the launch-policy queries below (shapes only).
+kda::KdaProblem fixed_problem(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V) {
+  kda::KdaProblem p;
+  p.B = p.N = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.K = static_cast<int>(K);
+  p.V = static_cast<int>(V);
+  p.max_chunks = static_cast<int>(B * ((T + kda::kChunk - 1) / kda::kChunk));
+  return p;
+}
+
 }  // namespace
 
 extern "C" {
@@ -461,14 +474,7 @@ int kda_emu_backward(const KdaEmuArgs* a) {
 // slice width (0: no streaming), the modelled streamed and two-kernel times (us).
 int kda_emu_stream_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms,
                           double* cost) {
-  kda::KdaProblem p;
-  p.B = p.N = static_cast<int>(B);
-  p.T = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.HV = static_cast<int>(HV);
-  p.K = static_cast<int>(K);
-  p.V = static_cast<int>(V);
-  p.max_chunks = static_cast<int>(B * ((T + kda::kChunk - 1) / kda::kChunk));
+  const kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
   const kda::StreamChoice c = kda::fwd_stream_choice(p, static_cast<int>(sms));
   cost[0] = c.cost;
   cost[1] = c.cost_now;
@@ -492,14 +498,7 @@ int kda_emu_split_layout(const KdaEmuArgs* a, int64_t* out) {
 // time of the forward it would replace (us)}.
 int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms,
                          double* bv_cost) {
-  kda::KdaProblem p;
-  p.B = p.N = static_cast<int>(B);
-  p.T = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.HV = static_cast<int>(HV);
-  p.K = static_cast<int>(K);
-  p.V = static_cast<int>(V);
-  p.max_chunks = static_cast<int>(B * ((T + kda::kChunk - 1) / kda::kChunk));
+  const kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
   const kda::SplitChoice c = kda::fwd_split_choice(p, static_cast<int>(sms));
   bv_cost[0] = c.bv;
   bv_cost[1] = c.cost;
