@@ -392,7 +392,7 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
   // same way, runs the recurrence too and never reads them)
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);
   // few long chains: the scan in pieces (decided here: the workspace holds the pieces' states)
-  if (!p.recurrent) p.split_chunks = kda::kda_split_chunks(p);
+  kda::kda_split_choose(p);
   raise_if(states_check(p, q, h_ckpt, false));
   raise_if(workspace_check(p, q, w, qg, kg, gdecay));
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
@@ -525,7 +525,7 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   raise_if(bwd_outputs(p, q, g, beta, dout, dht, KF_KDA_GRAD_NAMES));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(saved by the forward)"));
   if (!stages) p.recurrent = kda::kda_recurrent_choice(p);  // as the forward decided (run_fwd)
-  if (!p.recurrent) p.split_chunks = kda::kda_split_chunks(p);  // both scans in pieces (as run_fwd)
+  kda::kda_split_choose(p);  // both scans in pieces (as run_fwd)
   raise_if(states_check(p, q, h_ckpt, true));
   raise_if(workspace_check(p, q, w, qg, kg, gdecay));
   // the workspace holds one batch slice, or (the stage op: the tests read it back) the whole batch

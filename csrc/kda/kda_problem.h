@@ -85,8 +85,8 @@ struct KdaProblem {
   bool recurrent = false;
   // The scans (the forward's, the backward's re-scan and dh scan) split into pieces of this many chunks
   // that run in parallel (fwd/kda_fwd_split.cuh; kda_policy.h's fwd_split_choice), or 0: one chain per
-  // sequence. Decided once per call by csrc/api
-  // (kda_split_chunks), before the workspace is sized (kda::workspace holds the pieces' states).
+  // sequence. Decided once per call by csrc/api (kda_split_choose, with KdaFwdParams::split_bv), before
+  // the workspace is sized (kda::workspace holds the pieces' states).
   int split_chunks = 0;
   // The split forward's derived problem (fwd/kda_fwd_split.h's split_pieces): the sequences' count,
   // whose pieces are this problem's N sequences; 0 in every other problem.
@@ -118,7 +118,7 @@ struct KdaFwdParams : KdaProblem {
   int scan_pass = 0;           // kda_fwd_scan: 0 ordinary; 1 the streamed first pass (waits for chunk
                                // flags, may stop early); 2 the resume pass (from scan_save, no waits)
   int stream_bv = 0;           // the streamed forward's V-slice width, decided once per call (kda_forward)
-  int split_bv = 0;            // the split forward's V-slice width (kda_forward, where p.split_chunks > 0)
+  int split_bv = 0;            // the split scans' V-slice width (kda_split_choose, with split_chunks)
   int* split_map = nullptr;    // the split forward (p.split_chunks > 0): the pieces' map (SplitLayout), int32
   float* split_state = nullptr;  // the split forward: the pieces' local states, initial and final states, fp32
   long long* dbg_intra_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_fwd_intra
@@ -269,6 +269,13 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   const int64_t C = sliced ? slice_B * ((int64_t{p.T} + kChunk - 1) / kChunk) : Cfull;
   const DType wt = p.dtype, f32 = DType::kFloat32;
   std::vector<WorkBuffer> b;
+  // the split scans' pieces (kda_policy.h's fwd_split_choice), forward and backward alike; empty where
+  // the call does not split, so the list keeps its order
+  auto push_split = [&] {
+    const SplitLayout sl = split_layout(p);
+    b.push_back({WorkBuffer::kSplitMap, "split_map", {p.split_chunks > 0 ? sl.map_ints : 0}, f32, true});
+    b.push_back({WorkBuffer::kSplitState, "split_state", {p.split_chunks > 0 ? sl.state_floats : 0}, f32});
+  };
   if (chunked && !workspace_given) {  // else the caller's (a training forward's, kept for its backward)
     b.push_back({WorkBuffer::kW, "w", {rows, HV, K}, wt});
     b.push_back({WorkBuffer::kQg, "qg", {rows, HV, K}, wt});
@@ -289,10 +296,7 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   if (!backward) {
     if (chunked) {
       b.push_back({WorkBuffer::kChunkReady, "chunk_ready", {stream_flag_count(p)}, f32, true});
-      // the split forward's pieces (empty where the call does not split: the list keeps its order)
-      const SplitLayout sl = split_layout(p);
-      b.push_back({WorkBuffer::kSplitMap, "split_map", {p.split_chunks > 0 ? sl.map_ints : 0}, f32, true});
-      b.push_back({WorkBuffer::kSplitState, "split_state", {p.split_chunks > 0 ? sl.state_floats : 0}, f32});
+      push_split();
       if (fwd_stream_possible(p)) b.push_back({WorkBuffer::kScanSave, "scan_save", {p.N, HV, K, V}, f32});
     }
     return b;
@@ -312,11 +316,7 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kPbias, "pbias", {Cfull, HV, K}, f32});
     b.push_back({WorkBuffer::kPA, "pA", {Cfull, HV}, f32});
   }
-  if (chunked) {  // the split scans' pieces (empty where the call does not split), last
-    const SplitLayout sl = split_layout(p);
-    b.push_back({WorkBuffer::kSplitMap, "split_map", {p.split_chunks > 0 ? sl.map_ints : 0}, f32, true});
-    b.push_back({WorkBuffer::kSplitState, "split_state", {p.split_chunks > 0 ? sl.state_floats : 0}, f32});
-  }
+  if (chunked) push_split();  // last in the backward's list
   return b;
 }
 

@@ -17,7 +17,7 @@
 namespace kernel_fun::kda {
 
 int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
-  if (p.split_bv) return p.split_bv;  // the split scans' width (kda_backward decided it once)
+  if (p.split_bv) return p.split_bv;  // the split scans' width (csrc/api decided it once)
   const int forced = kda_scan_bv_override(p);  // the override sets both scans
   return forced ? forced : dh_scan_bv(p, kda_fwd_scan_bv(p));
 }
@@ -86,10 +86,8 @@ int kda_bwd_slice_batches(const KdaProblem& p) {
 
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
-  KdaBwdParams b = p;
-  if (b.split_chunks > 0) b.split_bv = kda_split_bv(b);  // csrc/api split it (kda_split_chunks)
   StreamStages stages{stream};
-  backward_sequence(b, stages);
+  backward_sequence(p, stages);
 }
 
 }  // namespace kernel_fun::kda

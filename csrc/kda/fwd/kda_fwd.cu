@@ -175,20 +175,20 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
   kda_fwd_scan(pass, stream);
 }
 
-int kda_split_chunks(const KdaProblem& p) {
+void kda_split_choose(KdaFwdParams& p) {
+  p.split_chunks = p.split_bv = 0;
   const int mode = env_int("KERNEL_FUN_KDA_SPLIT", 0);
-  if (mode <= 0 || mode > 2 || !fwd_split_possible(p)) return 0;
+  if (p.recurrent || mode <= 0 || mode > 2 || !fwd_split_possible(p)) return;
   const SplitChoice c = fwd_split_choice(p, num_sms());
-  if (mode == 2) return c.chunks;
-  const int forced = env_int("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0);
-  return split_chunks_for(p, forced > 0 ? forced : c.chunks > 0 ? c.chunks : (p.max_chunks + 7) / 8);
-}
-
-int kda_split_bv(const KdaProblem& p) {
-  const int forced = kda_scan_bv_override(p);
-  if (forced && p.K % forced == 0) return forced;
-  const int model = fwd_split_choice(p, num_sms()).bv;
-  return model ? model : 64;
+  int chunks = c.chunks;
+  if (mode == 1) {
+    const int forced = env_int("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0);
+    chunks = split_chunks_for(p, forced > 0 ? forced : c.chunks > 0 ? c.chunks : (p.max_chunks + 7) / 8);
+  }
+  if (chunks == 0) return;
+  const int forced_bv = kda_scan_bv_override(p);  // divides V; the virtual columns need K too
+  p.split_bv = forced_bv && p.K % forced_bv == 0 ? forced_bv : (c.bv ? c.bv : 64);
+  p.split_chunks = chunks;
 }
 
 void kda_split_map(const KdaFwdParams& p, cudaStream_t stream) {
@@ -226,8 +226,7 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  if (f.split_chunks > 0) {  // csrc/api split it (kda_split_chunks): never streamed as well
-    f.split_bv = kda_split_bv(f);
+  if (f.split_chunks > 0) {  // csrc/api split it (kda_split_choose): never streamed as well
     f.chunk_ready = nullptr;
   } else {
     f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
