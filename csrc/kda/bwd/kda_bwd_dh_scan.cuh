@@ -23,56 +23,20 @@
 
 namespace kernel_fun::kda {
 
-// One CTA's reverse scan of work item b (sm: the 1024-byte aligned dynamic smem). The body of
-// kda_bwd_dh_scan_kernel and of the dh half of kda_bwd_scans_kernel (kda_bwd_scans.cuh).
-// kLocal: the split backward's pass 1 (kda_bwd_dh_scan_local_kernel; p = fwd/kda_fwd_split.h's
-// split_dh_local, the pieces as sequences), the mirror of kda_fwd_scan_local_kernel: every piece but
-// a sequence's first, from a zero gradient at its end (a sequence's last piece from dht), no dv and
-// no checkpoints, over V + K columns whose last K are virtual (do zero, dh the identity): at the
-// piece's start they hold Psi, the product of its chunks' transposed transitions, beside the local
-// gradient F, both into split_state's `local` ([piece][hv][k][V + K]).
-template <typename WT, int K, int BV, bool kLocal = false>
-__device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::ScanBlock& b, WT* sm) {
+// The chunks of one reverse chain, last to first, for this warp's 16 value columns: A-C of the
+// header per chunk on the landed stage, dhT carried from the state gradient at the sequence's end to
+// the one at its start. load_chunk(cc, stage, go) issues chunk cc's copies (the caller's
+// ScanSources and columns); chunk nchunks - 1 is loaded here first. kStores: the checkpoints
+// dh_{c+1} (dh_ckpt) and dv are written (the ordinary dh scan), or not (the split backward's pass 1).
+// The body of dh_scan_cta and of dh_scan_local_cta.
+template <typename WT, int K, int BV, bool kStores, typename LoadChunk>
+__device__ __forceinline__ void dh_scan_chunks(const KdaBwdParams& p, const dev::ScanPlace<K, BV>& pl, WT* sm,
+                                               float (&dhT)[K / 8][4], LoadChunk&& load_chunk) {
   using S = dev::ScanStage<WT, K, BV>;
-  constexpr int NT = dev::scan_threads<BV>();
   constexpr int AP = S::AP, VP = S::VP;
-  constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
-  static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
-
-  [[maybe_unused]] bool virt = false;  // kLocal: this CTA's columns are the virtual ones (uniform)
-  [[maybe_unused]] int piece_flags = 0;
-  if constexpr (kLocal) {
-    const SplitLayout l = split_layout(p);
-    piece_flags = p.split_map[l.piece_flags + b.n];
-    virt = b.vs * BV >= p.V;
-    // a sequence's first piece is left to pass 2; its last starts from dht and needs no Psi
-    if ((piece_flags & 1) || (virt && (piece_flags & 2))) return;
-  }
-  const dev::ScanPlace<K, BV> pl(p, b);
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
   const int HV = p.HV, V = p.V, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
-
-  float dhT[NK][4];  // the state gradient, in ScanPlace's fragment layout
-  if constexpr (kLocal) {
-    if (virt) {
-      dev::identity_state<K>(dhT, col0 - V, t);
-      dev::zero_values<WT, K, BV, NT>(sm);
-    } else {
-      const int n = p.split_map[split_layout(p).piece_seq + b.n];
-      dev::load_state<K>(dhT, (piece_flags & 2) ? p.dht : nullptr, dev::state_base<K>(p, n, hv), p, col0, t);
-    }
-  } else {
-    dev::load_state<K>(dhT, p.dht, pl.sbase, p, col0, t);
-  }
-
-  const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
-  auto load_chunk = [&](int cc, int st, bool go) {
-    if constexpr (kLocal)
-      dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, virt ? 0 : v0, true, go, !virt);
-    else
-      dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, true, go);
-  };
 
   load_chunk(nchunks - 1, 0, nchunks > 0);
   dev::cp_async_commit();
@@ -110,7 +74,7 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
       // branch here makes ptxas wait for A at the branch.
       load_chunk(c - 1, st ^ 1, c > 0);
       dev::cp_async_commit();
-      if constexpr (!kLocal)
+      if constexpr (kStores)
         dev::store_state_ckpt<WT, K>(dhc + (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * V * K, dhT, col0, t);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -155,7 +119,7 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     dev::wgmma_commit();
 
     // ---------------- B: dvT = dv'T @ Akk -> dv   (B[k = token][n = token'] = Akk[token][token'])
-    if constexpr (!kLocal) {
+    if constexpr (kStores) {
       float acc[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -180,11 +144,58 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
     dev::fence_regs(vn);
   }
   dev::cp_async_wait<0>();
+}
 
-  if constexpr (kLocal)
-    dev::store_split_local<K>(p.split_state + (static_cast<int64_t>(b.n) * HV + hv) * K * (V + K), V + K, dhT, col0, t);
-  else if (p.dh0)
-    dev::store_state<WT, K>(p.dh0, pl.sbase, dhT, p, col0, t);
+// One CTA's reverse scan of work item b (sm: the 1024-byte aligned dynamic smem): from dht, dv and the
+// checkpoints on the way, dh0 at the end. The body of kda_bwd_dh_scan_kernel and of the dh half of
+// kda_bwd_scans_kernel (kda_bwd_scans.cuh).
+template <typename WT, int K, int BV>
+__device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::ScanBlock& b, WT* sm) {
+  using S = dev::ScanStage<WT, K, BV>;
+  constexpr int NT = dev::scan_threads<BV>();
+  static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
+  const dev::ScanPlace<K, BV> pl(p, b);
+  float dhT[K / 8][4];  // the state gradient, in ScanPlace's fragment layout
+  dev::load_state<K>(dhT, p.dht, pl.sbase, p, pl.col0, pl.t);
+  const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
+  dh_scan_chunks<WT, K, BV, true>(p, pl, sm, dhT, [&](int cc, int st, bool go) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, pl.seq, cc, pl.hv, pl.v0, true, go);
+  });
+  if (p.dh0) dev::store_state<WT, K>(p.dh0, pl.sbase, dhT, p, pl.col0, pl.t);
+}
+
+// The split backward's pass 1 (kda_bwd_dh_scan_local_kernel; p = fwd/kda_fwd_split.h's split_dh_local,
+// the pieces as sequences), the mirror of fwd_scan_local_cta: every piece but a sequence's first, from
+// a zero gradient at its end (a sequence's last piece from dht), no dv and no checkpoints, over V + K
+// columns whose last K are virtual (do zero, dh the identity): at the piece's start they hold Psi,
+// the product of its chunks' transposed transitions, beside the local gradient F, both into
+// split_state's `local` ([piece][hv][k][V + K]).
+template <typename WT, int K, int BV>
+__device__ __forceinline__ void dh_scan_local_cta(const KdaBwdParams& p, const dev::ScanBlock& b, WT* sm) {
+  using S = dev::ScanStage<WT, K, BV>;
+  constexpr int NT = dev::scan_threads<BV>();
+  const SplitLayout l = split_layout(p);
+  const int flags = p.split_map[l.piece_flags + b.n];
+  const bool virt = b.vs * BV >= p.V;  // uniform: V and K are whole slices
+  // a sequence's first piece is left to pass 2; its last starts from dht and needs no Psi
+  if ((flags & 1) || (virt && (flags & 2))) return;
+
+  const dev::ScanPlace<K, BV> pl(p, b);
+  float dhT[K / 8][4];
+  if (virt) {  // the identity; the do tile of both stages zero once, never loaded
+    dev::identity_state<K>(dhT, pl.col0 - p.V, pl.t);
+    dev::zero_values<WT, K, BV, NT>(sm);
+  } else {
+    const int n = p.split_map[l.piece_seq + b.n];
+    dev::load_state<K>(dhT, (flags & 2) ? p.dht : nullptr, dev::state_base<K>(p, n, pl.hv), p, pl.col0, pl.t);
+  }
+  const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
+  dh_scan_chunks<WT, K, BV, false>(p, pl, sm, dhT, [&](int cc, int st, bool go) {
+    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, pl.seq, cc, pl.hv, virt ? 0 : pl.v0, true,
+                                        go, !virt);
+  });
+  dev::store_split_local<K>(p.split_state + (static_cast<int64_t>(b.n) * p.HV + pl.hv) * K * (p.V + K), p.V + K, dhT,
+                            pl.col0, pl.t);
 }
 
 template <typename WT, int K, int BV>
@@ -196,7 +207,7 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_ke
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_local_kernel(const KdaBwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  dh_scan_cta<WT, K, BV, true>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+  dh_scan_local_cta<WT, K, BV>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
 }
 
 // Its launch: (V + K) / BV slices per (value head, piece).
