@@ -48,6 +48,41 @@ def _run(t, sl, state_v_first, **kw):
     return [o.detach().cpu()] + [leaves[n].grad.cpu() for n in GRADS]
 
 
+def _calls_per_rank(ctx, case) -> int:
+    """chunk_kda calls the rank's context needs: one, or two where a rank that takes part in the
+    chain (its first document began earlier or its last goes on) gets [o(0) | Q] and [E | Phi]
+    from two calls (V + K wider than our kernels' values; forced by the case)."""
+    chained = not ctx.is_first_rank or not ctx.is_last_rank
+    return 2 if chained and case.get("two_calls") else 1
+
+
+def _count_calls() -> dict:
+    """Counts the context-parallel path's calls of chunk_kda (the module's name, which its inner
+    calls look up; the test's own chunk_kda is the original) and the backward passes through each
+    (an identity on q whose backward runs once per traversal of the call's graph)."""
+    import kernel_fun.kda as kda
+
+    calls = {"fwd": 0, "bwd": 0}
+    inner = kda.chunk_kda
+
+    class Seen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            calls["bwd"] += 1
+            return grad
+
+    def counted(q, *args, **kw):
+        calls["fwd"] += 1
+        return inner(Seen.apply(q), *args, **kw)
+
+    kda.chunk_kda = counted
+    return calls
+
+
 def _worker(rank, world, path, case, out, device, shared_gpu=False):
     join_cp_group(rank, world, path, device, "KERNEL_FUN_KDA_CP", shared_gpu)
     if case.get("two_calls"):
@@ -69,15 +104,19 @@ def _worker(rank, world, path, case, out, device, shared_gpu=False):
             ctxs.append(build_cp_context(cu.to(device), dist.group.WORLD, cu_seqlens_cpu=cu))
         except ImportError:
             pass
+        # each rank runs one call of chunk_kda and one backward of it (two of each where [o(0) | Q]
+        # and [E | Phi] come from two calls), whatever its neighbours hold
+        calls, want = _count_calls(), [_calls_per_rank(c, case) for c in ctxs]
         if device == "cuda":  # our kernels, not fla's: strict mode (a fallback raises), launches counted
             import kernel_fun
             from kernel_fun.check import count_kernel_ops
 
             with kernel_fun.strict(), count_kernel_ops() as counts:
                 res = [_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs]
-            assert counts["kda_fwd"] >= len(ctxs) and counts["kda_bwd"] >= len(ctxs), dict(counts)
+            assert counts["kda_fwd"] == sum(want) and counts["kda_bwd"] == sum(want), (dict(counts), want)
         else:
             res = [_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs]
+        assert calls == {"fwd": sum(want), "bwd": sum(want)}, (calls, want)
         torch.save(res, f"{out}.{rank}")
         done = True
     finally:
@@ -92,7 +131,11 @@ CASES = {
     "three_ranks_gva_vfirst": (dict(cu=[0, 5, 90], H=1, HV=2, K=16, V=32, seed=2, svf=True, weak=True), 3),
     # a document boundary exactly on the rank boundary: nothing crosses
     "boundary_at_rank": (dict(cu=[0, 48, 96], H=2, HV=2, K=16, V=16, seed=3), 2),
-    # [E | Phi] by two calls (the form for V + K wider than our kernels' values), forced here
+    # a middle rank whose first document began on the rank before and whose last (another one) goes
+    # on to the rank after: its outputs' correction and its map from one call
+    "both_ends": (dict(cu=[0, 20, 40, 75, 96], H=2, HV=2, K=16, V=16, seed=5, weak=True), 3),
+    # [o(0) | Q] and [E | Phi] by two calls (the form for V + K wider than our kernels' values),
+    # forced here
     "two_calls": (dict(cu=[0, 13, 90], H=2, HV=2, K=16, V=16, seed=4, two_calls=True, weak=True), 3),
 }
 
@@ -158,7 +201,8 @@ def test_context_parallel_kda_is_opt_in_and_checks_its_arguments(monkeypatch):
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_kda_ranks_on_one_gpu_equal_one_process(name, tmp_path):
     """The same with every rank on GPU 0, joined by gloo over CUDA tensors: our kernels under each
-    rank's local pass, [E | Phi] call, chain and backward, on a one-GPU machine. It checks the
+    rank's [o(0) | Q], [E | Phi] call, the chain, the correction and the backward, on a one-GPU
+    machine. It checks the
     context-parallel path on the device, not NCCL (the test above does, on the 2-GPU machine)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -375,8 +375,7 @@ def chunk_kda(
                      **({"dt_bias": dt_bias_} if dt_bias_ is not None else {})}
             return chunk_kda(q_, k_, v_, g_, beta_, **extra)
 
-        o = _cp.KdaCP.apply(call, cp_context, state_v_first, q, k, v, g, beta, kwargs.get("A_log"),
-                            kwargs.get("dt_bias"))
+        o = _cp.KdaCP.apply(call, cp_context, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
         return o, None
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,

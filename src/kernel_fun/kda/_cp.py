@@ -4,24 +4,34 @@ Each rank holds a contiguous slice of one packed sequence ([1, T_rank, ...]) and
 ``fla.ops.cp.build_cp_context`` (fields used: ``group``, ``cu_seqlens`` (local), ``cu_seqlens_cpu``,
 ``is_first_rank``, ``is_last_rank``, ``pre_num_ranks``). Over a slice of one document the state
 evolves affinely, ``S_out = Phi S_in + E`` (S: [K, V] per value head; Phi: [K, K], the product of
-the tokens' transitions; E: the slice's final state from a zero state), so:
+the tokens' transitions; E: the slice's final state from a zero state), and so does every output:
+``o_t = o_t(0) + Q_t S_in`` with ``Q_t = scale q_t^T Phi_{..t}`` (the transitions up to token t).
+One call of ours over the values [v | 0] from the initial state [0 | I] (the state's columns never
+mix) gives all of them at once: its outputs are [o(0) | Q], its final state [E | Phi]. So each
+rank runs one call before any collective, whatever its neighbours hold:
 
-1. a rank whose last document goes on to the next rank computes that document's [E | Phi] on its
-   slice by one call of ours over the values [v | 0] from the initial state [0 | I] (the state's
-   columns never mix, so its final state is E beside Phi; two calls where V + K > 512), in fp32;
-2. every rank all-gathers [E | Phi] (HV x K x (V + K) fp32 each);
+1. a rank whose first document began earlier or whose last document goes on to the next rank makes
+   that call on its whole slice (two calls, [v] from 0 and [0] from I, where V + K > 512); any
+   other rank makes its ordinary call;
+2. every rank all-gathers its last document's [E | Phi] (HV x K x (V + K) fp32; zeros where the
+   document ends on the rank);
 3. a rank whose first document began earlier chains the earlier ranks' maps in rank order
-   (h = Phi_j h + E_j, fp32) into that document's initial state;
-4. one ordinary call of ours on the rank's slice with the local cu_seqlens and that initial state.
+   (h = Phi_j h + E_j, fp32) into that document's initial state S_in and adds ``Q S_in`` to the
+   document's outputs (one batched matmul per value head in the inputs' dtype, fp32 accumulation).
 
-The backward is autograd through the same calls: the gradient of the gathered [E | Phi] is summed
-over the ranks (one all-reduce every rank joins) and each rank takes its own slot back through
-step 1. Both passes run inside one autograd function, so that no rank skips a collective the
-others wait in.
+The ranks' calls run side by side and no rank runs a second one: the slowest rank does one call
+with V + K value columns on T / world tokens (the form before this one ran the [E | Phi] call and
+then the rank's ordinary call after the gather, and two backwards).
 
-Costs beyond the ordinary call: one more call on the last document's tokens with V + K value
-columns, an all-gather and an all-reduce of world x HV x K x (V + K) fp32. As in fla,
-``initial_state`` and ``output_final_state`` are not allowed and the context's cu_seqlens is used.
+The backward: the correction's gradients (dQ = do S_in^T, and dS_in = Q^T do through the chain into
+the gathered maps) first, one all-reduce of the maps' gradients (each rank takes its own slot: the
+gradient of its last document's final state), then one backward of the rank's call with both its
+output and its final-state gradients. Both passes run inside one autograd function, so that no
+rank skips a collective the others wait in.
+
+As in fla, ``initial_state`` and ``output_final_state`` are not allowed and the context's cu_seqlens
+is used; no state crosses the API, so the calls keep the default state layout whatever
+``state_v_first`` says.
 
 Opt-in (``KERNEL_FUN_KDA_CP=1``) until its multi-GPU test has run: by default a ``cp_context`` call
 goes to fla, as before.
@@ -49,13 +59,38 @@ def _host_cu(cp_context) -> list[int]:
     return (cu if cu is not None else cp_context.cu_seqlens.cpu()).tolist()
 
 
+def _local_calls(call, leaves, cu_kw, N: int, K: int, V: int, need_map: bool):
+    """The rank's call(s) on its slice with the identity beside the values: ``(outputs, states)``,
+    outputs [o(0), Q] ([1, T, HV, V] and [1, T, HV, K]) and states, when need_map, [E, Phi] of the
+    last document ([HV, K, V] and [HV, K, K], fp32); ``graph`` is what the backward differentiates
+    (the calls' own outputs and final states, which the returned tensors are detached views of)."""
+    q, v = leaves[0], leaves[2]
+    HV = v.shape[2]
+    eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(N, HV, K, K)
+    zeros_v = v.new_zeros(v.shape[:-1] + (K,))
+    kw = dict(output_final_state=need_map, **cu_kw)
+    if V + K <= _MAX_V:
+        init = torch.cat([eye.new_zeros(N, HV, K, V), eye], dim=-1).contiguous()
+        o_ext, ht = call(*leaves[:2], torch.cat([v, zeros_v], dim=-1), *leaves[3:], initial_state=init, **kw)
+        graph = ([o_ext], [ht] if need_map else [])
+        outputs = [o_ext[..., :V], o_ext[..., V:]]
+        states = [ht[-1, ..., :V], ht[-1, ..., V:]] if need_map else []
+    else:  # wider than our kernels' values: two calls of the same tokens
+        o0, E = call(*leaves, **kw)
+        Q, Phi = call(*leaves[:2], zeros_v, *leaves[3:], initial_state=eye.contiguous(), **kw)
+        graph = ([o0, Q], [E, Phi] if need_map else [])
+        outputs = [o0, Q]
+        states = [E[-1], Phi[-1]] if need_map else []
+    return graph, outputs, [s.float() for s in states]
+
+
 class KdaCP(torch.autograd.Function):
     """One context-parallel chunk_kda call. ``call(q, k, v, g, beta, A_log, dt_bias, **kw)`` is our
     chunk_kda with the caller's options; ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last
     two None when not given."""
 
     @staticmethod
-    def forward(ctx, call, cp_context, state_v_first, *tensors):
+    def forward(ctx, call, cp_context, *tensors):
         import torch.distributed as dist
 
         group = cp_context.group
@@ -63,45 +98,38 @@ class KdaCP(torch.autograd.Function):
         q, v = tensors[0], tensors[2]
         K, HV, V = q.shape[-1], v.shape[2], v.shape[-1]
         cu = _host_cu(cp_context)
+        N = len(cu) - 1
+        need_map = not cp_context.is_last_rank  # the last document goes on to the next rank
+        need_in = not cp_context.is_first_rank  # the first document began on an earlier rank
+        cu_kw = dict(cu_seqlens=cp_context.cu_seqlens, cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None))
         with torch.enable_grad():
             leaves = _cp.leaves(tensors)
-            # 1. [E | Phi] of the last document's part on this rank (zeros where it ends here)
-            if not cp_context.is_last_rank:
-                s0, s1 = cu[-2], cu[-1]
-                part = [None if t is None or t.dim() < 2 else t[:, s0:s1] for t in leaves]
-                part[5:] = leaves[5:]  # A_log, dt_bias: per head, not per token
-                eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(1, HV, K, K)
-                zeros_v = part[2].new_zeros(part[2].shape[:-1] + (K,))
-                if V + K <= _MAX_V:
-                    # one call over the values [v | 0] from the initial state [0 | I]: its final state
-                    # is [E | Phi] (the columns never mix), and the chunks' intra work is done once
-                    v_ext = torch.cat([part[2], zeros_v], dim=-1)
-                    init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
-                    _, EP = call(*part[:2], v_ext, *part[3:], initial_state=init, output_final_state=True)
-                    hm = EP[0].float()  # [HV, K, V + K], fp32 on every path
-                else:  # wider than our kernels' values: two calls
-                    _, E = call(*part, output_final_state=True)
-                    _, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye.contiguous(),
-                                  output_final_state=True)
-                    hm = torch.cat([E[0], Phi[0]], dim=-1).float()
+            # 1. the rank's one call (or two, where V + K is too wide), before any collective
+            if need_map or need_in:
+                graph, outputs, states = _local_calls(call, leaves, cu_kw, N, K, V, need_map)
             else:
-                hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
+                o, _ = call(*leaves, output_final_state=False, **cu_kw)
+                graph, outputs, states = ([o], []), [o], []
+        # the correction's graph starts from detached copies, so that the backward can take its
+        # gradients (and all-reduce the maps') before the one backward of the calls
+        cuts = [t.detach().requires_grad_(True) for t in outputs]
+        hm = torch.cat(states, dim=-1).detach() if need_map else torch.zeros(HV, K, V + K, dtype=torch.float32,
+                                                                      device=q.device)
         # 2. every rank's [E | Phi]
-        gathered = torch.stack(_cp.gather(hm.detach(), group)).requires_grad_(True)
+        gathered = torch.stack(_cp.gather(hm, group)).requires_grad_(True)
         with torch.enable_grad():
-            # 3. the first document's initial state from the earlier ranks' maps, in rank order
-            init = None
-            if not cp_context.is_first_rank:
+            o = cuts[0]
+            if need_in:
+                # 3. the first document's initial state from the earlier ranks' maps, in rank order,
+                # and its outputs' share of it: o += Q S_in over the document's tokens
                 h = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
                 for j in range(rank - int(cp_context.pre_num_ranks), rank):
                     h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
-                N = len(cu) - 1
-                first = h.transpose(-1, -2) if state_v_first else h
-                init = torch.cat([first[None], first.new_zeros((N - 1,) + first.shape)]) if N > 1 else first[None]
-            # 4. the rank's own call
-            o, _ = call(*leaves, initial_state=init, output_final_state=False, cu_seqlens=cp_context.cu_seqlens,
-                        cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None), state_v_first=state_v_first)
-        ctx.graph = (o, hm, gathered, leaves)
+                first = slice(cu[0], cu[1])
+                Qf = cuts[1][0, first].transpose(0, 1)  # [HV, T_first, K]
+                corr = (Qf @ h.to(Qf.dtype)).transpose(0, 1)[None]
+                o = torch.cat([o[:, first] + corr, o[:, cu[1]:]], dim=1)
+        ctx.graph = (graph, cuts, o, gathered, leaves, need_map)
         ctx.group = group
         return o.detach()
 
@@ -109,14 +137,24 @@ class KdaCP(torch.autograd.Function):
     def backward(ctx, do):
         import torch.distributed as dist
 
-        o, hm, gathered, leaves = ctx.graph
+        (outs, finals), cuts, o, gathered, leaves, need_map = ctx.graph
         ctx.graph = None
-        d_own, (d_gathered,) = _cp.grads(o, do, leaves, extra=(gathered,))
-        # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every rank
-        # joins, whatever it needs)
-        d_gathered = d_gathered.contiguous()
+        # the correction's gradients: the calls' outputs' ([do | dQ]) and the gathered maps'
+        _, d_cuts = _cp.grads(o, do, [], extra=tuple(cuts) + (gathered,))
+        d_gathered = d_cuts.pop().contiguous()
+        # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every
+        # rank joins, whatever it needs)
         dist.all_reduce(d_gathered, group=ctx.group)
-        if hm.requires_grad:  # this rank's [E | Phi] came from its own tensors
-            d_map, _ = _cp.grads(hm, d_gathered[dist.get_rank(ctx.group)], leaves)
-            d_own = [a if b is None else (b if a is None else a + b) for a, b in zip(d_own, d_map)]
-        return (None, None, None, *d_own)
+        d_outs = [torch.cat(d_cuts, dim=-1)] if len(outs) == 1 else d_cuts
+        d_finals = []
+        if need_map:  # this rank's [E | Phi] is its last document's final state: a gradient there only
+            mine = d_gathered[dist.get_rank(ctx.group)]
+            parts = [mine] if len(finals) == 1 else [mine[..., :-mine.shape[-2]], mine[..., -mine.shape[-2]:]]
+            for f, p in zip(finals, parts):
+                d = torch.zeros_like(f)
+                d[-1] = p.to(f.dtype)
+                d_finals.append(d)
+        # one backward of the rank's call(s), with the outputs' and the final states' gradients
+        want = [t for t in leaves if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad(outs + finals, want, d_outs + d_finals, allow_unused=True))
+        return (None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
