@@ -49,11 +49,19 @@ def _run(t, sl, state_v_first, **kw):
 
 
 def _calls_per_rank(ctx, case) -> int:
-    """chunk_kda calls the rank's context needs: one, or two where a rank that takes part in the
-    chain (its first document began earlier or its last goes on) gets [o(0) | Q] and [E | Phi]
-    from two calls (V + K wider than our kernels' values; forced by the case)."""
-    chained = not ctx.is_first_rank or not ctx.is_last_rank
-    return 2 if chained and case.get("two_calls") else 1
+    """chunk_kda calls the rank's context needs: one per crossing document (its first, where it
+    began earlier; its last, where it goes on; one where the slice is one document), two where
+    [o(0) | Q] and [E | Phi] come from two calls (V + K wider than our kernels' values; forced by
+    the case), and one for the documents between them or for a rank with no crossing document."""
+    cu = ctx.cu_seqlens_cpu.tolist()
+    need_in, need_map = not ctx.is_first_rank, not ctx.is_last_rank
+    if not (need_in or need_map):
+        return 1
+    per_crossing = 2 if case.get("two_calls") else 1
+    if len(cu) == 2:
+        return per_crossing
+    between = (cu[-2] if need_map else cu[-1]) > (cu[1] if need_in else cu[0])
+    return per_crossing * (need_in + need_map) + between
 
 
 def _count_calls() -> dict:
@@ -134,6 +142,8 @@ CASES = {
     # a middle rank whose first document began on the rank before and whose last (another one) goes
     # on to the rank after: its outputs' correction and its map from one call
     "both_ends": (dict(cu=[0, 20, 40, 75, 96], H=2, HV=2, K=16, V=16, seed=5, weak=True), 3),
+    # several whole documents beside the crossing ones on each rank: they run as one varlen call
+    "many_docs": (dict(cu=[0, 3, 9, 13, 40, 52, 61, 70, 90, 96], H=2, HV=2, K=16, V=16, seed=6, weak=True), 2),
     # [o(0) | Q] and [E | Phi] by two calls (the form for V + K wider than our kernels' values),
     # forced here
     "two_calls": (dict(cu=[0, 13, 90], H=2, HV=2, K=16, V=16, seed=4, two_calls=True, weak=True), 3),

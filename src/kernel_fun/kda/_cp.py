@@ -2,32 +2,32 @@
 
 Each rank holds a contiguous slice of one packed sequence ([1, T_rank, ...]) and the context of
 ``fla.ops.cp.build_cp_context`` (fields used: ``group``, ``cu_seqlens`` (local), ``cu_seqlens_cpu``,
-``is_first_rank``, ``is_last_rank``, ``pre_num_ranks``). Over a slice of one document the state
-evolves affinely, ``S_out = Phi S_in + E`` (S: [K, V] per value head; Phi: [K, K], the product of
-the tokens' transitions; E: the slice's final state from a zero state), and so does every output:
+``is_first_rank``, ``is_last_rank``, ``pre_num_ranks``). Over a rank's part of one document the
+state evolves affinely, ``S_out = Phi S_in + E`` (S: [K, V] per value head; Phi: [K, K], the product
+of the tokens' transitions; E: the part's final state from a zero state), and so does every output:
 ``o_t = o_t(0) + Q_t S_in`` with ``Q_t = scale q_t^T Phi_{..t}`` (the transitions up to token t).
 One call of ours over the values [v | 0] from the initial state [0 | I] (the state's columns never
-mix) gives all of them at once: its outputs are [o(0) | Q], its final state [E | Phi]. So each
-rank runs one call before any collective, whatever its neighbours hold:
+mix) gives all of them at once: its outputs are [o(0) | Q], its final state [E | Phi]. So each rank
+does its work before any collective, whatever its neighbours hold:
 
-1. a rank whose first document began earlier or whose last document goes on to the next rank makes
-   that call on its whole slice (two calls, [v] from 0 and [0] from I, where V + K > 512); any
-   other rank makes its ordinary call;
+1. the documents that cross a rank boundary, the first (began on an earlier rank) and the last (goes
+   on to the next), by such a call each (one where the slice is one document; two calls, [v] from 0
+   and [0] from I, where V + K > 512), the documents between them by one ordinary call;
 2. every rank all-gathers its last document's [E | Phi] (HV x K x (V + K) fp32; zeros where the
    document ends on the rank);
 3. a rank whose first document began earlier chains the earlier ranks' maps in rank order
    (h = Phi_j h + E_j, fp32) into that document's initial state S_in and adds ``Q S_in`` to the
    document's outputs (one batched matmul per value head in the inputs' dtype, fp32 accumulation).
 
-The ranks' calls run side by side and no rank runs a second one: the slowest rank does one call
-with V + K value columns on T / world tokens (the form before this one ran the [E | Phi] call and
-then the rank's ordinary call after the gather, and two backwards).
+The ranks' calls run side by side, and every token is processed once: at V + K value columns in a
+crossing document, at V elsewhere (the form before this one ran the last document's [E | Phi] call
+and then the rank's whole ordinary call after the gather, and both backwards).
 
 The backward: the correction's gradients (dQ = do S_in^T, and dS_in = Q^T do through the chain into
 the gathered maps) first, one all-reduce of the maps' gradients (each rank takes its own slot: the
-gradient of its last document's final state), then one backward of the rank's call with both its
-output and its final-state gradients. Both passes run inside one autograd function, so that no
-rank skips a collective the others wait in.
+gradient of its last document's final state), then one backward of the rank's calls with their
+output and final-state gradients. Both passes run inside one autograd function, so that no rank
+skips a collective the others wait in.
 
 As in fla, ``initial_state`` and ``output_final_state`` are not allowed and the context's cu_seqlens
 is used; no state crosses the API, so the calls keep the default state layout whatever
@@ -59,29 +59,43 @@ def _host_cu(cp_context) -> list[int]:
     return (cu if cu is not None else cp_context.cu_seqlens.cpu()).tolist()
 
 
-def _local_calls(call, leaves, cu_kw, N: int, K: int, V: int, need_map: bool):
-    """The rank's call(s) on its slice with the identity beside the values: ``(outputs, states)``,
-    outputs [o(0), Q] ([1, T, HV, V] and [1, T, HV, K]) and states, when need_map, [E, Phi] of the
-    last document ([HV, K, V] and [HV, K, K], fp32); ``graph`` is what the backward differentiates
-    (the calls' own outputs and final states, which the returned tensors are detached views of)."""
-    q, v = leaves[0], leaves[2]
+def segments(cu: list[int], need_in: bool, need_map: bool) -> list[tuple[int, int, bool]]:
+    """The rank's calls as (first token, end, crossing) over its local document offsets ``cu``: the
+    crossing documents (the first where ``need_in``, the last where ``need_map``; the whole slice
+    where it is one document) each alone, the documents between them together."""
+    if not (need_in or need_map):
+        return [(cu[0], cu[-1], False)]
+    if len(cu) == 2:
+        return [(cu[0], cu[-1], True)]
+    lo, hi = (cu[1] if need_in else cu[0]), (cu[-2] if need_map else cu[-1])
+    return ([(cu[0], cu[1], True)] if need_in else []) + ([(lo, hi, False)] if lo < hi else []) + \
+        ([(cu[-2], cu[-1], True)] if need_map else [])
+
+
+def _crossing_call(call, part, K: int, V: int, need_map: bool):
+    """One crossing document's call(s) with the identity beside the values: ``(outs, joined,
+    finals, outputs, states)``: the calls' own outputs, how many of ``outputs`` each holds side by
+    side, and their final states (what the backward differentiates); the outputs [o(0), Q]
+    ([1, T, HV, V] and [1, T, HV, K]) and, when need_map, [E, Phi] ([HV, K, V] and [HV, K, K],
+    fp32)."""
+    v = part[2]
     HV = v.shape[2]
-    eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(N, HV, K, K)
+    eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
     zeros_v = v.new_zeros(v.shape[:-1] + (K,))
-    kw = dict(output_final_state=need_map, **cu_kw)
     if V + K <= _MAX_V:
-        init = torch.cat([eye.new_zeros(N, HV, K, V), eye], dim=-1).contiguous()
-        o_ext, ht = call(*leaves[:2], torch.cat([v, zeros_v], dim=-1), *leaves[3:], initial_state=init, **kw)
-        graph = ([o_ext], [ht] if need_map else [])
+        init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
+        o_ext, ht = call(*part[:2], torch.cat([v, zeros_v], dim=-1), *part[3:], initial_state=init,
+                         output_final_state=need_map)
+        outs, joined, finals = [o_ext], [2], [ht] if need_map else []
         outputs = [o_ext[..., :V], o_ext[..., V:]]
-        states = [ht[-1, ..., :V], ht[-1, ..., V:]] if need_map else []
+        states = [ht[0, ..., :V], ht[0, ..., V:]] if need_map else []
     else:  # wider than our kernels' values: two calls of the same tokens
-        o0, E = call(*leaves, **kw)
-        Q, Phi = call(*leaves[:2], zeros_v, *leaves[3:], initial_state=eye.contiguous(), **kw)
-        graph = ([o0, Q], [E, Phi] if need_map else [])
+        o0, E = call(*part, output_final_state=need_map)
+        Q, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye.contiguous(), output_final_state=need_map)
+        outs, joined, finals = [o0, Q], [1, 1], [E, Phi] if need_map else []
         outputs = [o0, Q]
-        states = [E[-1], Phi[-1]] if need_map else []
-    return graph, outputs, [s.float() for s in states]
+        states = [E[0], Phi[0]] if need_map else []
+    return outs, joined, finals, outputs, [s.float() for s in states]
 
 
 class KdaCP(torch.autograd.Function):
@@ -98,38 +112,52 @@ class KdaCP(torch.autograd.Function):
         q, v = tensors[0], tensors[2]
         K, HV, V = q.shape[-1], v.shape[2], v.shape[-1]
         cu = _host_cu(cp_context)
-        N = len(cu) - 1
         need_map = not cp_context.is_last_rank  # the last document goes on to the next rank
         need_in = not cp_context.is_first_rank  # the first document began on an earlier rank
-        cu_kw = dict(cu_seqlens=cp_context.cu_seqlens, cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None))
+        segs = segments(cu, need_in, need_map)
+        outs, joined, finals, cuts, per_seg = [], [], [], [], []
+        hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
         with torch.enable_grad():
             leaves = _cp.leaves(tensors)
-            # 1. the rank's one call (or two, where V + K is too wide), before any collective
-            if need_map or need_in:
-                graph, outputs, states = _local_calls(call, leaves, cu_kw, N, K, V, need_map)
-            else:
-                o, _ = call(*leaves, output_final_state=False, **cu_kw)
-                graph, outputs, states = ([o], []), [o], []
-        # the correction's graph starts from detached copies, so that the backward can take its
-        # gradients (and all-reduce the maps') before the one backward of the calls
-        cuts = [t.detach().requires_grad_(True) for t in outputs]
-        hm = torch.cat(states, dim=-1).detach() if need_map else torch.zeros(HV, K, V + K, dtype=torch.float32,
-                                                                      device=q.device)
+            # 1. the rank's calls, before any collective
+            for lo, hi, crossing in segs:
+                if len(segs) == 1:
+                    part = leaves
+                else:  # a slice of the tokens; A_log and dt_bias are per head
+                    part = [t if t is None or t.dim() < 2 else t[:, lo:hi] for t in leaves]
+                if crossing:
+                    o_s, j_s, f_s, outputs, states = _crossing_call(call, part, K, V, need_map and hi == cu[-1])
+                    if states:
+                        hm = torch.cat(states, dim=-1).detach()
+                else:
+                    docs = [c - lo for c in cu if lo <= c <= hi]
+                    cu_kw = (dict(cu_seqlens=cp_context.cu_seqlens,
+                                  cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None)) if len(segs) == 1 else
+                             dict(cu_seqlens=torch.tensor(docs, dtype=torch.int32).to(q.device, non_blocking=True),
+                                  cu_seqlens_cpu=torch.tensor(docs, dtype=torch.int32)))
+                    o, _ = call(*part, output_final_state=False, **cu_kw)
+                    o_s, j_s, f_s, outputs = [o], [1], [], [o]
+                outs += o_s
+                joined += j_s
+                finals += f_s
+                # the correction's graph starts from detached copies, so that the backward can take
+                # its gradients (and all-reduce the maps') before the one backward of the calls
+                per_seg.append([t.detach().requires_grad_(True) for t in outputs])
+                cuts += per_seg[-1]
         # 2. every rank's [E | Phi]
         gathered = torch.stack(_cp.gather(hm, group)).requires_grad_(True)
         with torch.enable_grad():
-            o = cuts[0]
+            pieces = [c[0] for c in per_seg]
             if need_in:
                 # 3. the first document's initial state from the earlier ranks' maps, in rank order,
-                # and its outputs' share of it: o += Q S_in over the document's tokens
+                # and its outputs' share of it: o += Q S_in (the first call's tokens are its tokens)
                 h = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
                 for j in range(rank - int(cp_context.pre_num_ranks), rank):
                     h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
-                first = slice(cu[0], cu[1])
-                Qf = cuts[1][0, first].transpose(0, 1)  # [HV, T_first, K]
-                corr = (Qf @ h.to(Qf.dtype)).transpose(0, 1)[None]
-                o = torch.cat([o[:, first] + corr, o[:, cu[1]:]], dim=1)
-        ctx.graph = (graph, cuts, o, gathered, leaves, need_map)
+                Qf = per_seg[0][1][0].transpose(0, 1)  # [HV, T_first, K]
+                pieces[0] = pieces[0] + (Qf @ h.to(Qf.dtype)).transpose(0, 1)[None]
+            o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+        ctx.graph = (outs, finals, joined, cuts, o, gathered, leaves)
         ctx.group = group
         return o.detach()
 
@@ -137,7 +165,7 @@ class KdaCP(torch.autograd.Function):
     def backward(ctx, do):
         import torch.distributed as dist
 
-        (outs, finals), cuts, o, gathered, leaves, need_map = ctx.graph
+        outs, finals, joined, cuts, o, gathered, leaves = ctx.graph
         ctx.graph = None
         # the correction's gradients: the calls' outputs' ([do | dQ]) and the gathered maps'
         _, d_cuts = _cp.grads(o, do, [], extra=tuple(cuts) + (gathered,))
@@ -145,16 +173,17 @@ class KdaCP(torch.autograd.Function):
         # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every
         # rank joins, whatever it needs)
         dist.all_reduce(d_gathered, group=ctx.group)
-        d_outs = [torch.cat(d_cuts, dim=-1)] if len(outs) == 1 else d_cuts
+        d_outs, it = [], iter(d_cuts)
+        for n in joined:  # a call's output is n cuts side by side ([o(0) | Q]: 2)
+            d_outs.append(torch.cat([next(it) for _ in range(n)], dim=-1) if n > 1 else next(it))
         d_finals = []
-        if need_map:  # this rank's [E | Phi] is its last document's final state: a gradient there only
+        if finals:  # the last document's final state, [E | Phi] (or [E], [Phi]): a gradient there only
             mine = d_gathered[dist.get_rank(ctx.group)]
-            parts = [mine] if len(finals) == 1 else [mine[..., :-mine.shape[-2]], mine[..., -mine.shape[-2]:]]
-            for f, p in zip(finals, parts):
-                d = torch.zeros_like(f)
-                d[-1] = p.to(f.dtype)
-                d_finals.append(d)
-        # one backward of the rank's call(s), with the outputs' and the final states' gradients
+            K = mine.shape[-2]
+            for f, d in zip(finals, [mine] if len(finals) == 1 else [mine[..., :-K], mine[..., -K:]]):
+                d_finals.append(d[None].to(f.dtype))
+        # one backward of the rank's calls, with the outputs' and the final states' gradients
         want = [t for t in leaves if t is not None and t.requires_grad]
         got = iter(torch.autograd.grad(outs + finals, want, d_outs + d_finals, allow_unused=True))
         return (None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
+
