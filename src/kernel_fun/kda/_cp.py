@@ -156,7 +156,8 @@ class KdaCP(torch.autograd.Function):
                     h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
                 Qf = per_seg[0][1][0].transpose(0, 1)  # [HV, T_first, K]
                 pieces[0] = pieces[0] + (Qf @ h.to(Qf.dtype)).transpose(0, 1)[None]
-            o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+            # contiguous, as fla returns it (a crossing call's o(0) is a view beside its Q)
+            o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
         ctx.graph = (outs, finals, joined, cuts, o, gathered, leaves)
         ctx.group = group
         return o.detach()
