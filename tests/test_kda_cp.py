@@ -204,6 +204,16 @@ def test_context_parallel_kda_is_opt_in_and_checks_its_arguments(monkeypatch):
         chunk_kda(q, q, v, g, beta, initial_state=torch.zeros(1, 1, 16, 16), cp_context=ctx)
     with pytest.raises(ValueError, match="output_final_state is not allowed with cp_context"):
         chunk_kda(q, q, v, g, beta, output_final_state=True, cp_context=ctx)
+    bad_cu = types.SimpleNamespace(**{**vars(ctx), "cu_seqlens": torch.tensor([0, 5, 7], dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"cp_context.cu_seqlens must run from 0 to this rank's T = 8 "
+                                         r"without decreasing, got \[0, 5, 7\]"):
+        chunk_kda(q, q, v, g, beta, cp_context=bad_cu)
+    bad_cu.cu_seqlens_cpu = torch.tensor([0, 6, 3, 8])
+    with pytest.raises(ValueError, match=r"got \[0, 6, 3, 8\]"):  # the host copy is what is read
+        chunk_kda(q, q, v, g, beta, cp_context=bad_cu)
+    bad_pre = types.SimpleNamespace(**{**vars(ctx), "is_first_rank": False})
+    with pytest.raises(ValueError, match="pre_num_ranks must be at least 1 where is_first_rank is False, got 0"):
+        chunk_kda(q, q, v, g, beta, cp_context=bad_pre)
     with pytest.raises(ValueError, match="cp_context has no 'is_last_rank'"):
         chunk_kda(q, q, v, g, beta, cp_context=types.SimpleNamespace(group=None, cu_seqlens=ctx.cu_seqlens,
                                                                       is_first_rank=True))

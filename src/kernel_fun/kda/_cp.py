@@ -52,6 +52,14 @@ def validate(q, initial_state, output_final_state, return_intermediate_states, c
     _cp.check_call("kernel_fun.kda.chunk_kda", cp_context, _FIELDS, initial_state, output_final_state, q, "q", 4)
     if return_intermediate_states:
         raise ValueError("kernel_fun.kda.chunk_kda: return_intermediate_states is not allowed with cp_context")
+    # the rank's documents must tile its slice: the calls below slice the tokens by them
+    cu, T = _host_cu(cp_context), q.shape[1]
+    if not cu or cu[0] != 0 or cu[-1] != T or any(a > b for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.cu_seqlens must run from 0 to this rank's "
+                         f"T = {T} without decreasing, got {cu}")
+    if not cp_context.is_first_rank and int(cp_context.pre_num_ranks) < 1:
+        raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.pre_num_ranks must be at least 1 where "
+                         f"is_first_rank is False, got {cp_context.pre_num_ranks}")
 
 
 def _host_cu(cp_context) -> list[int]:
@@ -114,6 +122,9 @@ class KdaCP(torch.autograd.Function):
         cu = _host_cu(cp_context)
         need_map = not cp_context.is_last_rank  # the last document goes on to the next rank
         need_in = not cp_context.is_first_rank  # the first document began on an earlier rank
+        if need_in and int(cp_context.pre_num_ranks) > rank:
+            raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.pre_num_ranks = {cp_context.pre_num_ranks} "
+                             f"on rank {rank}: the first document cannot begin before rank 0")
         segs = segments(cu, need_in, need_map)
         outs, joined, finals, cuts, per_seg = [], [], [], [], []
         hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
