@@ -20,8 +20,7 @@ does its work before any collective, whatever its neighbours hold:
    document's outputs (one batched matmul per value head in the inputs' dtype, fp32 accumulation).
 
 The ranks' calls run side by side, and every token is processed once: at V + K value columns in a
-crossing document, at V elsewhere (the form before this one ran the last document's [E | Phi] call
-and then the rank's whole ordinary call after the gather, and both backwards).
+crossing document, at V elsewhere (why this form: docs/notes/2026-12-05-cp-one-call.md).
 
 The backward: the correction's gradients (dQ = do S_in^T, and dS_in = Q^T do through the chain into
 the gathered maps) first, one all-reduce of the maps' gradients (each rank takes its own slot: the
