@@ -298,8 +298,9 @@ SPLIT_CASES = {
 def test_split_backward_matches_fp64_reference_and_unsplit(name, states, emu):
     """Every gradient and the state / state-gradient checkpoints against the fp64 stage reference, and
     beside the unsplit backward (to the operands' precision); the chain's gradients entering the
-    pieces' ends against the reference's dh at those chunks. states: the forward's saved states
-    (no re-scan: the dh scan alone is split) or the split re-scan."""
+    pieces' ends against the reference's dh at those chunks. states: the states the split forward
+    saved (a split training forward saves them: kda_policy.h's save_states_pays; no re-scan, the dh
+    scan alone is split) or the split re-scan."""
     case = dict(SPLIT_CASES[name])
     L, bv = case.pop("L"), case.pop("bv", 64)
     inputs, kw = make_case(**case)
@@ -307,7 +308,7 @@ def test_split_backward_matches_fp64_reference_and_unsplit(name, states, emu):
     B, T, HV, V = v.shape
     K = q.shape[-1]
     do, dht = _do_dht(inputs, kw, 3)
-    _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=states, bv=bv)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=states, bv=bv, split_chunks=L if states else 0)
     saved = (ws["Aqk"], ws["Akk"], ws["M"])
     kept = ws["h_ckpt"] if states else None
     grads, st = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, states=kept, bv=bv, split_chunks=L)

@@ -628,10 +628,15 @@ def test_split_forward_matches_fp64_reference_and_unsplit(name, emu, ref):
     L, bv, final = case.pop("L"), case.pop("bv", 64), case.pop("final", True)
     inputs, kw = make_case(**case)
     kw["output_final_state"] = final
-    o, ht, hs, ws = emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv, split_chunks=L)
+    # save_states: a training forward's states for its backward, which pass 2 writes when split
+    # (kda_policy.h's save_states_pays), [max_chunks, HV, V, K] in the global chunk order
+    o, ht, hs, ws = emu.forward_stages(*inputs, **kw, return_intermediate_states=True, bv=bv, split_chunks=L,
+                                       save_states=True)
     o_ref, ht_ref, st = kda_reference(inputs, kw, return_stages=True, ref=ref)
     vfirst = kw.get("state_v_first")
-    checks = {"o": (o_ref, o), "h": (st["h"], hs.transpose(-1, -2) if vfirst else hs)}
+    nck = st["h"].numel() // st["h"].shape[-1] // st["h"].shape[-2] // st["h"].shape[-3]
+    checks = {"o": (o_ref, o), "h": (st["h"], hs.transpose(-1, -2) if vfirst else hs),
+              "saved states": (st["h"], ws["h_ckpt"][:nck].transpose(-1, -2).reshape(st["h"].shape))}
     if final:
         checks["ht"] = (ht_ref, ht)
     # the chain's result: every piece's initial state is the reference's state before its first chunk

@@ -597,17 +597,25 @@ SPLIT_CASES = {
 }
 
 
+@pytest.mark.parametrize("states", ["saved", "rescan"])
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
-def test_split_scans_gradients_match_fp64_naive(name, monkeypatch):
+def test_split_scans_gradients_match_fp64_naive(name, states, monkeypatch):
     """Every gradient of a training call whose scans are split (the launches counted by the
-    profiler: pass 1 of both scans, both chains) against autograd through the fp64 naive recurrence."""
+    profiler: pass 1 of both scans, both chains) against autograd through the fp64 naive recurrence.
+    states: "saved", the split forward keeps its states and the backward runs no re-scan (the
+    forward's pass 1 runs once); "rescan", without the buffer (KERNEL_FUN_KDA_SAVE_STATES=0) the
+    backward re-runs the split scan (twice)."""
     case = dict(SPLIT_CASES[name])
     L = case.pop("L")
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "1")
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", str(L))
+    if states == "rescan":
+        monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
     launches = _kda_launches(case)
     for kern in ("kda_split_map_kernel", "kda_fwd_scan_local_kernel", "kda_bwd_dh_scan_local_kernel",
                  "kda_split_chain_kernel"):
         assert launches.get(kern, 0) >= 1, (kern, launches)
     assert "kda_bwd_scans_kernel" not in launches, launches
+    n_local = launches["kda_fwd_scan_local_kernel"]  # the backward's re-scan: once per batch slice
+    assert n_local == 1 if states == "saved" else n_local >= 2, (states, launches)
     _check_against_naive(case, KDA_VARLEN_TOL if "cu" in case else KDA_TOL)

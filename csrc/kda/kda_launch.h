@@ -45,10 +45,12 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream);
 // The split scans (fwd/kda_fwd_split.cuh; kda_policy.h's fwd_split_choice): few long chains, each
 // sequence's scans in pieces of p.split_chunks chunks at V-slices of p.split_bv (0 / 0: no split),
 // both set here once per call by csrc/api before it sizes the workspace, the forward and the backward
-// alike: KERNEL_FUN_KDA_SPLIT unset or 0 never (until the split is timed on a GPU), 1 wherever
-// fwd_split_possible (the piece length KERNEL_FUN_KDA_SPLIT_CHUNKS if set, else the model's, else an
-// eighth of the chunks), 2 where the model says it pays; the width KERNEL_FUN_KDA_SCAN_BV where it
-// divides V and K, else the model's, else 64. Never for the token recurrence (p.recurrent, decided first).
+// alike, from the options (KdaOptions::split / split_chunks: the front's KERNEL_FUN_KDA_SPLIT and
+// _SPLIT_CHUNKS, which a backward receives in its forward's options): 0 never (the default until the
+// split is timed on a GPU), 1 wherever fwd_split_possible (the piece length split_chunks if set, else
+// the model's, else an eighth of the chunks), 2 where the model says it pays; the width
+// KERNEL_FUN_KDA_SCAN_BV where it divides V and K, else the model's, else 64. Never for the token
+// recurrence (p.recurrent, decided first).
 void kda_split_choose(KdaFwdParams& p);
 void kda_split_map(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan_local(const KdaFwdParams& p, cudaStream_t stream);

@@ -235,9 +235,13 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // checkpoint stores lengthen the forward's chain steps: on the H200 (2026-12-04) B1 T32768 H32's
 // training call 7.36 -> 7.66 ms and B1 T8192 H16's 1.31 -> 1.36 with them, where prod8192 went
 // 18.91 -> 17.70, bounded B16 13.68 -> 13.16 and varlen 1.99 -> 1.89. There the buffer serves the
-// backward's re-scan instead (no per-slice h_ckpt). A pure function of the shape, with no
-// environment, so the forward and its backward always decide alike.
+// backward's re-scan instead (no per-slice h_ckpt). Where the scans are split (p.split_chunks, decided
+// before this) the backward runs no paired scans, and the forward's pass 2 writes the states in its
+// stride: saved, so the backward runs no split re-scan (passes 1 and 2 and the chain). A pure function
+// of the shape and the options (the split comes from them, not from the environment), so the forward
+// and its backward always decide alike.
 inline bool save_states_pays(const KdaProblem& p) {
+  if (p.split_chunks > 0) return true;
   KdaProblem s = p;
   if (!p.cu_seqlens) s.B = s.N = bwd_slice_batches(p);
   return !bwd_pair_scans(s, scan_choice(s).bv);

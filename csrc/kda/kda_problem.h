@@ -46,6 +46,11 @@ struct KdaOptions {
   float beta_sigmoid_scale = 0.f;  // 0: beta used as given; 1, or 2 with allow_neg_eigval: s * sigmoid(beta)
   bool state_v_first = false;      // states (h0, ht, dh0, dht, h_states) are [.., V, K]
   int chunk_size = kChunk;
+  // The split scans (kda_split_choose): 0 never, 1 wherever fwd_split_possible, 2 where
+  // fwd_split_choice says it pays; split_chunks the piece length (0: the model's). Set by the front
+  // from KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS, so a backward decides from its forward's options.
+  int split = 0;
+  int split_chunks = 0;
 };
 
 // Parses KdaOptions.encode()'s "key=value;..." text. Returns "" on success, else a message naming

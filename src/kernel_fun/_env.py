@@ -11,6 +11,8 @@ KERNEL_FUN_KDA_SAVE_STATES=0 a training forward passes no buffer for the state b
                              memory where the backward runs in batch slices; docs/kda-backward.md)
 KERNEL_FUN_KDA_SAVE_WORKSPACE=0  a training forward does not keep its w, qg, kg and exp2(G) for the
                              backward, which then rebuilds them (kda_bwd_prep; less memory)
+KERNEL_FUN_KDA_SPLIT=0|1|2, KERNEL_FUN_KDA_SPLIT_CHUNKS=L  the split scans (kda/_options.py: read into
+                             the call's options, so a backward splits as its forward did)
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ def flag(name: str, default: bool = False) -> bool:
         return False
     _bad(name, raw, default)
     return default
+
+
+def integer(name: str, default: int, lo: int, hi: int) -> int:
+    """A whole number in [lo, hi]; unset or empty gives the default, anything else warns and gives it."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        v = int(raw.strip())
+    except ValueError:
+        v = None
+    if v is None or not lo <= v <= hi:
+        _bad(name, raw, default)
+        return default
+    return v
 
 
 def family_disabled(family: str) -> str | None:

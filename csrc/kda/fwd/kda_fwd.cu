@@ -177,12 +177,12 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
 
 void kda_split_choose(KdaFwdParams& p) {
   p.split_chunks = p.split_bv = 0;
-  const int mode = env_int("KERNEL_FUN_KDA_SPLIT", 0);
+  const int mode = p.opt.split;  // the front's switches, in the options: the backward decides alike
   if (p.recurrent || mode <= 0 || mode > 2 || !fwd_split_possible(p)) return;
   const SplitChoice c = fwd_split_choice(p, num_sms());
   int chunks = c.chunks;
   if (mode == 1) {
-    const int forced = env_int("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0);
+    const int forced = p.opt.split_chunks;
     chunks = split_chunks_for(p, forced > 0 ? forced : c.chunks > 0 ? c.chunks : (p.max_chunks + 7) / 8);
   }
   if (chunks == 0) return;

@@ -32,7 +32,8 @@ def _decode(options: str) -> KdaOptions:
     kv = dict(item.split("=", 1) for item in options.split(";") if item)
     return KdaOptions(scale=float.fromhex(kv["scale"]), gate=kv["gate"], lower_bound=float.fromhex(kv["lower_bound"]),
                       l2norm=kv["l2norm"] == "1", beta_sigmoid=int(kv["beta_sigmoid"]),
-                      state_v_first=kv["state_v_first"] == "1", chunk_size=int(kv["chunk_size"]))
+                      state_v_first=kv["state_v_first"] == "1", chunk_size=int(kv["chunk_size"]),
+                      split=int(kv["split"]), split_chunks=int(kv["split_chunks"]))
 
 
 def _state_shape(N, HV, K, V, state_v_first):
