@@ -248,9 +248,10 @@ def _size_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> str | None:
 def _plan(meta: tuple) -> tuple:
     """(reason, options, uses_A_log, uses_dt_bias) for a valid CUDA call described by
     ``_call_meta``: reason is None when our kernels serve it as far as all but its sizes go, else
-    why not; options is the call's encoded KdaOptions. The environment switches, cp_context and
-    the extension and the split switches (read on every call), then the C++ support check on meta stand-ins of supported
-    sizes (the sizes are ``_size_reason``'s); the same eagerly and at trace time."""
+    why not; options is the call's encoded KdaOptions. The environment switches (the split's
+    too), cp_context and the extension (read on every call), then the C++ support check on meta
+    stand-ins of supported sizes (the sizes are ``_size_reason``'s); the same eagerly and at trace
+    time."""
     has_cp = meta[5]
     options, uses_A_log, uses_dt_bias = _options(meta, split_switches())
     why = _dispatch.common_reason(FAMILY, True if has_cp else None)
