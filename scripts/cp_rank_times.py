@@ -37,7 +37,8 @@ def _stand_ins(rank: int, world: int):
     _cp.gather = lambda t, group: [t.clone() for _ in range(world)]
 
 
-def _time(inputs, do, grad: bool, device: str, **kw) -> float:
+def _step(inputs, do, grad: bool, **kw):
+    """(step, reset): one call (and its backward), and the leaves' gradients cleared."""
     args, kwargs = inputs["args"], inputs["kwargs"]
     for t in inputs["leaves"]:
         t.requires_grad_(grad)
@@ -51,8 +52,31 @@ def _time(inputs, do, grad: bool, device: str, **kw) -> float:
         for t in inputs["leaves"]:
             t.grad = None
 
+    return step, reset
+
+
+def _time(inputs, do, grad: bool, device: str, **kw) -> float:
+    step, reset = _step(inputs, do, grad, **kw)
     with kernel_fun.strict(), (torch.enable_grad() if grad else torch.no_grad()):
         return time_step(torch, step, device, 2, 5, reset)["ms"]
+
+
+def _kernel_ms(inputs, do, **kw) -> dict:
+    """{kernel: ms} of one training call under torch.profiler (launches serialised: the stages'
+    own times, not the call's), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, reset = _step(inputs, do, True, **kw)
+    reset()
+    with kernel_fun.strict(), torch.enable_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ms = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA":
+            name = e.key.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")[:60]
+            ms[name] = ms.get(name, 0.0) + e.device_time_total / 1e3
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -61,6 +85,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--T", type=int, default=None, help="the whole sequence's length (default: the case's)")
     ap.add_argument("--device", default="cuda", help="cpu: the plumbing on the reference (wall clock)")
+    ap.add_argument("--stages", action="store_true", help="also each rank's kernels' ms (torch.profiler, CUDA)")
     ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
     a = ap.parse_args()
     (case,) = select("kda", [a.case])
@@ -72,6 +97,8 @@ def main() -> None:
     whole = make_inputs(case, torch, dev, 0)
     do = torch.randn(whole["out_shape"], dtype=torch.bfloat16, device=dev)
     res["one_gpu"] = {p: _time(whole, do, p == "fwd+bwd", dev) for p in ("fwd", "fwd+bwd")}
+    if a.stages and dev == "cuda":
+        res["one_gpu"]["kernels_ms"] = _kernel_ms(whole, do)
     del whole, do
     local = dataclasses.replace(case, T=case.T // a.world)
     for r in range(a.world):
@@ -84,12 +111,18 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         times = {p: _time(inputs, do, p == "fwd+bwd", dev, cp_context=ctx) for p in ("fwd", "fwd+bwd")}
         times["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+        if a.stages and dev == "cuda":
+            times["kernels_ms"] = _kernel_ms(inputs, do, cp_context=ctx)
         res["ranks"].append(times)
         del inputs, do
     print(f"{case.name}: one GPU fwd {res['one_gpu']['fwd']:.2f} ms, fwd+bwd {res['one_gpu']['fwd+bwd']:.2f} ms")
+    for name, ms in list(res["one_gpu"].get("kernels_ms", {}).items())[:12]:
+        print(f"    {ms:8.3f} ms  {name}")
     for r, t in enumerate(res["ranks"]):
         print(f"  rank {r} of {a.world} alone: fwd {t['fwd']:.2f} ms, fwd+bwd {t['fwd+bwd']:.2f} ms, "
               f"peak {t['peak_gib']:.2f} GiB")
+        for name, ms in list(t.get("kernels_ms", {}).items())[:12]:
+            print(f"    {ms:8.3f} ms  {name}")
     for p in ("fwd", "fwd+bwd"):
         slowest = max(t[p] for t in res["ranks"])
         print(f"  {p}: slowest rank / one GPU = {slowest / res['one_gpu'][p]:.3f}")
