@@ -49,19 +49,20 @@ def _run(t, sl, state_v_first, **kw):
 
 
 def _calls_per_rank(ctx, case) -> int:
-    """chunk_kda calls the rank's context needs: one per crossing document (its first, where it
-    began earlier; its last, where it goes on; one where the slice is one document), two where
-    [o(0) | Q] and [E | Phi] come from two calls (V + K wider than our kernels' values; forced by
-    the case), and one for the documents between them or for a rank with no crossing document."""
+    """chunk_kda calls the rank's context needs: for a first document that began on an earlier rank
+    one call with the identity beside the values (two where [o(0) | Q] and [E | Phi] come from two
+    calls: V + K wider than our kernels' values, forced by the case); one ordinary call for a last
+    document that began here and goes on; one for the documents between them, or for a rank with
+    no document crossing its ends."""
     cu = ctx.cu_seqlens_cpu.tolist()
     need_in, need_map = not ctx.is_first_rank, not ctx.is_last_rank
     if not (need_in or need_map):
         return 1
-    per_crossing = 2 if case.get("two_calls") else 1
+    per_in = 2 if case.get("two_calls") else 1
     if len(cu) == 2:
-        return per_crossing
+        return per_in if need_in else 1
     between = (cu[-2] if need_map else cu[-1]) > (cu[1] if need_in else cu[0])
-    return per_crossing * (need_in + need_map) + between
+    return per_in * need_in + need_map + between
 
 
 def _count_calls() -> dict:

@@ -10,9 +10,11 @@ One call of ours over the values [v | 0] from the initial state [0 | I] (the sta
 mix) gives all of them at once: its outputs are [o(0) | Q], its final state [E | Phi]. So each rank
 does its work before any collective, whatever its neighbours hold:
 
-1. the documents that cross a rank boundary, the first (began on an earlier rank) and the last (goes
-   on to the next), by such a call each (one where the slice is one document; two calls, [v] from 0
-   and [0] from I, where V + K > 512), the documents between them by one ordinary call;
+1. a first document that began on an earlier rank by such a call (two calls, [v] from 0 and [0]
+   from I, where V + K > 512; its [E | Phi] too where it goes on to the next rank as well); a last
+   document that began here and goes on by an ordinary call with its final state: the state
+   entering it is zero, so E is its whole map (Phi is sent as zeros); the documents between them by
+   one ordinary call;
 2. every rank all-gathers its last document's [E | Phi] (HV x K x (V + K) fp32; zeros where the
    document ends on the rank);
 3. a rank whose first document began earlier chains the earlier ranks' maps in rank order
@@ -20,7 +22,7 @@ does its work before any collective, whatever its neighbours hold:
    document's outputs (one batched matmul per value head in the inputs' dtype, fp32 accumulation).
 
 The ranks' calls run side by side, and every token is processed once: at V + K value columns in a
-crossing document, at V elsewhere (why this form: docs/notes/2026-12-05-cp-one-call.md).
+document that began on an earlier rank, at V elsewhere (why this form: docs/notes/2026-12-05-cp-one-call.md).
 
 The backward: the correction's gradients (dQ = do S_in^T, and dS_in = Q^T do through the chain into
 the gathered maps) first, one all-reduce of the maps' gradients (each rank takes its own slot: the
@@ -66,25 +68,27 @@ def _host_cu(cp_context) -> list[int]:
     return (cu if cu is not None else cp_context.cu_seqlens.cpu()).tolist()
 
 
-def segments(cu: list[int], need_in: bool, need_map: bool) -> list[tuple[int, int, bool]]:
-    """The rank's calls as (first token, end, crossing) over its local document offsets ``cu``: the
-    crossing documents (the first where ``need_in``, the last where ``need_map``; the whole slice
-    where it is one document) each alone, the documents between them together."""
+def segments(cu: list[int], need_in: bool, need_map: bool) -> list[tuple[int, int, str]]:
+    """The rank's calls as (first token, end, kind) over its local document offsets ``cu``: "in" for
+    a first document that began on an earlier rank (its outputs depend on the incoming state: [o(0)
+    | Q], and [E | Phi] too where it also goes on, the slice being that one document), "out" for a
+    last document that began here and goes on (its final state E from zero is its whole map: the
+    state entering it is zero), "plain" for the documents between, together."""
     if not (need_in or need_map):
-        return [(cu[0], cu[-1], False)]
+        return [(cu[0], cu[-1], "plain")]
     if len(cu) == 2:
-        return [(cu[0], cu[-1], True)]
+        return [(cu[0], cu[-1], "in" if need_in else "out")]
     lo, hi = (cu[1] if need_in else cu[0]), (cu[-2] if need_map else cu[-1])
-    return ([(cu[0], cu[1], True)] if need_in else []) + ([(lo, hi, False)] if lo < hi else []) + \
-        ([(cu[-2], cu[-1], True)] if need_map else [])
+    return ([(cu[0], cu[1], "in")] if need_in else []) + ([(lo, hi, "plain")] if lo < hi else []) + \
+        ([(cu[-2], cu[-1], "out")] if need_map else [])
 
 
-def _crossing_call(call, part, K: int, V: int, need_map: bool):
-    """One crossing document's call(s) with the identity beside the values: ``(outs, joined,
-    finals, outputs, states)``: the calls' own outputs, how many of ``outputs`` each holds side by
-    side, and their final states (what the backward differentiates); the outputs [o(0), Q]
-    ([1, T, HV, V] and [1, T, HV, K]) and, when need_map, [E, Phi] ([HV, K, V] and [HV, K, K],
-    fp32)."""
+def _in_call(call, part, K: int, V: int, need_map: bool):
+    """A document that began on an earlier rank: its call(s) with the identity beside the values.
+    ``(outs, joined, finals, cols, outputs, states)``: the calls' own outputs, how many of ``outputs``
+    each holds side by side, their final states and the columns of [E | Phi] each holds (what the
+    backward differentiates); the outputs [o(0), Q] ([1, T, HV, V] and [1, T, HV, K]) and, when
+    need_map, [E, Phi] ([HV, K, V] and [HV, K, K], fp32)."""
     v = part[2]
     HV = v.shape[2]
     eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
@@ -93,16 +97,18 @@ def _crossing_call(call, part, K: int, V: int, need_map: bool):
         init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
         o_ext, ht = call(*part[:2], torch.cat([v, zeros_v], dim=-1), *part[3:], initial_state=init,
                          output_final_state=need_map)
-        outs, joined, finals = [o_ext], [2], [ht] if need_map else []
+        outs, joined = [o_ext], [2]
+        finals, cols = ([ht], [(0, V + K)]) if need_map else ([], [])
         outputs = [o_ext[..., :V], o_ext[..., V:]]
         states = [ht[0, ..., :V], ht[0, ..., V:]] if need_map else []
     else:  # wider than our kernels' values: two calls of the same tokens
         o0, E = call(*part, output_final_state=need_map)
         Q, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye.contiguous(), output_final_state=need_map)
-        outs, joined, finals = [o0, Q], [1, 1], [E, Phi] if need_map else []
+        outs, joined = [o0, Q], [1, 1]
+        finals, cols = ([E, Phi], [(0, V), (V, V + K)]) if need_map else ([], [])
         outputs = [o0, Q]
         states = [E[0], Phi[0]] if need_map else []
-    return outs, joined, finals, outputs, [s.float() for s in states]
+    return outs, joined, finals, cols, outputs, [s.float() for s in states]
 
 
 class KdaCP(torch.autograd.Function):
@@ -125,20 +131,24 @@ class KdaCP(torch.autograd.Function):
             raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.pre_num_ranks = {cp_context.pre_num_ranks} "
                              f"on rank {rank}: the first document cannot begin before rank 0")
         segs = segments(cu, need_in, need_map)
-        outs, joined, finals, cuts, per_seg = [], [], [], [], []
+        outs, joined, finals, cols, cuts, per_seg = [], [], [], [], [], []
         hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
         with torch.enable_grad():
             leaves = _cp.leaves(tensors)
             # 1. the rank's calls, before any collective
-            for lo, hi, crossing in segs:
+            for lo, hi, kind in segs:
                 if len(segs) == 1:
                     part = leaves
                 else:  # a slice of the tokens; A_log and dt_bias are per head
                     part = [t if t is None or t.dim() < 2 else t[:, lo:hi] for t in leaves]
-                if crossing:
-                    o_s, j_s, f_s, outputs, states = _crossing_call(call, part, K, V, need_map and hi == cu[-1])
+                if kind == "in":
+                    o_s, j_s, f_s, c_s, outputs, states = _in_call(call, part, K, V, need_map and hi == cu[-1])
                     if states:
                         hm = torch.cat(states, dim=-1).detach()
+                elif kind == "out":  # began here from zero: E is the map (Phi meets a zero state)
+                    o, ht = call(*part, output_final_state=True)
+                    o_s, j_s, f_s, c_s, outputs = [o], [1], [ht], [(0, V)], [o]
+                    hm = torch.cat([ht[0].float(), hm[..., V:]], dim=-1).detach()
                 else:
                     docs = [c - lo for c in cu if lo <= c <= hi]
                     cu_kw = (dict(cu_seqlens=cp_context.cu_seqlens,
@@ -146,10 +156,11 @@ class KdaCP(torch.autograd.Function):
                              dict(cu_seqlens=torch.tensor(docs, dtype=torch.int32).to(q.device, non_blocking=True),
                                   cu_seqlens_cpu=torch.tensor(docs, dtype=torch.int32)))
                     o, _ = call(*part, output_final_state=False, **cu_kw)
-                    o_s, j_s, f_s, outputs = [o], [1], [], [o]
+                    o_s, j_s, f_s, c_s, outputs = [o], [1], [], [], [o]
                 outs += o_s
                 joined += j_s
                 finals += f_s
+                cols += c_s
                 # the correction's graph starts from detached copies, so that the backward can take
                 # its gradients (and all-reduce the maps') before the one backward of the calls
                 per_seg.append([t.detach().requires_grad_(True) for t in outputs])
@@ -166,9 +177,9 @@ class KdaCP(torch.autograd.Function):
                     h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
                 Qf = per_seg[0][1][0].transpose(0, 1)  # [HV, T_first, K]
                 pieces[0] = pieces[0] + (Qf @ h.to(Qf.dtype)).transpose(0, 1)[None]
-            # contiguous, as fla returns it (a crossing call's o(0) is a view beside its Q)
+            # contiguous, as fla returns it (an "in" call's o(0) is a view beside its Q)
             o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
-        ctx.graph = (outs, finals, joined, cuts, o, gathered, leaves)
+        ctx.graph = (outs, finals, cols, joined, cuts, o, gathered, leaves)
         ctx.group = group
         return o.detach()
 
@@ -176,7 +187,7 @@ class KdaCP(torch.autograd.Function):
     def backward(ctx, do):
         import torch.distributed as dist
 
-        outs, finals, joined, cuts, o, gathered, leaves = ctx.graph
+        outs, finals, cols, joined, cuts, o, gathered, leaves = ctx.graph
         ctx.graph = None
         # the correction's gradients: the calls' outputs' ([do | dQ]) and the gathered maps'
         _, d_cuts = _cp.grads(o, do, [], extra=tuple(cuts) + (gathered,))
@@ -187,12 +198,10 @@ class KdaCP(torch.autograd.Function):
         d_outs, it = [], iter(d_cuts)
         for n in joined:  # a call's output is n cuts side by side ([o(0) | Q]: 2)
             d_outs.append(torch.cat([next(it) for _ in range(n)], dim=-1) if n > 1 else next(it))
-        d_finals = []
-        if finals:  # the last document's final state, [E | Phi] (or [E], [Phi]): a gradient there only
-            mine = d_gathered[dist.get_rank(ctx.group)]
-            K = mine.shape[-2]
-            for f, d in zip(finals, [mine] if len(finals) == 1 else [mine[..., :-K], mine[..., -K:]]):
-                d_finals.append(d[None].to(f.dtype))
+        # the last document's final state ([E | Phi], [E] and [Phi], or [E] alone): its columns of
+        # this rank's slot
+        mine = d_gathered[dist.get_rank(ctx.group)]
+        d_finals = [mine[None, ..., a:b].to(f.dtype) for f, (a, b) in zip(finals, cols)]
         # one backward of the rank's calls, with the outputs' and the final states' gradients
         want = [t for t in leaves if t is not None and t.requires_grad]
         got = iter(torch.autograd.grad(outs + finals, want, d_outs + d_finals, allow_unused=True))
