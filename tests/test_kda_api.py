@@ -224,11 +224,13 @@ def test_support_guards_grid_and_token_limits():
     assert "unknown key 'bogus'" in support(*_big_views(1, 1), None, opts + ";bogus=1")
     assert "missing key 'scale'" in support(*_big_views(1, 1), None, opts.replace(opts.split(";")[0] + ";", ""))
     # the split switches travel in the options (so a backward splits as its forward did)
-    assert "split=0;split_chunks=0" in opts
+    assert "split=0;split_chunks=0;recurrent=-1" in opts
     assert support(*_big_views(1, 64), None, opts.replace("split=0", "split=2")) == ""
     assert "bad value '3' for 'split'" in support(*_big_views(1, 1), None, opts.replace("split=0", "split=3"))
     assert "bad value '-1' for 'split_chunks'" in support(*_big_views(1, 1), None,
                                                           opts.replace("split_chunks=0", "split_chunks=-1"))
+    assert "bad value '2' for 'recurrent'" in support(*_big_views(1, 1), None,
+                                                      opts.replace("recurrent=-1", "recurrent=2"))
 
 
 def test_env_flags_parse_and_warn(monkeypatch, caplog):
@@ -242,32 +244,36 @@ def test_env_flags_parse_and_warn(monkeypatch, caplog):
     assert _env.family_disabled("cconv") == "KERNEL_FUN_DISABLE=1"
 
 
-def test_split_switches_are_read_into_the_options(monkeypatch, caplog):
-    """KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS are read by the front into the call's options (which the
-    backward receives), not by the C++ launcher; a bad value warns and reads as 0."""
+def test_launch_switches_are_read_into_the_options(monkeypatch, caplog):
+    """KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS / KERNEL_FUN_KDA_RECURRENT are read by the front into the
+    call's options (which the backward receives), not by the C++ launcher; a bad value warns and
+    reads as the default."""
     from kernel_fun.kda import _plan
-    from kernel_fun.kda._options import KdaOptions, split_switches
+    from kernel_fun.kda._kernel import _decode
+    from kernel_fun.kda._options import KdaOptions, launch_switches
 
     meta = (torch.bfloat16,) * 4 + (None, False, 0.125, True, True, True, False, None, False, True, 64)
-    monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT", raising=False)
-    monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", raising=False)
-    assert split_switches() == (0, 0) and "split=0;split_chunks=0" in _plan(meta)[1]
+    for n in ("KERNEL_FUN_KDA_SPLIT", "KERNEL_FUN_KDA_SPLIT_CHUNKS", "KERNEL_FUN_KDA_RECURRENT"):
+        monkeypatch.delenv(n, raising=False)
+    assert launch_switches() == (0, 0, -1) and "split=0;split_chunks=0;recurrent=-1" in _plan(meta)[1]
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "1")
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", "16")
-    assert split_switches() == (1, 16) and "split=1;split_chunks=16" in _plan(meta)[1]  # read per call
+    monkeypatch.setenv("KERNEL_FUN_KDA_RECURRENT", "0")
+    assert launch_switches() == (1, 16, 0) and "split=1;split_chunks=16;recurrent=0" in _plan(meta)[1]  # per call
     opts = KdaOptions.from_call(scale=0.125, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
                                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                                 A_log=None, state_v_first=False, chunk_size=64)
-    assert (opts.split, opts.split_chunks) == (1, 16)
-    from kernel_fun.kda._kernel import _decode
-
+    assert (opts.split, opts.split_chunks, opts.recurrent) == (1, 16, 0)
     assert _decode(opts.encode()) == opts
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "4")
+    monkeypatch.setenv("KERNEL_FUN_KDA_RECURRENT", "yes")
     with caplog.at_level(logging.WARNING, logger="kernel_fun"):
-        assert split_switches() == (0, 16)
-    assert "KERNEL_FUN_KDA_SPLIT" in caplog.text
+        assert launch_switches() == (0, 16, -1)
+    assert "KERNEL_FUN_KDA_SPLIT" in caplog.text and "KERNEL_FUN_KDA_RECURRENT" in caplog.text
     with pytest.raises(ValueError, match="KdaOptions.split must be 0, 1 or 2"):
         KdaOptions(scale=1.0, split=3)
+    with pytest.raises(ValueError, match="KdaOptions.recurrent must be -1, 0 or 1"):
+        KdaOptions(scale=1.0, recurrent=2)
 
 
 def test_versions_has_the_keys():

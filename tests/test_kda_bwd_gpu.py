@@ -619,3 +619,40 @@ def test_split_scans_gradients_match_fp64_naive(name, states, monkeypatch):
     n_local = launches["kda_fwd_scan_local_kernel"]  # the backward's re-scan: once per batch slice
     assert n_local == 1 if states == "saved" else n_local >= 2, (states, launches)
     _check_against_naive(case, KDA_VARLEN_TOL if "cu" in case else KDA_TOL)
+
+
+# The launch switches that decide what a training forward leaves its backward (the split scans' saved
+# states, the token recurrence's missing chunk factors) travel in the options the backward gets from
+# its forward: a switch changed between the forward and the backward must not change the backward's
+# path (it would read states or factors its forward never wrote).
+SWITCH_CASES = {
+    "recurrent-default-then-0": ("KERNEL_FUN_KDA_RECURRENT", None, "0", dict(T=64, gate="bounded", h0=True)),
+    "recurrent-0-then-default": ("KERNEL_FUN_KDA_RECURRENT", "0", None, dict(T=64, gate="bounded", h0=True)),
+    "split-1-then-0": ("KERNEL_FUN_KDA_SPLIT", "1", "0", dict(T=3000, gate="precomputed_weak", h0=True)),
+    "split-0-then-1": ("KERNEL_FUN_KDA_SPLIT", "0", "1", dict(T=3000, gate="precomputed_weak", h0=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCH_CASES))
+def test_the_backward_takes_its_forwards_path(name, monkeypatch):
+    """Every gradient bitwise the same whether or not the switch changes after the forward."""
+    from kernel_fun.kda import chunk_kda
+
+    switch, before, after, shape = SWITCH_CASES[name]
+    inputs, kw = make_case(**shape)
+
+    def grads(change: bool):
+        (monkeypatch.setenv(switch, before) if before is not None else monkeypatch.delenv(switch, raising=False))
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        h0 = kw["initial_state"].detach().clone().requires_grad_(True)
+        call = {n: x for n, x in kw.items() if x is not None and n != "initial_state"}
+        o, ht = chunk_kda(*leaves, initial_state=h0, **call)
+        if change:
+            (monkeypatch.setenv(switch, after) if after is not None else monkeypatch.delenv(switch, raising=False))
+        (o.float().square().sum() + ht.square().sum()).backward()
+        return [x.grad for x in leaves if x.grad is not None] + [h0.grad]
+
+    same, changed = grads(False), grads(True)
+    assert len(same) == len(changed) == 6  # dq, dk, dv, dg, dbeta, dh0
+    for i, (a, b) in enumerate(zip(same, changed)):
+        assert torch.equal(a, b), (name, i)

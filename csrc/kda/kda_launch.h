@@ -64,8 +64,9 @@ bool kda_fwd_fused_wanted(const KdaFwdParams& p);
 void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 
 // The fp32 token recurrence (recur/). kda_recurrent_choice: whether a call of p runs it, decided once
-// per call by csrc/api (KdaProblem::recurrent): kda_policy.h's recurrent_default, or with
-// KERNEL_FUN_KDA_RECURRENT=0 never, =1 wherever recurrent_possible (tests, timing).
+// per call by csrc/api (KdaProblem::recurrent), the forward and its backward alike from the options
+// (KdaOptions::recurrent, the front's KERNEL_FUN_KDA_RECURRENT): kda_policy.h's recurrent_default, or
+// 0 never, 1 wherever recurrent_possible (tests, timing).
 bool kda_recurrent_choice(const KdaProblem& p);
 void kda_recur_fwd(const KdaFwdParams& p, cudaStream_t stream);
 void kda_recur_bwd(const KdaBwdParams& p, cudaStream_t stream);

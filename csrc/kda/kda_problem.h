@@ -46,11 +46,15 @@ struct KdaOptions {
   float beta_sigmoid_scale = 0.f;  // 0: beta used as given; 1, or 2 with allow_neg_eigval: s * sigmoid(beta)
   bool state_v_first = false;      // states (h0, ht, dh0, dht, h_states) are [.., V, K]
   int chunk_size = kChunk;
-  // The split scans (kda_split_choose): 0 never, 1 wherever fwd_split_possible, 2 where
-  // fwd_split_choice says it pays; split_chunks the piece length (0: the model's). Set by the front
-  // from KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS, so a backward decides from its forward's options.
+  // The launch switches that decide what a training forward leaves its backward, set by the front
+  // (KERNEL_FUN_KDA_SPLIT, _SPLIT_CHUNKS, KERNEL_FUN_KDA_RECURRENT) so that a backward, which gets its
+  // forward's options, decides as its forward did. The split scans (kda_split_choose): 0 never, 1
+  // wherever fwd_split_possible, 2 where fwd_split_choice says it pays; split_chunks the piece
+  // length (0: the model's). The token recurrence (kda_recurrent_choice): -1 the policy
+  // (recurrent_default), 0 never, 1 wherever recurrent_possible.
   int split = 0;
   int split_chunks = 0;
+  int recurrent = -1;
 };
 
 // Parses KdaOptions.encode()'s "key=value;..." text. Returns "" on success, else a message naming

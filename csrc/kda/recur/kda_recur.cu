@@ -1,5 +1,4 @@
 // The fp32 token recurrence's launchers (recur/kda_recur.cuh) and the per-call choice.
-#include "common/env.h"
 #include "kda/device/sequence.cuh"
 #include "kda/kda_dispatch.h"
 #include "kda/kda_launch.h"
@@ -9,7 +8,9 @@
 namespace kernel_fun::kda {
 
 bool kda_recurrent_choice(const KdaProblem& p) {
-  const int forced = env_int("KERNEL_FUN_KDA_RECURRENT", -1);  // tests / timing: 0 or 1
+  // the front's switch, in the options (tests / timing: 0 or 1), so the backward decides alike: a
+  // recurrent forward writes none of the chunk factors a chunk-kernel backward would read
+  const int forced = p.opt.recurrent;
   if (forced == 0) return false;
   if (forced == 1) return recurrent_possible(p);
   return recurrent_default(p);

@@ -24,7 +24,7 @@ import torch
 
 from kernel_fun import _dispatch, _env, _ext
 from kernel_fun.kda import _cp
-from kernel_fun.kda._options import KdaOptions, split_switches
+from kernel_fun.kda._options import KdaOptions, launch_switches
 
 __all__ = ["chunk_kda", "is_supported", "warmup"]
 
@@ -248,12 +248,12 @@ def _size_reason(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> str | None:
 def _plan(meta: tuple) -> tuple:
     """(reason, options, uses_A_log, uses_dt_bias) for a valid CUDA call described by
     ``_call_meta``: reason is None when our kernels serve it as far as all but its sizes go, else
-    why not; options is the call's encoded KdaOptions. The environment switches (the split's
-    too), cp_context and the extension (read on every call), then the C++ support check on meta
+    why not; options is the call's encoded KdaOptions. The environment switches (the launch
+    switches too), cp_context and the extension (read on every call), then the C++ support check on meta
     stand-ins of supported sizes (the sizes are ``_size_reason``'s); the same eagerly and at trace
     time."""
     has_cp = meta[5]
-    options, uses_A_log, uses_dt_bias = _options(meta, split_switches())
+    options, uses_A_log, uses_dt_bias = _options(meta, launch_switches())
     why = _dispatch.common_reason(FAMILY, True if has_cp else None)
     if why is None:
         ok, status = _ext.status()
@@ -264,15 +264,15 @@ def _plan(meta: tuple) -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
-def _options(meta: tuple, split: tuple[int, int]) -> tuple[str, bool, bool]:
+def _options(meta: tuple, switches: tuple[int, int, int]) -> tuple[str, bool, bool]:
     """(encoded KdaOptions, uses_A_log, uses_dt_bias) of the call ``_call_meta`` describes, with the
-    split switches read for it (``_plan``, every eager call)."""
+    launch switches read for it (``_plan``, every eager call)."""
     (_, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
      has_A_log, chunk_size) = meta
     opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
                                 lower_bound=lower_bound, A_log=True if has_A_log else None,
-                                state_v_first=state_v_first, chunk_size=chunk_size, split=split)
+                                state_v_first=state_v_first, chunk_size=chunk_size, switches=switches)
     return opts.encode(), opts.uses_A_log, opts.uses_dt_bias
 
 

@@ -22,12 +22,17 @@ class KdaOptions:
     beta_sigmoid: int = 0              # 0: beta as given; 1: sigmoid(beta); 2: 2 * sigmoid(beta)
     state_v_first: bool = False
     chunk_size: int = 64
-    # the split scans (KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS): 0 never, 1 wherever possible, 2 where
-    # the launch model says it pays; the piece length in chunks, 0 = the launcher's. In the options,
-    # not read by the C++ launcher itself, so that a backward (which receives its forward's options)
-    # splits, and finds the states its forward saved, exactly as its forward did.
+    # The launch switches that decide what a training forward leaves for its backward, so they are
+    # read by the front (``launch_switches``) into the options, which the backward receives from its
+    # forward, not by the C++ launcher on each call: a backward then takes exactly its forward's path
+    # and finds what that forward saved. The split scans (KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS): 0
+    # never, 1 wherever possible, 2 where the launch model says it pays; the piece length in chunks,
+    # 0 = the launcher's (a split forward saves its states). The token recurrence
+    # (KERNEL_FUN_KDA_RECURRENT): -1 the launch policy, 0 never, 1 wherever possible (a recurrent
+    # forward writes no chunk factors).
     split: int = 0
     split_chunks: int = 0
+    recurrent: int = -1
 
     def __post_init__(self):
         if self.gate not in GATES:
@@ -37,14 +42,17 @@ class KdaOptions:
         if self.split not in (0, 1, 2) or self.split_chunks < 0:
             raise ValueError(f"KdaOptions.split must be 0, 1 or 2 and split_chunks >= 0, got {self.split!r}, "
                              f"{self.split_chunks!r}")
+        if self.recurrent not in (-1, 0, 1):
+            raise ValueError(f"KdaOptions.recurrent must be -1, 0 or 1, got {self.recurrent!r}")
 
     @classmethod
     def from_call(cls, *, scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
                   use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: float | None,
-                  A_log, state_v_first: bool, chunk_size: int, split: tuple[int, int] | None = None) -> KdaOptions:
+                  A_log, state_v_first: bool, chunk_size: int,
+                  switches: tuple[int, int, int] | None = None) -> KdaOptions:
         """chunk_kda's arguments (already validated) -> options. The gate formula is chosen by
-        lower_bound (docs/contract.md, "The gate"), not by safe_gate. split: (mode, piece length),
-        default the environment's (``split_switches``)."""
+        lower_bound (docs/contract.md, "The gate"), not by safe_gate. switches: (split, split_chunks,
+        recurrent), default the environment's now (``launch_switches``)."""
         if not use_gate_in_kernel:
             gate = "precomputed"
         elif lower_bound is None:
@@ -52,10 +60,11 @@ class KdaOptions:
         else:
             gate = "bounded" if A_log is not None else "bounded_no_alog"
         beta = (2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0
-        mode, chunks = split_switches() if split is None else split
+        split, chunks, recurrent = launch_switches() if switches is None else switches
         return cls(scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
                    l2norm=bool(use_qk_l2norm_in_kernel), beta_sigmoid=beta,
-                   state_v_first=bool(state_v_first), chunk_size=int(chunk_size), split=mode, split_chunks=chunks)
+                   state_v_first=bool(state_v_first), chunk_size=int(chunk_size), split=split, split_chunks=chunks,
+                   recurrent=recurrent)
 
     @property
     def uses_A_log(self) -> bool:
@@ -70,13 +79,15 @@ class KdaOptions:
         return (f"scale={float(self.scale).hex()};gate={self.gate};lower_bound={float(self.lower_bound).hex()};"
                 f"l2norm={int(self.l2norm)};beta_sigmoid={self.beta_sigmoid};"
                 f"state_v_first={int(self.state_v_first)};chunk_size={self.chunk_size};"
-                f"split={self.split};split_chunks={self.split_chunks}")
+                f"split={self.split};split_chunks={self.split_chunks};recurrent={self.recurrent}")
 
 
-def split_switches() -> tuple[int, int]:
-    """(KERNEL_FUN_KDA_SPLIT, KERNEL_FUN_KDA_SPLIT_CHUNKS), read now: 0 / 0 unless set (a bad value
-    warns and reads as 0). docs/kda-forward.md, "The split scans"."""
+def launch_switches() -> tuple[int, int, int]:
+    """(KERNEL_FUN_KDA_SPLIT, KERNEL_FUN_KDA_SPLIT_CHUNKS, KERNEL_FUN_KDA_RECURRENT), read now: 0, 0
+    and -1 (the policy) unless set; a bad value warns and reads as the default. docs/kda-forward.md
+    ("The split scans"), docs/kda.md (the token recurrence)."""
     from kernel_fun import _env
 
     return (_env.integer("KERNEL_FUN_KDA_SPLIT", 0, 0, 2),
-            _env.integer("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0, 0, 1 << 30))
+            _env.integer("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0, 0, 1 << 30),
+            _env.integer("KERNEL_FUN_KDA_RECURRENT", -1, 0, 1))
