@@ -224,9 +224,9 @@ def test_support_guards_grid_and_token_limits():
     assert "unknown key 'bogus'" in support(*_big_views(1, 1), None, opts + ";bogus=1")
     assert "missing key 'scale'" in support(*_big_views(1, 1), None, opts.replace(opts.split(";")[0] + ";", ""))
     # the split switches travel in the options (so a backward splits as its forward did)
-    assert "split=0;split_chunks=0;recurrent=-1" in opts
-    assert support(*_big_views(1, 64), None, opts.replace("split=0", "split=2")) == ""
-    assert "bad value '3' for 'split'" in support(*_big_views(1, 1), None, opts.replace("split=0", "split=3"))
+    assert "split=2;split_chunks=0;recurrent=-1" in opts  # the defaults: the launch model decides
+    assert support(*_big_views(1, 64), None, opts.replace("split=2", "split=0")) == ""
+    assert "bad value '3' for 'split'" in support(*_big_views(1, 1), None, opts.replace("split=2", "split=3"))
     assert "bad value '-1' for 'split_chunks'" in support(*_big_views(1, 1), None,
                                                           opts.replace("split_chunks=0", "split_chunks=-1"))
     assert "bad value '2' for 'recurrent'" in support(*_big_views(1, 1), None,
@@ -255,7 +255,7 @@ def test_launch_switches_are_read_into_the_options(monkeypatch, caplog):
     meta = (torch.bfloat16,) * 4 + (None, False, 0.125, True, True, True, False, None, False, True, 64)
     for n in ("KERNEL_FUN_KDA_SPLIT", "KERNEL_FUN_KDA_SPLIT_CHUNKS", "KERNEL_FUN_KDA_RECURRENT"):
         monkeypatch.delenv(n, raising=False)
-    assert launch_switches() == (0, 0, -1) and "split=0;split_chunks=0;recurrent=-1" in _plan(meta)[1]
+    assert launch_switches() == (2, 0, -1) and "split=2;split_chunks=0;recurrent=-1" in _plan(meta)[1]
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "1")
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", "16")
     monkeypatch.setenv("KERNEL_FUN_KDA_RECURRENT", "0")
@@ -268,7 +268,7 @@ def test_launch_switches_are_read_into_the_options(monkeypatch, caplog):
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "4")
     monkeypatch.setenv("KERNEL_FUN_KDA_RECURRENT", "yes")
     with caplog.at_level(logging.WARNING, logger="kernel_fun"):
-        assert launch_switches() == (0, 16, -1)
+        assert launch_switches() == (2, 16, -1)
     assert "KERNEL_FUN_KDA_SPLIT" in caplog.text and "KERNEL_FUN_KDA_RECURRENT" in caplog.text
     with pytest.raises(ValueError, match="KdaOptions.split must be 0, 1 or 2"):
         KdaOptions(scale=1.0, split=3)

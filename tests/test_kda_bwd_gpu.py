@@ -585,7 +585,7 @@ def test_gradient_parity_with_fla(name, monkeypatch):
     print(f"{name} rel-RMS (ours, fla): {report}")
 
 
-# The split scans (csrc/kda/fwd/kda_fwd_split.cuh; opt-in with KERNEL_FUN_KDA_SPLIT until timed): the
+# The split scans (csrc/kda/fwd/kda_fwd_split.cuh; the model's choice by default, forced here): the
 # forward's scan, the backward's re-scan and its dh scan in pieces of L chunks. Weak decays, so a
 # wrong map or chain reaches the gradients.
 SPLIT_CASES = {

@@ -625,6 +625,8 @@ STREAMED_CASES = {
 
 
 def _stages(inputs, kw, monkeypatch, streamed):
+    # the streamed forward itself, not the split scans the model would take for some of these shapes
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "0")
     monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
     return run_ours(inputs, kw, return_intermediate_states=True)
 
@@ -687,6 +689,7 @@ def test_streamed_forward_under_cuda_graph_replay(monkeypatch):
     """The streamed forward's memset, scan and programmatically launched intra, captured in a CUDA
     graph and replayed on new inputs: the same results as eager calls (the flags are zeroed inside
     the graph every replay)."""
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "0")  # (the model would split this shape)
     monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1")
     inputs, kw = make_case(T=4096, H=4, V=128, h0=True)
     static = [x.clone() for x in inputs]
@@ -750,7 +753,7 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", KF_ROOT=str(root))
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", KF_ROOT=str(root), KERNEL_FUN_KDA_SPLIT="0")
     r = subprocess.run([sys.executable, "-c", _SERIALISED], env=env, capture_output=True, text=True, timeout=120,
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -758,8 +761,8 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# The split forward (csrc/kda/fwd/kda_fwd_split.cuh; opt-in with KERNEL_FUN_KDA_SPLIT until it is
-# timed): each sequence's scan in pieces of L chunks, pass 1 ([E | Phi] from zero / the identity), the
+# The split forward (csrc/kda/fwd/kda_fwd_split.cuh; by default where the launch model says, forced
+# here): each sequence's scan in pieces of L chunks, pass 1 ([E | Phi] from zero / the identity), the
 # chain of the pieces' initial states, pass 2 (the ordinary scan over the pieces). Weak decays, so a
 # piece's state reaches far into the next and a wrong map or chain shows (with strong gates the state
 # entering a piece has decayed to nothing within it).
@@ -816,13 +819,17 @@ def test_split_forward_matches_fp64_reference_and_unsplit(monkeypatch, name):
         assert rel_rms(ht1, ht) < 5e-3
 
 
-def test_split_forward_is_off_by_default_and_serves_training(monkeypatch):
-    """KERNEL_FUN_KDA_SPLIT unset: no split (it is not yet timed on a GPU). With it on, a
-    training call through chunk_kda runs our kernels once each way and its output and gradients
-    match the unsplit call's to the operands' precision."""
+def test_split_is_the_models_choice_by_default_and_serves_training(monkeypatch):
+    """KERNEL_FUN_KDA_SPLIT unset: the launch model decides (kda_policy.h's fwd_split_choice): B1
+    T8192 with 16 heads (bounded_b1's shape, 32 chains: measured slower split) is not split, with 4
+    heads (8 chains) it is. A split training call through chunk_kda runs our kernels once each way
+    and its output and gradients match the unsplit call's to the operands' precision."""
     monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT", raising=False)
+    monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", raising=False)
+    wide, wide_kw = make_case(T=8192, H=16, gate="bounded_weak", h0=True)
+    assert run_ours(wide, wide_kw)[3]["split_map"].numel() == 0
     inputs, kw = make_case(T=8192, H=4, gate="bounded_weak", h0=True)
-    assert run_ours(inputs, kw)[3]["split_map"].numel() == 0
+    assert run_ours(inputs, kw)[3]["split_map"].numel() > 0
 
     from kernel_fun.kda import chunk_kda
 

@@ -12,8 +12,9 @@ KERNEL_FUN_KDA_SAVE_STATES=0 a training forward passes no buffer for the state b
 KERNEL_FUN_KDA_SAVE_WORKSPACE=0  a training forward does not keep its w, qg, kg and exp2(G) for the
                              backward, which then rebuilds them (kda_bwd_prep; less memory)
 KERNEL_FUN_KDA_SPLIT=0|1|2, KERNEL_FUN_KDA_SPLIT_CHUNKS=L, KERNEL_FUN_KDA_RECURRENT=0|1  the split
-                             scans and the token recurrence (kda/_options.py: read into the call's
-                             options, so a backward takes its forward's path)
+                             scans (default 2: where the launch model says) and the token recurrence
+                             (kda/_options.py: read into the call's options, so a backward takes its
+                             forward's path)
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ class KdaOptions:
     # The launch switches that decide what a training forward leaves for its backward, so they are
     # read by the front (``launch_switches``) into the options, which the backward receives from its
     # forward, not by the C++ launcher on each call: a backward then takes exactly its forward's path
-    # and finds what that forward saved. The split scans (KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS): 0
-    # never, 1 wherever possible, 2 where the launch model says it pays; the piece length in chunks,
-    # 0 = the launcher's (a split forward saves its states). The token recurrence
+    # and finds what that forward saved. The split scans (KERNEL_FUN_KDA_SPLIT / _SPLIT_CHUNKS): 2
+    # (the default) where the launch model says it pays, 0 never, 1 wherever possible; the piece
+    # length in chunks, 0 = the launcher's (a split forward saves its states). The token recurrence
     # (KERNEL_FUN_KDA_RECURRENT): -1 the launch policy, 0 never, 1 wherever possible (a recurrent
     # forward writes no chunk factors).
-    split: int = 0
+    split: int = 2
     split_chunks: int = 0
     recurrent: int = -1
 
@@ -83,11 +83,11 @@ class KdaOptions:
 
 
 def launch_switches() -> tuple[int, int, int]:
-    """(KERNEL_FUN_KDA_SPLIT, KERNEL_FUN_KDA_SPLIT_CHUNKS, KERNEL_FUN_KDA_RECURRENT), read now: 0, 0
-    and -1 (the policy) unless set; a bad value warns and reads as the default. docs/kda-forward.md
-    ("The split scans"), docs/kda.md (the token recurrence)."""
+    """(KERNEL_FUN_KDA_SPLIT, KERNEL_FUN_KDA_SPLIT_CHUNKS, KERNEL_FUN_KDA_RECURRENT), read now: 2 (the
+    model decides), 0 and -1 (the policy) unless set; a bad value warns and reads as the default.
+    docs/kda-forward.md ("The split scans"), docs/kda.md (the token recurrence)."""
     from kernel_fun import _env
 
-    return (_env.integer("KERNEL_FUN_KDA_SPLIT", 0, 0, 2),
+    return (_env.integer("KERNEL_FUN_KDA_SPLIT", 2, 0, 2),
             _env.integer("KERNEL_FUN_KDA_SPLIT_CHUNKS", 0, 0, 1 << 30),
             _env.integer("KERNEL_FUN_KDA_RECURRENT", -1, 0, 1))
