@@ -366,7 +366,7 @@ def chunk_kda(
     kwargs = dict(kwargs)
     state_v_first = _take_kwargs(kwargs, state_v_first)
     if cp_context is not None and _env.flag(_cp.ENV):
-        _cp.validate(q, initial_state, output_final_state, return_intermediate_states, cp_context)
+        cu = _cp.validate(q, initial_state, output_final_state, return_intermediate_states, cp_context)
         opts = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                     safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
@@ -377,7 +377,7 @@ def chunk_kda(
                      **({"dt_bias": dt_bias_} if dt_bias_ is not None else {})}
             return chunk_kda(q_, k_, v_, g_, beta_, **extra)
 
-        o = _cp.KdaCP.apply(call, cp_context, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
+        o = _cp.KdaCP.apply(call, cp_context, cu, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
         return o, None
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,

@@ -49,7 +49,9 @@ _MAX_V = 512  # our kernels' widest value head (docs/contract.md)
 _FIELDS = ("group", "is_first_rank", "is_last_rank", "pre_num_ranks")
 
 
-def validate(q, initial_state, output_final_state, return_intermediate_states, cp_context) -> None:
+def validate(q, initial_state, output_final_state, return_intermediate_states, cp_context) -> list[int]:
+    """The checks beyond the ordinary ones (ValueError naming the argument); returns the rank's
+    document offsets on the host (read once: without cu_seqlens_cpu that is a device sync)."""
     _cp.check_call("kernel_fun.kda.chunk_kda", cp_context, _FIELDS, initial_state, output_final_state, q, "q", 4)
     if return_intermediate_states:
         raise ValueError("kernel_fun.kda.chunk_kda: return_intermediate_states is not allowed with cp_context")
@@ -61,6 +63,7 @@ def validate(q, initial_state, output_final_state, return_intermediate_states, c
     if not cp_context.is_first_rank and int(cp_context.pre_num_ranks) < 1:
         raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.pre_num_ranks must be at least 1 where "
                          f"is_first_rank is False, got {cp_context.pre_num_ranks}")
+    return cu
 
 
 def _host_cu(cp_context) -> list[int]:
@@ -113,18 +116,17 @@ def _in_call(call, part, K: int, V: int, need_map: bool):
 
 class KdaCP(torch.autograd.Function):
     """One context-parallel chunk_kda call. ``call(q, k, v, g, beta, A_log, dt_bias, **kw)`` is our
-    chunk_kda with the caller's options; ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last
-    two None when not given."""
+    chunk_kda with the caller's options; ``cu`` the rank's document offsets on the host (``validate``'s);
+    ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last two None when not given."""
 
     @staticmethod
-    def forward(ctx, call, cp_context, *tensors):
+    def forward(ctx, call, cp_context, cu, *tensors):
         import torch.distributed as dist
 
         group = cp_context.group
         rank = dist.get_rank(group)
         q, v = tensors[0], tensors[2]
         K, HV, V = q.shape[-1], v.shape[2], v.shape[-1]
-        cu = _host_cu(cp_context)
         need_map = not cp_context.is_last_rank  # the last document goes on to the next rank
         need_in = not cp_context.is_first_rank  # the first document began on an earlier rank
         if need_in and int(cp_context.pre_num_ranks) > rank:
@@ -205,5 +207,5 @@ class KdaCP(torch.autograd.Function):
         # one backward of the rank's calls, with the outputs' and the final states' gradients
         want = [t for t in leaves if t is not None and t.requires_grad]
         got = iter(torch.autograd.grad(outs + finals, want, d_outs + d_finals, allow_unused=True))
-        return (None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
+        return (None, None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
 
