@@ -196,6 +196,33 @@ def join_cp_group(rank: int, world: int, path: str, device: str, switch: str, sh
                             world_size=world, timeout=datetime.timedelta(seconds=300))
 
 
+def cp_contexts(cu: list[int], rank: int, world: int, group, device: str, conv1d_kernel_size: int | None = None):
+    """The rank's contexts for one context-parallel test: ours (cp_context, its cu_seqlens moved to
+    the device), then fla's own build_cp_context where fla is importable."""
+    ours = cp_context(cu, rank, world, group, conv1d_kernel_size)
+    ours.cu_seqlens = ours.cu_seqlens.to(device)
+    ctxs = [ours]
+    try:
+        from fla.ops.cp import build_cp_context
+    except ImportError:
+        return ctxs
+    host = torch.tensor(cu, dtype=torch.int32)
+    ctxs.append(build_cp_context(host.to(device), group, conv1d_kernel_size=conv1d_kernel_size, cu_seqlens_cpu=host))
+    return ctxs
+
+
+def assert_ranks_equal_one_process(per_rank: list, ref: list, names: tuple, summed: tuple, tol: float) -> None:
+    """The ranks' results (per_rank[rank][context][i], named by names) against one process's ref[i]:
+    joined along the tokens, or added up for the names in summed (per-head parameters, whose ranks'
+    gradients add), each within rel err tol, for every context."""
+    for c in range(len(per_rank[0])):
+        for i, name in enumerate(names):
+            parts = [r[c][i] for r in per_rank]
+            got = sum(parts) if name in summed else torch.cat(parts, dim=1)
+            err = ((got.double() - ref[i].double()).norm() / ref[i].double().norm()).item()
+            assert err <= tol, f"{name}: rel err {err:.3e} (context {c})"
+
+
 def leave_cp_group(done: bool) -> None:
     """A spawned rank's teardown: free garbage cycles that may still reference the process group
     (a group first freed by the interpreter's shutdown can abort the process from gloo's threads:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import cp_context, join_cp_group, leave_cp_group
+from helpers import cp_contexts, join_cp_group, leave_cp_group
 from kernel_fun.cconv import causal_conv1d, is_supported
 
 
@@ -51,18 +51,7 @@ def _worker(rank, world, path, case, out, device="cpu", shared_gpu=False):
         x, w, b, r, dy = (None if t is None else _on(t, device) for t in _inputs(case))
         part = case["cu"][-1] // world
         sl = slice(rank * part, (rank + 1) * part)
-        ctxs = [cp_context(case["cu"], rank, world, dist.group.WORLD, case["W"])]
-        try:
-            from fla.ops.cp import build_cp_context
-
-            cu = torch.tensor(case["cu"], dtype=torch.int32)
-            ctxs.append(build_cp_context(cu.to(device), dist.group.WORLD, conv1d_kernel_size=case["W"],
-                                         cu_seqlens_cpu=cu))
-        except ImportError:
-            pass
-        if device == "cuda":
-            for c in ctxs[:1]:
-                c.cu_seqlens = c.cu_seqlens.cuda()
+        ctxs = cp_contexts(case["cu"], rank, world, dist.group.WORLD, device, case["W"])
         res = []
         for ctx in ctxs:
             ok, why = is_supported(x[:, sl], w, b, r[:, sl] if r is not None else None, activation=case["act"],

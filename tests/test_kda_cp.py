@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import cp_context, join_cp_group, leave_cp_group
+from helpers import assert_ranks_equal_one_process, cp_contexts, join_cp_group, leave_cp_group
 from kernel_fun.kda import chunk_kda
 
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -103,16 +103,7 @@ def _worker(rank, world, path, case, out, device, shared_gpu=False):
         t = _inputs(case, device)
         part = case["cu"][-1] // world
         sl = slice(rank * part, (rank + 1) * part)
-        ctx = cp_context(case["cu"], rank, world, dist.group.WORLD)
-        ctx.cu_seqlens = ctx.cu_seqlens.to(device)
-        ctxs = [ctx]
-        try:
-            from fla.ops.cp import build_cp_context
-
-            cu = torch.tensor(case["cu"], dtype=torch.int32)
-            ctxs.append(build_cp_context(cu.to(device), dist.group.WORLD, cu_seqlens_cpu=cu))
-        except ImportError:
-            pass
+        ctxs = cp_contexts(case["cu"], rank, world, dist.group.WORLD, device)
         # each rank runs one call of chunk_kda and one backward of it (two of each where [o(0) | Q]
         # and [E | Phi] come from two calls), whatever its neighbours hold
         calls, want = _count_calls(), [_calls_per_rank(c, case) for c in ctxs]
@@ -163,12 +154,7 @@ def _check(name, tmp_path, device, tol, shared_gpu=False):
     ref = _run(t, slice(None), case.get("svf", False), cu_seqlens=torch.tensor(case["cu"], dtype=torch.int32,
                                                                               device=device))
     per_rank = [torch.load(f"{out}.{k}") for k in range(world)]
-    for c in range(len(per_rank[0])):
-        got = [torch.cat([per_rank[k][c][i] for k in range(world)], dim=1) for i in range(6)]  # o .. beta
-        got += [sum(per_rank[k][c][i] for k in range(world)) for i in (6, 7)]  # A_log, dt_bias: summed
-        for name_, a, b in zip(("o",) + GRADS, got, ref):
-            err = ((a.double() - b.double()).norm() / b.double().norm()).item()
-            assert err <= tol, f"{name_}: rel err {err:.3e} (context {c})"
+    assert_ranks_equal_one_process(per_rank, ref, ("o",) + GRADS, ("A_log", "dt_bias"), tol)
 
 
 @pytest.mark.parametrize("name", list(CASES))

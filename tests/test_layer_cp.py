@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import cp_context, join_cp_group, leave_cp_group
+from helpers import assert_ranks_equal_one_process, cp_contexts, join_cp_group, leave_cp_group
 from kernel_fun.cconv import causal_conv1d
 from kernel_fun.kda import chunk_kda
 
@@ -81,17 +81,7 @@ def _worker(rank, world, path, case, out, device, shared_gpu=False):
         t = _inputs(case, device)
         part = case["cu"][-1] // world
         sl = slice(rank * part, (rank + 1) * part)
-        ctx = cp_context(case["cu"], rank, world, dist.group.WORLD, case["W"])
-        ctx.cu_seqlens = ctx.cu_seqlens.to(device)
-        ctxs = [ctx]
-        try:
-            from fla.ops.cp import build_cp_context
-
-            cu = torch.tensor(case["cu"], dtype=torch.int32)
-            ctxs.append(build_cp_context(cu.to(device), dist.group.WORLD, conv1d_kernel_size=case["W"],
-                                         cu_seqlens_cpu=cu))
-        except ImportError:
-            pass
+        ctxs = cp_contexts(case["cu"], rank, world, dist.group.WORLD, device, case["W"])
         if device == "cuda":  # our kernels under both halves: strict mode, launches counted
             import kernel_fun
             from kernel_fun.check import count_kernel_ops
@@ -118,13 +108,7 @@ def _check(name, tmp_path, device, tol, shared_gpu=False):
     t = _inputs(case, device)
     ref = _run(t, slice(None), case, cu_seqlens=torch.tensor(case["cu"], dtype=torch.int32, device=device))
     per_rank = [torch.load(f"{out}.{k}") for k in range(world)]
-    names = ("o",) + LEAVES
-    for c in range(len(per_rank[0])):  # our context, then fla's where importable
-        for i, name_ in enumerate(names):
-            parts = [per_rank[k][c][i] for k in range(world)]
-            got = sum(parts) if name_ in PER_RANK else torch.cat(parts, dim=1)
-            err = ((got.double() - ref[i].double()).norm() / ref[i].double().norm()).item()
-            assert err <= tol, f"{name_}: rel err {err:.3e} (context {c})"
+    assert_ranks_equal_one_process(per_rank, ref, ("o",) + LEAVES, PER_RANK, tol)
 
 
 @pytest.mark.parametrize("name", list(CASES))
