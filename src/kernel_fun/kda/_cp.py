@@ -152,11 +152,12 @@ class KdaCP(torch.autograd.Function):
                     o_s, j_s, f_s, c_s, outputs = [o], [1], [ht], [(0, V)], [o]
                     hm = torch.cat([ht[0].float(), hm[..., V:]], dim=-1).detach()
                 else:
-                    docs = [c - lo for c in cu if lo <= c <= hi]
-                    cu_kw = (dict(cu_seqlens=cp_context.cu_seqlens,
-                                  cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None)) if len(segs) == 1 else
-                             dict(cu_seqlens=torch.tensor(docs, dtype=torch.int32).to(q.device, non_blocking=True),
-                                  cu_seqlens_cpu=torch.tensor(docs, dtype=torch.int32)))
+                    if len(segs) == 1:  # the whole slice: the context's own offsets
+                        cu_kw = dict(cu_seqlens=cp_context.cu_seqlens,
+                                     cu_seqlens_cpu=getattr(cp_context, "cu_seqlens_cpu", None))
+                    else:  # the documents between the crossing ones, from the host copy
+                        host = torch.tensor([c - lo for c in cu if lo <= c <= hi], dtype=torch.int32)
+                        cu_kw = dict(cu_seqlens=host.to(q.device), cu_seqlens_cpu=host)
                     o, _ = call(*part, output_final_state=False, **cu_kw)
                     o_s, j_s, f_s, c_s, outputs = [o], [1], [], [], [o]
                 outs += o_s
