@@ -88,36 +88,49 @@ def segments(cu: list[int], need_in: bool, need_map: bool) -> list[tuple[int, in
 
 def _in_call(call, part, K: int, V: int, need_map: bool):
     """A document that began on an earlier rank: its call(s) with the identity beside the values.
-    ``(outs, joined, finals, cols, outputs, states)``: the calls' own outputs, how many of ``outputs``
-    each holds side by side, their final states and the columns of [E | Phi] each holds (what the
-    backward differentiates); the outputs [o(0), Q] ([1, T, HV, V] and [1, T, HV, K]) and, when
+    ``(outs, tags, finals, cols, o0, Q, states)``: the calls' own outputs and how each one's gradient
+    is made in the backward ("oQ": [do | dQ] side by side, "o": do, "Q": dQ), their final states and
+    the columns of [E | Phi] each holds (what the backward differentiates); the outputs o(0) and Q
+    ([1, T, HV, V] and [1, T, HV, K], views of the one call's output where it is one call) and, when
     need_map, [E, Phi] ([HV, K, V] and [HV, K, K], fp32)."""
     v = part[2]
     HV = v.shape[2]
     eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
-    zeros_v = v.new_zeros(v.shape[:-1] + (K,))
     if V + K <= _MAX_V:
         init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
-        o_ext, ht = call(*part[:2], torch.cat([v, zeros_v], dim=-1), *part[3:], initial_state=init,
+        # [v | 0] in one pass (pad writes the zeros and copies v; its backward is a view)
+        o_ext, ht = call(*part[:2], torch.nn.functional.pad(v, (0, K)), *part[3:], initial_state=init,
                          output_final_state=need_map)
-        outs, joined = [o_ext], [2]
+        outs, tags = [o_ext], ["oQ"]
         finals, cols = ([ht], [(0, V + K)]) if need_map else ([], [])
-        outputs = [o_ext[..., :V], o_ext[..., V:]]
+        o0, Q = o_ext[..., :V], o_ext[..., V:]
         states = [ht[0, ..., :V], ht[0, ..., V:]] if need_map else []
     else:  # wider than our kernels' values: two calls of the same tokens
         o0, E = call(*part, output_final_state=need_map)
-        Q, Phi = call(*part[:2], zeros_v, *part[3:], initial_state=eye.contiguous(), output_final_state=need_map)
-        outs, joined = [o0, Q], [1, 1]
+        Q, Phi = call(*part[:2], v.new_zeros(v.shape[:-1] + (K,)), *part[3:], initial_state=eye.contiguous(),
+                      output_final_state=need_map)
+        outs, tags = [o0, Q], ["o", "Q"]
         finals, cols = ([E, Phi], [(0, V), (V, V + K)]) if need_map else ([], [])
-        outputs = [o0, Q]
         states = [E[0], Phi[0]] if need_map else []
-    return outs, joined, finals, cols, outputs, [s.float() for s in states]
+    return outs, tags, finals, cols, o0.detach(), Q.detach(), [s.float() for s in states]
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[1, T, HV, D] -> a [HV, T, D] view (no copy): the layout of the per-head matmuls, whose
+    strided batches cuBLAS reads and writes in place."""
+    return x[0].transpose(0, 1)
 
 
 class KdaCP(torch.autograd.Function):
     """One context-parallel chunk_kda call. ``call(q, k, v, g, beta, A_log, dt_bias, **kw)`` is our
     chunk_kda with the caller's options; ``cu`` the rank's document offsets on the host (``validate``'s);
-    ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last two None when not given."""
+    ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last two None when not given.
+
+    The correction of the first document's outputs (``o += Q S_in``) and its gradients are written by
+    hand, in the outputs' own layout: one strided batched matmul into the output (which also copies
+    o(0) there) and, in the backward, [do | dQ] built in one buffer (dQ written in place by a strided
+    batched matmul) and ``dS_in = Q^T do``; only the small chain from the gathered maps to S_in is
+    differentiated by autograd."""
 
     @staticmethod
     def forward(ctx, call, cp_context, cu, *tensors):
@@ -133,7 +146,8 @@ class KdaCP(torch.autograd.Function):
             raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.pre_num_ranks = {cp_context.pre_num_ranks} "
                              f"on rank {rank}: the first document cannot begin before rank 0")
         segs = segments(cu, need_in, need_map)
-        outs, joined, finals, cols, cuts, per_seg = [], [], [], [], [], []
+        outs, tags, finals, cols, spans, placed = [], [], [], [], [], []
+        o0 = Q = None
         hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
         with torch.enable_grad():
             leaves = _cp.leaves(tensors)
@@ -144,13 +158,14 @@ class KdaCP(torch.autograd.Function):
                 else:  # a slice of the tokens; A_log and dt_bias are per head
                     part = [t if t is None or t.dim() < 2 else t[:, lo:hi] for t in leaves]
                 if kind == "in":
-                    o_s, j_s, f_s, c_s, outputs, states = _in_call(call, part, K, V, need_map and hi == cu[-1])
+                    o_s, t_s, f_s, c_s, o0, Q, states = _in_call(call, part, K, V, need_map and hi == cu[-1])
                     if states:
-                        hm = torch.cat(states, dim=-1).detach()
+                        hm = torch.cat(states, dim=-1)
                 elif kind == "out":  # began here from zero: E is the map (Phi meets a zero state)
                     o, ht = call(*part, output_final_state=True)
-                    o_s, j_s, f_s, c_s, outputs = [o], [1], [ht], [(0, V)], [o]
-                    hm = torch.cat([ht[0].float(), hm[..., V:]], dim=-1).detach()
+                    o_s, t_s, f_s, c_s = [o], ["o"], [ht], [(0, V)]
+                    hm = torch.cat([ht[0].float(), hm[..., V:]], dim=-1)
+                    placed.append((lo, hi, o))
                 else:
                     if len(segs) == 1:  # the whole slice: the context's own offsets
                         cu_kw = dict(cu_seqlens=cp_context.cu_seqlens,
@@ -159,48 +174,70 @@ class KdaCP(torch.autograd.Function):
                         host = torch.tensor([c - lo for c in cu if lo <= c <= hi], dtype=torch.int32)
                         cu_kw = dict(cu_seqlens=host.to(q.device), cu_seqlens_cpu=host)
                     o, _ = call(*part, output_final_state=False, **cu_kw)
-                    o_s, j_s, f_s, c_s, outputs = [o], [1], [], [], [o]
+                    o_s, t_s, f_s, c_s = [o], ["o"], [], []
+                    placed.append((lo, hi, o))
                 outs += o_s
-                joined += j_s
+                tags += t_s
                 finals += f_s
                 cols += c_s
-                # the correction's graph starts from detached copies, so that the backward can take
-                # its gradients (and all-reduce the maps') before the one backward of the calls
-                per_seg.append([t.detach().requires_grad_(True) for t in outputs])
-                cuts += per_seg[-1]
+                spans += [(lo, hi)] * len(o_s)
         # 2. every rank's [E | Phi]
-        gathered = torch.stack(_cp.gather(hm, group)).requires_grad_(True)
-        with torch.enable_grad():
-            pieces = [c[0] for c in per_seg]
-            if need_in:
-                # 3. the first document's initial state from the earlier ranks' maps, in rank order,
-                # and its outputs' share of it: o += Q S_in (the first call's tokens are its tokens)
+        gathered = torch.stack(_cp.gather(hm.detach(), group)).requires_grad_(True)
+        with torch.no_grad():
+            if len(segs) == 1 and placed:  # one ordinary call: its output is the rank's (contiguous)
+                o = placed[0][2].detach()
+            else:
+                o = torch.empty(q.shape[:2] + (HV, V), dtype=(o0 if o0 is not None else placed[0][2]).dtype,
+                                device=q.device)
+                for lo, hi, out in placed:
+                    o[:, lo:hi].copy_(out)
+        h = None
+        if need_in:
+            # 3. the first document's initial state from the earlier ranks' maps, in rank order (the
+            # one part autograd differentiates), and its outputs' share of it, o = o(0) + Q S_in,
+            # written into o's own layout (its first call's tokens are the document's tokens)
+            with torch.enable_grad():
                 h = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
                 for j in range(rank - int(cp_context.pre_num_ranks), rank):
                     h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
-                Qf = per_seg[0][1][0].transpose(0, 1)  # [HV, T_first, K]
-                pieces[0] = pieces[0] + (Qf @ h.to(Qf.dtype)).transpose(0, 1)[None]
-            # contiguous, as fla returns it (an "in" call's o(0) is a view beside its Q)
-            o = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
-        ctx.graph = (outs, finals, cols, joined, cuts, o, gathered, leaves)
+            with torch.no_grad():
+                lo, hi = segs[0][0], segs[0][1]
+                torch.baddbmm(_heads_first(o0), _heads_first(Q), h.detach().to(Q.dtype),
+                              out=_heads_first(o[:, lo:hi]))
+        ctx.graph = (outs, tags, spans, finals, cols, Q, h, gathered, leaves, V)
         ctx.group = group
-        return o.detach()
+        return o
 
     @staticmethod
     def backward(ctx, do):
         import torch.distributed as dist
 
-        outs, finals, cols, joined, cuts, o, gathered, leaves = ctx.graph
+        outs, tags, spans, finals, cols, Q, h, gathered, leaves, V = ctx.graph
         ctx.graph = None
-        # the correction's gradients: the calls' outputs' ([do | dQ]) and the gathered maps'
-        _, d_cuts = _cp.grads(o, do, [], extra=tuple(cuts) + (gathered,))
-        d_gathered = d_cuts.pop().contiguous()
+        do = do.contiguous()
+        d_outs, d_gathered = [], torch.zeros_like(gathered)
+        hT = None if h is None else h.detach().to(Q.dtype).transpose(1, 2)  # S_in^T: [HV, V, K]
+        for out, tag, (lo, hi) in zip(outs, tags, spans):
+            d_o = do[:, lo:hi]  # the outputs' gradient (a contiguous slice: one sequence)
+            if tag == "o":
+                d_outs.append(d_o)
+                continue
+            # dQ = do S_in^T per value head, written straight into the call's gradient buffer:
+            # [do | dQ] side by side ("oQ"), or dQ alone ("Q")
+            d = torch.empty_like(out)
+            dq_cols = d[..., V:] if tag == "oQ" else d
+            if tag == "oQ":
+                d[..., :V].copy_(d_o)
+            torch.bmm(_heads_first(d_o), hT, out=_heads_first(dq_cols))
+            d_outs.append(d)
+        if h is not None:
+            # dS_in = Q^T do per value head, then through the chain into the gathered maps
+            lo, hi = spans[tags.index("oQ") if "oQ" in tags else tags.index("Q")]
+            d_h = torch.bmm(_heads_first(Q).transpose(1, 2), _heads_first(do[:, lo:hi])).float()
+            d_gathered = torch.autograd.grad(h, gathered, d_h)[0].contiguous()
         # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every
         # rank joins, whatever it needs)
         dist.all_reduce(d_gathered, group=ctx.group)
-        d_outs, it = [], iter(d_cuts)
-        for n in joined:  # a call's output is n cuts side by side ([o(0) | Q]: 2)
-            d_outs.append(torch.cat([next(it) for _ in range(n)], dim=-1) if n > 1 else next(it))
         # the last document's final state ([E | Phi], [E] and [Phi], or [E] alone): its columns of
         # this rank's slot
         mine = d_gathered[dist.get_rank(ctx.group)]
@@ -209,4 +246,3 @@ class KdaCP(torch.autograd.Function):
         want = [t for t in leaves if t is not None and t.requires_grad]
         got = iter(torch.autograd.grad(outs + finals, want, d_outs + d_finals, allow_unused=True))
         return (None, None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
-
