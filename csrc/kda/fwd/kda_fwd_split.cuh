@@ -114,40 +114,63 @@ __global__ void __launch_bounds__(256) kda_split_chain_kernel(const KdaFwdParams
     for (int c = 0; c < 16; ++c) dst[at(k, col + c)] = h[c];
   };
   store_init(piece(0));
-  for (int i = 1; i < np; ++i) {
-    const float* loc = p.split_state + (static_cast<int64_t>(piece(i - 1)) * HV + hv) * K * W;  // [K][V + K]
-    if (i == 1) {  // the chain's first piece ran from h0 (dht): its local state is the next one's
+  if (np < 2) return;
+  // piece i's step needs piece i - 1's map and local state. Both are loaded into registers one step
+  // ahead (issued before the current step's products, in flight during them): a step is then one
+  // round trip of latency less than a load-store loop over the map, which waited for each of its
+  // 16 loads in turn (~17 us per piece on the H200, 2026-12-05, where the products take ~2 us).
+  constexpr int kMapVecs = 16;  // float4s of the map per thread: K * K / 4 / (2 K) = K / 8 <= 16
+  float4 map[kMapVecs];
+  float lc[16];
+  auto load_piece = [&](int pc) {
+    const float* loc = p.split_state + (static_cast<int64_t>(pc) * HV + hv) * K * W;  // [K][V + K]
 #pragma unroll
-      for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];
-    } else {
-      __syncthreads();  // everyone is done with the previous piece's sPhi / sH
-      // the map: 16-byte loads (W and V are multiples of 4), scalar stores at pitch K + 1
-      for (int x = 4 * threadIdx.x; x < K * K; x += 4 * blockDim.x) {
-        const int r = x / K, c0 = x % K;
-        const float4 f = *reinterpret_cast<const float4*>(loc + int64_t{r} * W + V + c0);
-        float* d = sPhi + r * (K + 1) + c0;
-        d[0] = f.x;
-        d[1] = f.y;
-        d[2] = f.z;
-        d[3] = f.w;
+    for (int u = 0; u < kMapVecs; ++u) {
+      const int x = 4 * (threadIdx.x + u * blockDim.x);
+      if (x < K * K) map[u] = *reinterpret_cast<const float4*>(loc + int64_t{x / K} * W + V + x % K);
+    }
+#pragma unroll
+    for (int c = 0; c < 16; ++c) lc[c] = loc[int64_t{k} * W + col + c];
+  };
+  // the chain's first piece ran from h0 (dht): its local state is the next one's
+  {
+    const float* loc = p.split_state + (static_cast<int64_t>(piece(0)) * HV + hv) * K * W;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];
+  }
+  store_init(piece(1));
+  if (np > 2) load_piece(piece(1));
+  for (int i = 2; i < np; ++i) {
+    __syncthreads();  // everyone is done with the previous piece's sPhi / sH
+    // the map: scalar stores at pitch K + 1; the state as 16-byte rows
+#pragma unroll
+    for (int u = 0; u < kMapVecs; ++u) {
+      const int x = 4 * (threadIdx.x + u * blockDim.x);
+      if (x < K * K) {
+        float* d = sPhi + (x / K) * (K + 1) + x % K;
+        d[0] = map[u].x;
+        d[1] = map[u].y;
+        d[2] = map[u].z;
+        d[3] = map[u].w;
       }
+    }
 #pragma unroll
-      for (int c = 0; c < 16; c += 4)
-        *reinterpret_cast<float4*>(sH + k * kSplitChainPitch + 16 * half + c) = make_float4(h[c], h[c + 1], h[c + 2], h[c + 3]);
-      __syncthreads();
+    for (int c = 0; c < 16; c += 4)
+      *reinterpret_cast<float4*>(sH + k * kSplitChainPitch + 16 * half + c) = make_float4(h[c], h[c + 1], h[c + 2], h[c + 3]);
+    __syncthreads();
 #pragma unroll
-      for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];  // + the local state
-      for (int j = 0; j < K; ++j) {
-        const float phi = sPhi[k * (K + 1) + j];
-        const float4* row = reinterpret_cast<const float4*>(sH + j * kSplitChainPitch + 16 * half);
+    for (int c = 0; c < 16; ++c) h[c] = lc[c];  // + the local state
+    if (i + 1 < np) load_piece(piece(i));       // the next step's, in flight during the products
+    for (int j = 0; j < K; ++j) {
+      const float phi = sPhi[k * (K + 1) + j];
+      const float4* row = reinterpret_cast<const float4*>(sH + j * kSplitChainPitch + 16 * half);
 #pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const float4 x = row[c4];
-          h[4 * c4] = fmaf(phi, x.x, h[4 * c4]);
-          h[4 * c4 + 1] = fmaf(phi, x.y, h[4 * c4 + 1]);
-          h[4 * c4 + 2] = fmaf(phi, x.z, h[4 * c4 + 2]);
-          h[4 * c4 + 3] = fmaf(phi, x.w, h[4 * c4 + 3]);
-        }
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const float4 x = row[c4];
+        h[4 * c4] = fmaf(phi, x.x, h[4 * c4]);
+        h[4 * c4 + 1] = fmaf(phi, x.y, h[4 * c4 + 1]);
+        h[4 * c4 + 2] = fmaf(phi, x.z, h[4 * c4 + 2]);
+        h[4 * c4 + 3] = fmaf(phi, x.w, h[4 * c4 + 3]);
       }
     }
     store_init(piece(i));
