@@ -680,12 +680,11 @@ def test_split_forward_deterministic(emu):
 
 def test_split_choice_model(emu):
     """kda_policy.h's fwd_split_choice: it splits few long chains (B1 T32768 with 8 heads: 16 scan
-    chains on 132 SMs; B1 T8192 with 16 heads, bounded_b1's shape, since the chain loads its maps one
-    piece ahead), and never where the heads fill the GPU or the intra dominates."""
+    chains on 132 SMs), not where its modelled gain is within the stale streamed model's error
+    (bounded_b1), and never where the heads fill the GPU or the intra dominates."""
     chunks, bv, cost, other = emu.split_choice(1, 32768, 8, 8, 128, 128)
     assert chunks > 0 and bv in (64, 128) and cost < 0.75 * other
-    assert emu.split_choice(1, 8192, 16, 16, 128, 128)[0] == 16  # bounded_b1
-    assert emu.split_choice(1, 8192, 32, 32, 128, 128)[0] == 0  # 64 chains: within the margin
+    assert emu.split_choice(1, 8192, 16, 16, 128, 128)[0] == 0  # bounded_b1: inside the 25% margin
     assert 512 // chunks <= 33  # at most kSplitMaxExtraPieces + 1 pieces
     assert emu.split_choice(1, 32768, 32, 32, 128, 128)[0] == 0  # long_b1_t32k: the intra alone is ~1.5 ms
     assert emu.split_choice(16, 8192, 16, 16, 128, 128)[0] == 0  # bounded_b16: 512 chains

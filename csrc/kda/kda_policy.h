@@ -143,32 +143,28 @@ struct SplitChoice {
   double cost = 0;        // modelled us of the split forward
   double cost_other = 0;  // modelled us of the forward it would replace (streamed or two kernels)
 };
-// Model (us). The split's own passes, fitted to their kernels on the H200 (2026-12-05, BV = 128, K = 128,
-// scripts/dev/split_sweep.sh; docs/notes/2026-12-05-cp-copies-split-chain.md): a pass-1 step (no o)
-// ~1.55 us per wave of CTAs, a pass-2 step (the ordinary scan over the pieces: o, states) ~3.1 us,
-// both within ~10% from 8 to 488 CTAs, and BV = 64 assumed at the ordinary scan's 3.0 / 3.8 of
-// them; the chain ~5 us per piece (its map loads one piece ahead since 2026-12-05: it took ~17 us
-// per piece when it waited for each of its loads). The intra alone and ~12 us for the three small
-// launches as before. Fixed-length batches only: a varlen batch's longest document is not known on
-// the host. It splits where the model is at least 25% under the forward it replaces, whose model
-// (fwd_stream_choice) overestimates today's kernels by ~20-30% (bounded_b1 streamed: 524 us
-// modelled, ~400 measured), as the intra's 24.4 us here does (~20%): the margin keeps the cases where
-// the intra dominates (long_b1_t32k: a forced split measured 2.06 against 1.84 ms streamed) unsplit.
+// Model (us), from the constants fitted for the streamed forward (fwd_stream_choice; not yet fitted to
+// a split forward measured on a GPU): the intra alone, then pass 1's and pass 2's waves of L steps
+// (a pass-1 step assumed as long as an ordinary one, though it has no o), the chain (~1.5 us per
+// piece) and ~12 us for the three small launches. Fixed-length batches only: a varlen batch's
+// longest document is not known on the host. It splits where the model is at least 25% under the
+// forward it replaces: that forward's model (fwd_stream_choice) was fitted before the scans' later
+// gains and overestimates them (bounded_b1 streamed: 524 us modelled, ~400 measured on 2026-12-04),
+// and the split's own step times are not yet measured.
 inline double split_cost(const KdaProblem& p, int L, int bv, int sms) {
   const double kw = p.K / 128.0;
   const long nts = (p.T + kChunk - 1) / kChunk;
   const long S = (nts + L - 1) / L;
   const long rows = static_cast<long>(p.HV) * p.N;
   const long slots = static_cast<long>(sms) * scan_ctas_per_sm(p.K, bv);
-  const double width = (bv == 128 ? 1.0 : 3.0 / 3.8) * (0.5 + 0.5 * kw);
-  const double step1 = 1.55 * width, step2 = 3.1 * width, chain = 5.0 * kw;
+  const double step = (bv == 128 ? 3.8 : 3.0) * (0.5 + 0.5 * kw);
   const long intra_ctas = static_cast<long>(p.max_chunks) * p.HV;
   const double intra = static_cast<double>((intra_ctas + 2L * sms - 1) / (2L * sms)) * 24.4 * (0.4 + 0.6 * kw);
   const long c1 = rows * (S - 1) * (p.V / bv) + rows * std::max(S - 2, 0L) * (p.K / bv);
   const long c2 = rows * S * (p.V / bv);
-  const double t1 = static_cast<double>((c1 + slots - 1) / slots) * L * step1;
-  const double t2 = static_cast<double>((c2 + slots - 1) / slots) * L * step2;
-  return intra + t1 + chain * (S - 1) + t2 + 12.0;
+  const double t1 = static_cast<double>((c1 + slots - 1) / slots) * L * step;
+  const double t2 = static_cast<double>((c2 + slots - 1) / slots) * L * step;
+  return intra + t1 + 1.5 * S + t2 + 12.0;
 }
 inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
   SplitChoice best;
