@@ -216,3 +216,23 @@ def test_context_parallel_kda_ranks_on_one_gpu_equal_one_process(name, tmp_path)
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     _check(name, tmp_path, "cuda", 3e-2, shared_gpu=True)
+
+
+@pytest.mark.parametrize("V,K", [(64, 32), (6, 4)])
+def test_zero_columns_and_row_copies_in_16_bit(V, K):
+    """[v | 0] and the row-strided copies of the crossing document's call in bf16 (the CPU cases above
+    run fp64, where the copies take no 8-byte words): exact values, zeros in the new columns, a
+    contiguous gradient of v; V = 64 takes the word path, V = 6 (12-byte rows) the element copy."""
+    from kernel_fun.kda._cp import _copy_rows, _words, _ZeroColumns
+
+    v = torch.randn(1, 5, 3, V, dtype=torch.bfloat16, requires_grad=True)
+    ext = _ZeroColumns.apply(v, K)
+    assert ext.shape == (1, 5, 3, V + K)
+    assert torch.equal(ext[..., :V], v.detach()) and not ext[..., V:].any()
+    d = torch.randn_like(ext)
+    ext.backward(d)
+    assert v.grad.is_contiguous() and torch.equal(v.grad, d[..., :V])
+    assert _words(ext[..., V:]).dtype == (torch.int64 if V % 4 == 0 else torch.bfloat16)
+    dst = torch.empty(1, 5, 3, K, dtype=torch.bfloat16)
+    _copy_rows(dst, d[..., V:])
+    assert torch.equal(dst, d[..., V:])

@@ -118,17 +118,20 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     """x as 8-byte words (four bf16 each) where its rows allow it, else x: a copy between row-strided
     tensors ([..., :V] of a [..., V + K] buffer) runs torch's generic strided kernel, whose index
     arithmetic per element made such copies ~1.8 TB/s on the H200 at 2 bytes an element."""
-    if x.element_size() < 8 and x.stride(-1) == 1 and (x.shape[-1] * x.element_size()) % 8 == 0:
-        try:
-            return x.view(torch.int64)
-        except RuntimeError:  # a stride or offset not a multiple of 8 bytes
-            return x
+    es = x.element_size()
+    rows_fit = x.stride(-1) == 1 and (x.shape[-1] * es) % 8 == 0 and (x.storage_offset() * es) % 8 == 0
+    if es < 8 and rows_fit and all(s * es % 8 == 0 for s in x.stride()[:-1]):
+        return x.view(torch.int64)
     return x
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), as 8-byte words where both allow it."""
     a, b = _words(dst), _words(src)
-    (a.copy_(b) if a.dtype == b.dtype and a.shape == b.shape else dst.copy_(src))
+    if a.dtype == b.dtype:
+        a.copy_(b)
+    else:
+        dst.copy_(src)
 
 
 class _ZeroColumns(torch.autograd.Function):
@@ -242,7 +245,7 @@ class KdaCP(torch.autograd.Function):
                 dst = o[:, lo:hi]
                 _copy_rows(dst, o0)
                 _heads_first(dst).baddbmm_(_heads_first(Q), h.detach().to(Q.dtype))
-        ctx.graph = (outs, tags, spans, finals, cols, Q, h, gathered, leaves, V)
+        ctx.graph = (outs, tags, spans, finals, cols, Q, h, segs[0][:2], gathered, leaves, V)
         ctx.group = group
         return o
 
@@ -250,28 +253,27 @@ class KdaCP(torch.autograd.Function):
     def backward(ctx, do):
         import torch.distributed as dist
 
-        outs, tags, spans, finals, cols, Q, h, gathered, leaves, V = ctx.graph
+        outs, tags, spans, finals, cols, Q, h, (in_lo, in_hi), gathered, leaves, V = ctx.graph
         ctx.graph = None
         do = do.contiguous()
         d_outs, d_gathered = [], torch.zeros_like(gathered)
-        hT = None if h is None else h.detach().to(Q.dtype).transpose(1, 2)  # S_in^T: [HV, V, K]
+        if h is not None:  # the first document's outputs' gradient, heads first (its first call's tokens)
+            do_in = _heads_first(do[:, in_lo:in_hi])
+            hT = h.detach().to(Q.dtype).transpose(1, 2)  # S_in^T: [HV, V, K]
         for out, tag, (lo, hi) in zip(outs, tags, spans):
-            d_o = do[:, lo:hi]  # the outputs' gradient (a contiguous slice: one sequence)
             if tag == "o":
-                d_outs.append(d_o)
+                d_outs.append(do[:, lo:hi])  # a contiguous slice: one sequence
                 continue
             # dQ = do S_in^T per value head, written straight into the call's gradient buffer:
             # [do | dQ] side by side ("oQ"), or dQ alone ("Q")
             d = torch.empty_like(out)
-            dq_cols = d[..., V:] if tag == "oQ" else d
             if tag == "oQ":
-                _copy_rows(d[..., :V], d_o)
-            torch.bmm(_heads_first(d_o), hT, out=_heads_first(dq_cols))
+                _copy_rows(d[..., :V], do[:, lo:hi])
+            torch.bmm(do_in, hT, out=_heads_first(d[..., V:] if tag == "oQ" else d))
             d_outs.append(d)
         if h is not None:
             # dS_in = Q^T do per value head, then through the chain into the gathered maps
-            lo, hi = spans[tags.index("oQ") if "oQ" in tags else tags.index("Q")]
-            d_h = torch.bmm(_heads_first(Q).transpose(1, 2), _heads_first(do[:, lo:hi])).float()
+            d_h = torch.bmm(_heads_first(Q).transpose(1, 2), do_in).float()
             d_gathered = torch.autograd.grad(h, gathered, d_h)[0].contiguous()
         # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every
         # rank joins, whatever it needs)
