@@ -55,15 +55,11 @@ def leaves(tensors, force=()) -> list:
             for t in tensors]
 
 
-def grads(output: torch.Tensor, grad_output: torch.Tensor, of: list, extra=()) -> tuple[list, list]:
-    """The gradients of output (given grad_output) for each leaf of `of` (None where it needs none)
-    and for each tensor of `extra` (zeros where output does not depend on it)."""
+def grads(output: torch.Tensor, grad_output: torch.Tensor, of: list) -> list:
+    """The gradients of output (given grad_output) for each leaf of `of` (None where it needs none)."""
     want = [t for t in of if t is not None and t.requires_grad]
-    got = torch.autograd.grad(output, want + list(extra), grad_output, allow_unused=True)
-    it = iter(got[:len(want)])
-    per_leaf = [next(it) if t is not None and t.requires_grad else None for t in of]
-    more = [torch.zeros_like(e) if g is None else g for e, g in zip(extra, got[len(want):])]
-    return per_leaf, more
+    it = iter(torch.autograd.grad(output, want, grad_output, allow_unused=True))
+    return [next(it) if t is not None and t.requires_grad else None for t in of]
 
 
 def local_context(cu: list[int], rank: int, world: int, group, conv1d_kernel_size: int | None = None):

@@ -77,7 +77,7 @@ class ConvCP(torch.autograd.Function):
         y, leaves = ctx.graph
         group, W, valid = ctx.exchange
         ctx.graph = None
-        (dx, dw, db, dres, dinit), _ = _cp.grads(y, dy, leaves)
+        dx, dw, db, dres, dinit = _cp.grads(y, dy, leaves)
         if W > 1:  # every rank joins this all-gather, whatever it needs
             x = leaves[0]
             D = x.shape[-1]
