@@ -116,14 +116,17 @@ __global__ void __launch_bounds__(256) kda_split_chain_kernel(const KdaFwdParams
   store_init(piece(0));
   if (np < 2) return;
   // piece i's step needs piece i - 1's map and local state. Both are loaded into registers one step
-  // ahead (issued before the current step's products, in flight during them): a step is then one
-  // round trip of latency less than a load-store loop over the map, which waited for each of its
-  // 16 loads in turn (~17 us per piece on the H200, 2026-12-05, where the products take ~2 us).
+  // ahead (issued before the current step's products, in flight during them) instead of by a
+  // load-store loop that waited for each of its 16 loads in turn. On the H200 (2026-12-05) that took
+  // the chain 0.270 -> 0.243 ms at B1 T32768 H8 with 16 pieces: it still takes ~16 us per piece, so
+  // the loads were not its main wait (docs/notes/2026-12-05-cp-copies-split-chain.md).
   constexpr int kMapVecs = 16;  // float4s of the map per thread: K * K / 4 / (2 K) = K / 8 <= 16
   float4 map[kMapVecs];
   float lc[16];
+  // a piece's pass-1 result [E | Phi], [K][V + K]
+  auto piece_state = [&](int pc) { return p.split_state + (static_cast<int64_t>(pc) * HV + hv) * K * W; };
   auto load_piece = [&](int pc) {
-    const float* loc = p.split_state + (static_cast<int64_t>(pc) * HV + hv) * K * W;  // [K][V + K]
+    const float* loc = piece_state(pc);
 #pragma unroll
     for (int u = 0; u < kMapVecs; ++u) {
       const int x = 4 * (threadIdx.x + u * blockDim.x);
@@ -133,11 +136,8 @@ __global__ void __launch_bounds__(256) kda_split_chain_kernel(const KdaFwdParams
     for (int c = 0; c < 16; ++c) lc[c] = loc[int64_t{k} * W + col + c];
   };
   // the chain's first piece ran from h0 (dht): its local state is the next one's
-  {
-    const float* loc = p.split_state + (static_cast<int64_t>(piece(0)) * HV + hv) * K * W;
 #pragma unroll
-    for (int c = 0; c < 16; ++c) h[c] = loc[int64_t{k} * W + col + c];
-  }
+  for (int c = 0; c < 16; ++c) h[c] = piece_state(piece(0))[int64_t{k} * W + col + c];
   store_init(piece(1));
   if (np > 2) load_piece(piece(1));
   for (int i = 2; i < np; ++i) {
