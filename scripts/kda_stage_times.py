@@ -1,9 +1,11 @@
 """Per-kernel times of the KDA forward and backward on the benchmark's cases (the numbers
 docs/kda-forward.md and docs/kda-backward.md quote): each of our kernels' CUDA time per call (torch
 profiler, mean of --iters calls after 2 warm-ups), the whole call's median by CUDA events, and the
-peak memory above the inputs. Ours only; fla is timed by the benchmark.
+peak memory above the inputs. Ours; fla is timed by the benchmark. --flashkda adds a line per case
+that FlashKDA serves (its forward: bounded gate, K = V = 128, no GVA) with ITS kernels' times, the
+same way, when flash_kda is importable: how its forward's time splits between its two kernels.
 
-    PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [--pass fwd|fwd+bwd|all] [CASE ...]
+    PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [--pass fwd|fwd+bwd|all] [--flashkda] [CASE ...]
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ from kernel_fun.kda import chunk_kda
 os.environ.setdefault("KERNEL_FUN_KDA_FWD_STREAMED", "0")
 
 
-def _per_kernel(prof, iters: int) -> dict:
+def _per_kernel(prof, iters: int, tag: str = "kda_") -> dict:
     per = {}
     for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and "kda_" in e.key:
+        if e.device_type.name == "CUDA" and tag in e.key:
             name = e.key.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")
             per[name] = per.get(name, 0.0) + e.device_time_total / iters / 1000
     return per
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("cases", nargs="*")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--pass", dest="pass_", choices=("fwd", "fwd+bwd", "all"), default="all")
+    ap.add_argument("--flashkda", action="store_true", help="also FlashKDA's kernels, where it serves the case")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time")
@@ -70,8 +73,36 @@ def main() -> None:
             print(f"{case.name:14s} {pass_:8s} total {res['ms']:7.3f} ms  peak {res['peak_mem_gib']:6.2f} GiB   "
                   f"{stages}", flush=True)
             del do
+        if args.flashkda:
+            _flashkda_line(case, inp, args.iters)
         del inp
         torch.cuda.empty_cache()
+
+
+def _flashkda_line(case, inp, iters: int) -> None:
+    """FlashKDA's forward on the same inputs (kernel_fun.bench.run's mapping), its kernels' times."""
+    from kernel_fun.bench.run import flashkda_step, flashkda_supports, load_flashkda
+
+    if not flashkda_supports(case, "fwd"):
+        return
+    fwd, why = load_flashkda()
+    if fwd is None:
+        print(f"{case.name:14s} flashkda skipped: {why}", flush=True)
+        return
+    step = flashkda_step(fwd, inp, torch)
+    with torch.no_grad():
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+        res = time_calls(torch, step, warmup=1, iters=10)
+    per = _per_kernel(prof, iters, tag="flash_kda")
+    stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+    print(f"{case.name:14s} flashkda total {res['ms']:7.3f} ms  peak {res['peak_mem_gib']:6.2f} GiB   {stages}",
+          flush=True)
 
 
 if __name__ == "__main__":
