@@ -24,7 +24,24 @@ from kernel_fun.kda import chunk_kda
 os.environ.setdefault("KERNEL_FUN_KDA_FWD_STREAMED", "0")
 
 
-def _per_kernel(prof, iters: int, tag: str = "kda_") -> dict:
+def _report(name: str, what: str, call, iters: int, tag: str) -> None:
+    """One line: call()'s CUDA-event median and peak memory, and the CUDA time per call of each kernel
+    whose name holds `tag` (profiler, mean of `iters` calls after 2 warm-ups)."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    res = time_calls(torch, call, warmup=1, iters=10)
+    per = _per_kernel(prof, iters, tag)
+    stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+    print(f"{name:14s} {what:8s} total {res['ms']:7.3f} ms  peak {res['peak_mem_gib']:6.2f} GiB   {stages}",
+          flush=True)
+
+
+def _per_kernel(prof, iters: int, tag: str) -> dict:
     per = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and tag in e.key:
@@ -60,18 +77,7 @@ def main() -> None:
                         t.grad = None
 
             with torch.set_grad_enabled(grad):
-                for _ in range(2):
-                    call()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(args.iters):
-                        call()
-                    torch.cuda.synchronize()
-                res = time_calls(torch, call, warmup=1, iters=10)
-            per = _per_kernel(prof, args.iters)
-            stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
-            print(f"{case.name:14s} {pass_:8s} total {res['ms']:7.3f} ms  peak {res['peak_mem_gib']:6.2f} GiB   "
-                  f"{stages}", flush=True)
+                _report(case.name, pass_, call, args.iters, "kda_")
             del do
         if args.flashkda:
             _flashkda_line(case, inp, args.iters)
@@ -89,20 +95,8 @@ def _flashkda_line(case, inp, iters: int) -> None:
     if fwd is None:
         print(f"{case.name:14s} flashkda skipped: {why}", flush=True)
         return
-    step = flashkda_step(fwd, inp, torch)
     with torch.no_grad():
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-        res = time_calls(torch, step, warmup=1, iters=10)
-    per = _per_kernel(prof, iters, tag="flash_kda")
-    stages = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
-    print(f"{case.name:14s} flashkda total {res['ms']:7.3f} ms  peak {res['peak_mem_gib']:6.2f} GiB   {stages}",
-          flush=True)
+        _report(case.name, "flashkda", flashkda_step(fwd, inp, torch), iters, "flash_kda")
 
 
 if __name__ == "__main__":
