@@ -364,3 +364,45 @@ def test_split_backward_in_batch_slices_is_bitwise_the_whole_batch(emu):
     for nb in (1, 2):
         sliced = emu.backward_stages(*inputs, do, dht, **kw, saved=saved, bv=64, split_chunks=1, slice_b=nb)[0]
         assert_bitwise_same(whole, sliced, f"split, slices of {nb}")
+
+
+@pytest.mark.parametrize("case", [dict(T=150, K=64, V=64, gate="bounded_weak"),
+                                  dict(T=130, H=1, HV=2, K=128, V=128, gate="unbounded")], ids=["K64-weak", "gva-K128"])
+def test_crossing_backward_from_the_extended_calls_factors(case, emu):
+    """kda/_cp.py's KernelEngine, on the kernels: the context-parallel call of a document that began
+    on an earlier rank runs over [v | 0] from [0 | I] and keeps the intra's factors and workspace;
+    the rank's backward is then the ordinary call's over v from the incoming state S_in, reading
+    them. Those bits are the ordinary forward's over v from S_in (none depends on the values or the
+    initial state), the outputs compose (o = o(0) + Q S_in, S_out = E + Phi S_in), and that backward's
+    gradients, dht = dE, are the ordinary call's (the fp64 reference)."""
+    inputs, kw = make_case(**case)
+    q, k, v, g, beta = inputs
+    HV, V, K = v.shape[2], v.shape[3], q.shape[-1]
+    gen = torch.Generator().manual_seed(11)
+    S_in = 0.3 * torch.randn(1, HV, K, V, generator=gen)
+    ext = dict(kw, initial_state=torch.cat([torch.zeros(1, HV, K, V), torch.eye(K).expand(1, HV, K, K)], -1))
+    o_ext, ht_ext, _, ws_ext = emu.forward_stages(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], K)], -1), g, beta,
+                                                  **ext)
+    plain = dict(kw, initial_state=S_in)
+    o, ht, _, ws = emu.forward_stages(*inputs, **plain)
+    names = ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay")
+    for n in names:
+        view = torch.int32 if n == "gdecay" else torch.int16
+        assert torch.equal(ws_ext[n].view(view), ws[n].view(view)), n
+    Q = o_ext[..., V:].double()
+    composed = o_ext[..., :V].double() + torch.einsum("bthk,bhkv->bthv", Q, S_in.double())
+    assert rel_rms(o.double(), composed) < KDA_TOL["o"]
+    E, Phi = ht_ext[..., :V].double(), ht_ext[..., V:].double()
+    assert rel_rms(ht.double(), E + Phi @ S_in.double()) < KDA_TOL["ht"]
+    do, dE = _do_dht(inputs, kw, 5)
+    grads, _ = emu.backward_stages(*inputs, do, dE, **plain, saved=tuple(ws_ext[n] for n in names[:3]),
+                                   workspace={n: ws_ext[n] for n in names[3:]})
+    ref, _ = kda_bwd_reference(inputs, plain, do, dE)
+    bad = {}
+    for key, tol in (("dq", KDA_TOL["dq"]), ("dk", KDA_TOL["dk"]), ("dv", KDA_TOL["dv"]), ("dg", KDA_TOL["dg"]),
+                     ("dbeta", KDA_TOL["dbeta"]), ("dA_log", DA_LOG_TOL), ("ddt_bias", KDA_TOL["dbias"])):
+        if ref.get(key) is not None:
+            err = rel_rms(ref[key], grads[key].reshape(ref[key].shape))
+            if not err <= tol:
+                bad[key] = err
+    assert not bad, f"off the fp64 reference: {bad}"

@@ -48,21 +48,27 @@ def _run(t, sl, state_v_first, **kw):
     return [o.detach().cpu()] + [leaves[n].grad.cpu() for n in GRADS]
 
 
-def _calls_per_rank(ctx, case) -> int:
-    """chunk_kda calls the rank's context needs: for a first document that began on an earlier rank
-    one call with the identity beside the values (two where [o(0) | Q] and [E | Phi] come from two
-    calls: V + K wider than our kernels' values, forced by the case); one ordinary call for a last
-    document that began here and goes on; one for the documents between them, or for a rank with
-    no document crossing its ends."""
+def _calls_per_rank(ctx, case, device) -> dict:
+    """What the rank's context runs: {"fwd", "bwd"}: chunk_kda calls and backward passes through them;
+    {"kda_fwd", "kda_bwd"}: our kernels' forward and backward launches (on the GPU). A first document
+    that began on an earlier rank (the crossing call, kda/_cp.py's _Crossing): a forward over [v | 0]
+    (two where [o(0) | Q] and [E | Phi] come from two calls: V + K wider than our kernels' values,
+    forced by the case) and one backward, the ordinary call's from S_in; on the GPU by our raw ops
+    (no chunk_kda call), on the CPU by chunk_kda (the reference), its backward a chunk_kda call again
+    under autograd. One ordinary call for a last document that began here and goes on; one for the
+    documents between them, or for a rank with no document crossing its ends."""
     cu = ctx.cu_seqlens_cpu.tolist()
     need_in, need_map = not ctx.is_first_rank, not ctx.is_last_rank
     if not (need_in or need_map):
-        return 1
-    per_in = 2 if case.get("two_calls") else 1
-    if len(cu) == 2:
-        return per_in if need_in else 1
-    between = (cu[-2] if need_map else cu[-1]) > (cu[1] if need_in else cu[0])
-    return per_in * need_in + need_map + between
+        other = 1
+    elif len(cu) == 2:
+        other = 0 if need_in else 1
+    else:
+        other = need_map + ((cu[-2] if need_map else cu[-1]) > (cu[1] if need_in else cu[0]))
+    per_in = (2 if case.get("two_calls") else 1) * need_in
+    if device == "cuda":
+        return {"fwd": other, "bwd": other, "kda_fwd": per_in + other, "kda_bwd": need_in + other}
+    return {"fwd": per_in + need_in + other, "bwd": need_in + other}
 
 
 def _count_calls() -> dict:
@@ -104,19 +110,22 @@ def _worker(rank, world, path, case, out, device, shared_gpu=False):
         part = case["cu"][-1] // world
         sl = slice(rank * part, (rank + 1) * part)
         ctxs = cp_contexts(case["cu"], rank, world, dist.group.WORLD, device)
-        # each rank runs one call of chunk_kda and one backward of it (two of each where [o(0) | Q]
-        # and [E | Phi] come from two calls), whatever its neighbours hold
-        calls, want = _count_calls(), [_calls_per_rank(c, case) for c in ctxs]
+        # each rank runs its calls and one backward of each (_calls_per_rank), whatever its
+        # neighbours hold
+        calls = _count_calls()
+        want = {n: sum(x) for n, x in zip(("fwd", "bwd", "kda_fwd", "kda_bwd"),
+                                          zip(*[_calls_per_rank(c, case, device).values() for c in ctxs]))}
         if device == "cuda":  # our kernels, not fla's: strict mode (a fallback raises), launches counted
             import kernel_fun
             from kernel_fun.check import count_kernel_ops
 
             with kernel_fun.strict(), count_kernel_ops() as counts:
                 res = [_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs]
-            assert counts["kda_fwd"] == sum(want) and counts["kda_bwd"] == sum(want), (dict(counts), want)
+            assert {n: counts[n] for n in ("kda_fwd", "kda_bwd")} == {n: want[n] for n in ("kda_fwd", "kda_bwd")}, \
+                (dict(counts), want)
         else:
             res = [_run(t, sl, case.get("svf", False), cp_context=c) for c in ctxs]
-        assert calls == {"fwd": sum(want), "bwd": sum(want)}, (calls, want)
+        assert calls == {"fwd": want["fwd"], "bwd": want["bwd"]}, (calls, want)
         torch.save(res, f"{out}.{rank}")
         done = True
     finally:
@@ -221,18 +230,16 @@ def test_context_parallel_kda_ranks_on_one_gpu_equal_one_process(name, tmp_path)
 @pytest.mark.parametrize("V,K", [(64, 32), (6, 4)])
 def test_zero_columns_and_row_copies_in_16_bit(V, K):
     """[v | 0] and the row-strided copies of the crossing document's call in bf16 (the CPU cases above
-    run fp64, where the copies take no 8-byte words): exact values, zeros in the new columns, a
-    contiguous gradient of v; V = 64 takes the word path, V = 6 (12-byte rows) the element copy."""
-    from kernel_fun.kda._cp import _copy_rows, _words, _ZeroColumns
+    run fp64, where the copies take no 8-byte words): exact values, zeros in the new columns; V = 64
+    takes the word path, V = 6 (12-byte rows) the element copy."""
+    from kernel_fun.kda._cp import _copy_rows, _words, _zero_columns
 
-    v = torch.randn(1, 5, 3, V, dtype=torch.bfloat16, requires_grad=True)
-    ext = _ZeroColumns.apply(v, K)
+    v = torch.randn(1, 5, 3, V, dtype=torch.bfloat16)
+    ext = _zero_columns(v, K)
     assert ext.shape == (1, 5, 3, V + K)
-    assert torch.equal(ext[..., :V], v.detach()) and not ext[..., V:].any()
-    d = torch.randn_like(ext)
-    ext.backward(d)
-    assert v.grad.is_contiguous() and torch.equal(v.grad, d[..., :V])
+    assert torch.equal(ext[..., :V], v) and not ext[..., V:].any()
     assert _words(ext[..., V:]).dtype == (torch.int64 if V % 4 == 0 else torch.bfloat16)
+    d = torch.randn_like(ext)
     dst = torch.empty(1, 5, 3, K, dtype=torch.bfloat16)
     _copy_rows(dst, d[..., V:])
     assert torch.equal(dst, d[..., V:])

@@ -299,6 +299,24 @@ def _route(q, v, cu_seqlens, meta: tuple) -> tuple:
     return plan
 
 
+def _crossing_engine(call, q, k, v, g, beta, scale, opts: dict, kwargs: dict):
+    """How a context-parallel rank runs the document that began on an earlier rank
+    (kda/_cp.py's _Crossing): our raw ops with the call's encoded options where our kernels serve
+    the rank's slice (CUDA tensors, the ordinary routing; the calls keep the default state layout),
+    else the front's chunk_kda (the torch reference on the CPU, fla where it routes there). The
+    slice is validated here once, as each of its calls would be."""
+    _validate(q, k, v, g, beta, scale, None, opts["use_gate_in_kernel"], opts["use_beta_sigmoid_in_kernel"],
+              opts["allow_neg_eigval"], opts["safe_gate"], opts["lower_bound"], False, None, None, kwargs)
+    if q.device.type == "cuda":
+        reason, options, _, _ = _route(q, v, None, _call_meta(
+            q, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, opts["use_qk_l2norm_in_kernel"],
+            opts["use_gate_in_kernel"], opts["use_beta_sigmoid_in_kernel"], opts["allow_neg_eigval"],
+            opts["lower_bound"], False, None, None, kwargs))
+        if reason is None:
+            return _cp.KernelEngine(options)
+    return _cp.CallEngine(call)
+
+
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                return_intermediate_states, state_v_first, cu_seqlens, kwargs):
@@ -377,7 +395,8 @@ def chunk_kda(
                      **({"dt_bias": dt_bias_} if dt_bias_ is not None else {})}
             return chunk_kda(q_, k_, v_, g_, beta_, **extra)
 
-        o = _cp.KdaCP.apply(call, cp_context, cu, q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
+        o = _cp.KdaCP.apply(call, _crossing_engine(call, q, k, v, g, beta, scale, opts, kwargs), cp_context, cu,
+                            q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
         return o, None
     host_cu = _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu,

@@ -24,11 +24,12 @@ does its work before any collective, whatever its neighbours hold:
 The ranks' calls run side by side, and every token is processed once: at V + K value columns in a
 document that began on an earlier rank, at V elsewhere (why this form: docs/notes/2026-12-05-cp-one-call.md).
 
-The backward: the correction's gradients (dQ = do S_in^T, and dS_in = Q^T do through the chain into
-the gathered maps) first, one all-reduce of the maps' gradients (each rank takes its own slot: the
-gradient of its last document's final state), then one backward of the rank's calls with their
-output and final-state gradients. Both passes run inside one autograd function, so that no rank
-skips a collective the others wait in.
+The backward: dS_in = Q^T do through the chain into the gathered maps first, one all-reduce of the
+maps' gradients (each rank takes its own slot: the gradient of its last document's final state),
+then one backward of the rank's calls with their output and final-state gradients. The document
+that began earlier is differentiated as the ordinary call over v from S_in (_Crossing): V value
+columns, not V + K. Both passes run inside one autograd function, so that no rank skips a
+collective the others wait in.
 
 As in fla, ``initial_state`` and ``output_final_state`` are not allowed and the context's cu_seqlens
 is used; no state crosses the API, so the calls keep the default state layout whatever
@@ -86,32 +87,102 @@ def segments(cu: list[int], need_in: bool, need_map: bool) -> list[tuple[int, in
         ([(cu[-2], cu[-1], "out")] if need_map else [])
 
 
-def _in_call(call, part, K: int, V: int, need_map: bool):
-    """A document that began on an earlier rank: its call(s) with the identity beside the values.
-    ``(outs, tags, finals, cols, o0, Q, states)``: the calls' own outputs and how each one's gradient
-    is made in the backward ("oQ": [do | dQ] side by side, "o": do, "Q": dQ), their final states and
-    the columns of [E | Phi] each holds (what the backward differentiates); the outputs o(0) and Q
-    ([1, T, HV, V] and [1, T, HV, K], views of the one call's output where it is one call) and, when
-    need_map, [E, Phi] ([HV, K, V] and [HV, K, K], fp32)."""
-    v = part[2]
-    HV = v.shape[2]
-    eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
-    if V + K <= _MAX_V:
-        init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
-        o_ext, ht = call(*part[:2], _ZeroColumns.apply(v, K), *part[3:], initial_state=init,
-                         output_final_state=need_map)
-        outs, tags = [o_ext], ["oQ"]
-        finals, cols = ([ht], [(0, V + K)]) if need_map else ([], [])
-        o0, Q = o_ext[..., :V], o_ext[..., V:]
-        states = [ht[0, ..., :V], ht[0, ..., V:]] if need_map else []
-    else:  # wider than our kernels' values: two calls of the same tokens
-        o0, E = call(*part, output_final_state=need_map)
-        Q, Phi = call(*part[:2], v.new_zeros(v.shape[:-1] + (K,)), *part[3:], initial_state=eye.contiguous(),
-                      output_final_state=need_map)
-        outs, tags = [o0, Q], ["o", "Q"]
-        finals, cols = ([E, Phi], [(0, V), (V, V + K)]) if need_map else ([], [])
-        states = [E[0], Phi[0]] if need_map else []
-    return outs, tags, finals, cols, o0.detach(), Q.detach(), [s.float() for s in states]
+class KernelEngine:
+    """The crossing document's calls on our raw ops (kernel_fun::kda_forward / kda_backward) with the
+    call's encoded options. The forward keeps the intra's factors (Aqk, Akk, M) and its workspace
+    (w, qg, kg, exp2(G)): none of them depends on the values, so the call over [v | 0] leaves exactly
+    what the ordinary call over v would. The backward is that ordinary call's from S_in, at V value
+    columns (it re-runs the scan from S_in: no per-chunk states are kept)."""
+
+    def __init__(self, options: str):
+        from kernel_fun.kda import _kernel
+
+        self.kernel, self.options, self.opts = _kernel, options, _kernel._decode(options)
+
+    def gate(self, A_log, dt_bias):
+        """The gate parameters as the ops take them (flat fp32, None where the gate does not read
+        them), made under autograd so their gradients reach the caller's shapes and dtypes."""
+        return self.kernel.gate_params(self.opts, A_log, dt_bias)
+
+    def run(self, part, v, init, final: bool, keep: bool):
+        """(o, final state or None, what the backward reads or None) of one call over values v."""
+        q, k, _, g, beta, A, D = part
+        out = self.kernel.kda_forward(q, k, v, g, beta, A, D, init, None, self.options, final, keep, False, keep)
+        return out[0], (out[1] if final else None), (tuple(out[2:5]) + tuple(out[6:10]) if keep else None)
+
+    def grads(self, kept, part, S_in, do, dht, needs):
+        """The gradients of part's tensors for the ordinary call from S_in, given do and dht."""
+        q, k, v, g, beta, A, D = part
+        Aqk, Akk, M, w, qg, kg, gdecay = kept
+        out = self.kernel.kda_backward(q, k, v, g, beta, A, D, S_in, None, do, dht, Aqk, Akk, M, None, w, qg, kg,
+                                       gdecay, self.options)
+        return [d if n and t is not None else None for d, n, t in zip(out[:7], needs, part)]
+
+
+class CallEngine:
+    """The crossing document's calls through ``call`` (the front's chunk_kda): any device and route
+    (the torch reference on the CPU, fla where it routes there). Keeps nothing: its backward runs
+    the ordinary call's forward from S_in again, under autograd."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def gate(self, A_log, dt_bias):
+        return A_log, dt_bias
+
+    def run(self, part, v, init, final: bool, keep: bool):
+        return (*self.call(part[0], part[1], v, *part[3:], initial_state=init, output_final_state=final), None)
+
+    def grads(self, kept, part, S_in, do, dht, needs):
+        with torch.enable_grad():
+            xs = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(part, needs)]
+            o, ht = self.call(*xs, initial_state=S_in, output_final_state=dht is not None)
+            return _cp.grads([o] + ([ht] if dht is not None else []), [do] + ([dht] if dht is not None else []),
+                             xs)
+
+
+class _Crossing(torch.autograd.Function):
+    """The document that began on an earlier rank: ``(o(0), Q, E, Phi)`` for part = (q, k, v, g, beta,
+    A, D) (A, D: the engine's gate parameters), E and Phi None unless ``need_map``. Forward: one call
+    over [v | 0] from [0 | I] (o(0) = its first V output columns, Q the rest; its final state [E |
+    Phi]), or two calls where V + K is wider than our kernels' values.
+
+    Backward: the rank's true outputs are those of the ordinary call over v from the true incoming
+    state S_in, o = o(0) + Q S_in and S_out = E + Phi S_in, and the loss sees Q and Phi only through
+    them (the correction on this rank, the chain on the later ones, which forms Phi S_in again from
+    the same maps: dPhi = dE S_in^T), so every input's gradient is that call's backward with
+    ``initial_state = S_in``, ``do`` and ``dht = dE``: V value columns instead of V + K, and the
+    gradients of Q and Phi are never formed. S_in is the chain's, put in ``box["S_in"]`` ([HV, K, V]
+    fp32) by KdaCP's forward before any backward runs; Q and Phi are not differentiable outputs."""
+
+    @staticmethod
+    def forward(ctx, engine, box, K: int, need_map: bool, *part):
+        v = part[2]
+        HV, V = v.shape[2], v.shape[3]
+        eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
+        if V + K <= _MAX_V:
+            init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
+            o_ext, ht, kept = engine.run(part, _zero_columns(v, K), init, need_map, True)
+            o0, Q = o_ext[..., :V], o_ext[..., V:]
+            E, Phi = (ht[..., :V], ht[..., V:]) if need_map else (None, None)
+        else:  # wider than our kernels' values: two calls of the same tokens
+            o0, E, kept = engine.run(part, v, None, need_map, True)
+            Q, Phi, _ = engine.run(part, v.new_zeros(v.shape[:-1] + (K,)), eye.contiguous(), need_map, False)
+        ctx.engine, ctx.box, ctx.kept = engine, box, kept
+        ctx.save_for_backward(*part)
+        ctx.mark_non_differentiable(*[t for t in (Q, Phi) if t is not None])
+        ctx.set_materialize_grads(False)
+        return o0, Q, E, Phi
+
+    @staticmethod
+    def backward(ctx, do, _dQ, dE, _dPhi):
+        part = ctx.saved_tensors
+        if do is None:  # only the map was used (never by KdaCP, which always places o(0))
+            do = torch.zeros_like(part[2])
+        grads = ctx.engine.grads(ctx.kept, part, ctx.box["S_in"][None], do.contiguous(),
+                                 None if dE is None else dE.contiguous(), ctx.needs_input_grad[4:])
+        ctx.kept = None
+        return (None, None, None, None, *grads)
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
@@ -134,24 +205,14 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-class _ZeroColumns(torch.autograd.Function):
+def _zero_columns(v: torch.Tensor, K: int) -> torch.Tensor:
     """[v | 0]: K zero columns beside the values, in one buffer (v copied once, only the new columns
-    zero-filled); the backward hands v the first V columns of the gradient, contiguous."""
-
-    @staticmethod
-    def forward(ctx, v, K: int):
-        V = v.shape[-1]
-        out = v.new_empty(v.shape[:-1] + (V + K,))
-        _copy_rows(out[..., :V], v)
-        _words(out[..., V:]).zero_()
-        ctx.V = V
-        return out
-
-    @staticmethod
-    def backward(ctx, d):
-        dv = d.new_empty(d.shape[:-1] + (ctx.V,))
-        _copy_rows(dv, d[..., :ctx.V])
-        return dv, None
+    zero-filled)."""
+    V = v.shape[-1]
+    out = v.new_empty(v.shape[:-1] + (V + K,))
+    _copy_rows(out[..., :V], v)
+    _words(out[..., V:]).zero_()
+    return out
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -162,18 +223,19 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 class KdaCP(torch.autograd.Function):
     """One context-parallel chunk_kda call. ``call(q, k, v, g, beta, A_log, dt_bias, **kw)`` is our
-    chunk_kda with the caller's options; ``cu`` the rank's document offsets on the host (``validate``'s);
-    ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last two None when not given.
+    chunk_kda with the caller's options; ``engine`` runs the document that began on an earlier rank
+    (_Crossing: KernelEngine or CallEngine, the front's choice); ``cu`` the rank's document offsets
+    on the host (``validate``'s); ``tensors`` are (q, k, v, g, beta, A_log, dt_bias), the last two
+    None when not given.
 
-    The correction of the first document's outputs (``o += Q S_in``) and its gradients are written by
-    hand, in the outputs' own layout: o(0) copied into the output, then one strided batched matmul
-    adds Q S_in in place; and, in the backward, [do | dQ] built in one buffer (dQ written in place by a strided
-    batched matmul) and ``dS_in = Q^T do``; only the small chain from the gathered maps to S_in is
-    differentiated by autograd. The row-strided copies (o(0) out of the call's [o(0) | Q], do into
-    [do | dQ], v into [v | 0] and back) move 8-byte words (``_copy_rows``)."""
+    The correction of the first document's outputs (``o += Q S_in``) is written by hand, in the
+    outputs' own layout: o(0) copied into the output, then one strided batched matmul adds Q S_in in
+    place; in the backward ``dS_in = Q^T do``, and only the small chain from the gathered maps to
+    S_in is differentiated by autograd. The row-strided copies (o(0) out of the call's [o(0) | Q], v
+    into [v | 0]) move 8-byte words (``_copy_rows``)."""
 
     @staticmethod
-    def forward(ctx, call, cp_context, cu, *tensors):
+    def forward(ctx, call, engine, cp_context, cu, *tensors):
         import torch.distributed as dist
 
         group = cp_context.group
@@ -186,7 +248,8 @@ class KdaCP(torch.autograd.Function):
             raise ValueError(f"kernel_fun.kda.chunk_kda: cp_context.pre_num_ranks = {cp_context.pre_num_ranks} "
                              f"on rank {rank}: the first document cannot begin before rank 0")
         segs = segments(cu, need_in, need_map)
-        outs, tags, finals, cols, spans, placed = [], [], [], [], [], []
+        outs, finals, spans, placed = [], [], [], []
+        box = {}  # S_in, for _Crossing's backward
         o0 = Q = None
         hm = torch.zeros(HV, K, V + K, dtype=torch.float32, device=q.device)
         with torch.enable_grad():
@@ -198,13 +261,18 @@ class KdaCP(torch.autograd.Function):
                 else:  # a slice of the tokens; A_log and dt_bias are per head
                     part = [t if t is None or t.dim() < 2 else t[:, lo:hi] for t in leaves]
                 if kind == "in":
-                    o_s, t_s, f_s, c_s, o0, Q, states = _in_call(call, part, K, V, need_map and hi == cu[-1])
-                    if states:
-                        hm = torch.cat(states, dim=-1)
+                    maps = need_map and hi == cu[-1]
+                    o0, Q, E, Phi = _Crossing.apply(engine, box, K, maps, *part[:5], *engine.gate(*part[5:]))
+                    outs.append(o0)
+                    if maps:
+                        finals.append(E)
+                        hm = torch.cat([E[0].detach().float(), Phi[0].float()], dim=-1)
+                    o0, Q = o0.detach(), Q.detach()
                 elif kind == "out":  # began here from zero: E is the map (Phi meets a zero state)
                     o, ht = call(*part, output_final_state=True)
-                    o_s, t_s, f_s, c_s = [o], ["o"], [ht], [(0, V)]
-                    hm = torch.cat([ht[0].float(), hm[..., V:]], dim=-1)
+                    outs.append(o)
+                    finals.append(ht)
+                    hm = torch.cat([ht[0].detach().float(), hm[..., V:]], dim=-1)
                     placed.append((lo, hi, o))
                 else:
                     if len(segs) == 1:  # the whole slice: the context's own offsets
@@ -214,13 +282,9 @@ class KdaCP(torch.autograd.Function):
                         host = torch.tensor([c - lo for c in cu if lo <= c <= hi], dtype=torch.int32)
                         cu_kw = dict(cu_seqlens=host.to(q.device), cu_seqlens_cpu=host)
                     o, _ = call(*part, output_final_state=False, **cu_kw)
-                    o_s, t_s, f_s, c_s = [o], ["o"], [], []
+                    outs.append(o)
                     placed.append((lo, hi, o))
-                outs += o_s
-                tags += t_s
-                finals += f_s
-                cols += c_s
-                spans += [(lo, hi)] * len(o_s)
+                spans.append((lo, hi))
         # 2. every rank's [E | Phi]
         gathered = torch.stack(_cp.gather(hm.detach(), group)).requires_grad_(True)
         with torch.no_grad():
@@ -240,12 +304,13 @@ class KdaCP(torch.autograd.Function):
                 h = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
                 for j in range(rank - int(cp_context.pre_num_ranks), rank):
                     h = gathered[j, :, :, V:] @ h + gathered[j, :, :, :V]
+            box["S_in"] = h.detach()
             with torch.no_grad():
                 lo, hi = segs[0][0], segs[0][1]
                 dst = o[:, lo:hi]
                 _copy_rows(dst, o0)
                 _heads_first(dst).baddbmm_(_heads_first(Q), h.detach().to(Q.dtype))
-        ctx.graph = (outs, tags, spans, finals, cols, Q, h, segs[0][:2], gathered, leaves, V)
+        ctx.graph = (outs, spans, finals, Q, h, segs[0][:2], gathered, leaves, V)
         ctx.group = group
         return o
 
@@ -253,36 +318,25 @@ class KdaCP(torch.autograd.Function):
     def backward(ctx, do):
         import torch.distributed as dist
 
-        outs, tags, spans, finals, cols, Q, h, (in_lo, in_hi), gathered, leaves, V = ctx.graph
+        outs, spans, finals, Q, h, (in_lo, in_hi), gathered, leaves, V = ctx.graph
         ctx.graph = None
         do = do.contiguous()
-        d_outs, d_gathered = [], torch.zeros_like(gathered)
-        if h is not None:  # the first document's outputs' gradient, heads first (its first call's tokens)
-            do_in = _heads_first(do[:, in_lo:in_hi])
-            hT = h.detach().to(Q.dtype).transpose(1, 2)  # S_in^T: [HV, V, K]
-        for out, tag, (lo, hi) in zip(outs, tags, spans):
-            if tag == "o":
-                d_outs.append(do[:, lo:hi])  # a contiguous slice: one sequence
-                continue
-            # dQ = do S_in^T per value head, written straight into the call's gradient buffer:
-            # [do | dQ] side by side ("oQ"), or dQ alone ("Q")
-            d = torch.empty_like(out)
-            if tag == "oQ":
-                _copy_rows(d[..., :V], do[:, lo:hi])
-            torch.bmm(do_in, hT, out=_heads_first(d[..., V:] if tag == "oQ" else d))
-            d_outs.append(d)
+        d_gathered = torch.zeros_like(gathered)
         if h is not None:
-            # dS_in = Q^T do per value head, then through the chain into the gathered maps
-            d_h = torch.bmm(_heads_first(Q).transpose(1, 2), do_in).float()
+            # dS_in = Q^T do per value head (the first document's tokens), then through the chain into
+            # the gathered maps
+            d_h = torch.bmm(_heads_first(Q).transpose(1, 2), _heads_first(do[:, in_lo:in_hi])).float()
             d_gathered = torch.autograd.grad(h, gathered, d_h)[0].contiguous()
         # every rank's gradient for every rank's [E | Phi], summed: each takes its own slot (every
         # rank joins, whatever it needs)
         dist.all_reduce(d_gathered, group=ctx.group)
-        # the last document's final state ([E | Phi], [E] and [Phi], or [E] alone): its columns of
-        # this rank's slot
+        # the last document's final state E (of [E | Phi], whose Phi part _Crossing never needs): its
+        # columns of this rank's slot
         mine = d_gathered[dist.get_rank(ctx.group)]
-        d_finals = [mine[None, ..., a:b].to(f.dtype) for f, (a, b) in zip(finals, cols)]
-        # one backward of the rank's calls, with the outputs' and the final states' gradients
+        d_finals = [mine[None, ..., :V].to(f.dtype) for f in finals]
+        # one backward of the rank's calls, with the outputs' (contiguous slices: one sequence) and
+        # the final states' gradients
         want = [t for t in leaves if t is not None and t.requires_grad]
-        got = iter(torch.autograd.grad(outs + finals, want, d_outs + d_finals, allow_unused=True))
-        return (None, None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
+        got = iter(torch.autograd.grad(outs + finals, want, [do[:, lo:hi] for lo, hi in spans] + d_finals,
+                                       allow_unused=True))
+        return (None, None, None, None, *[next(got) if t is not None and t.requires_grad else None for t in leaves])
