@@ -689,3 +689,45 @@ def test_split_choice_model(emu):
     assert emu.split_choice(1, 32768, 32, 32, 128, 128)[0] == 0  # long_b1_t32k: the intra alone is ~1.5 ms
     assert emu.split_choice(16, 8192, 16, 16, 128, 128)[0] == 0  # bounded_b16: 512 chains
     assert emu.split_choice(1, 32768, 8, 8, 64, 64)[1] == 64  # K = 64: the virtual columns are one 64-slice
+
+
+C32_CASES = {
+    "K128-T100": dict(T=100, K=128, gate="bounded"),  # chunks of 32, 32, 32 and 4 tokens
+    "K64-B2-gva": dict(B=2, T=70, H=1, HV=2, K=64, gate="bounded"),
+    "K128-fp16-h8": dict(T=96, K=128, gate="bounded", dtype=torch.float16),
+    "bounded16-K128-nol2": dict(T=90, K=128, gate="bounded16", l2norm=False),  # the widest midpoint factors
+    "bounded-weak-K64": dict(T=64, gate="bounded_weak"),  # every block pair carries weight
+    "noalog-large-qk": dict(T=80, K=128, gate="bounded_noalog", qk_scale=1e5),  # rows rescaled for fp16
+}
+
+
+@pytest.mark.parametrize("name", list(C32_CASES))
+def test_intra_on_32_token_chunks_matches_fp64_reference(name, emu, ref):
+    """The experimental 32-token intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh): its workspace against the
+    fp64 reference's stages at chunk_size = 32 (w, qg, kg, Aqk, Akk, exp2(G) of every chunk's last
+    row). The 64-token phases it is built from, run on 32-token chunks."""
+    inputs, kw = make_case(**C32_CASES[name])
+    B, T, _, K = inputs[0].shape
+    ws = emu.intra_c32(*inputs, **kw)
+    rk = {n: kw[n] for n in ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                             "allow_neg_eigval", "lower_bound") if kw.get(n) is not None}
+    rk.update({n: kw[n].double() for n in ("A_log", "dt_bias") if kw.get(n) is not None})
+    _, _, st = ref.chunk_kda_reference(*(x.double() for x in inputs), **rk, chunk_size=32, return_stages=True)
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    rows = [min(c0 + 32, T) - 1 + b * T for b in range(B) for c0 in range(0, T, 32)]
+    checks = {
+        "qg": (flat(st["qg"]) * (kw.get("scale") or K ** -0.5), ws["qg"]),
+        "kg": (flat(st["kg"]), ws["kg"]),
+        "w": (flat(st["w"]), ws["w"]),
+        "Aqk": (flat(st["Aqk"]), ws["Aqk"]),
+        "Akk": (flat(st["Akk"]), ws["Akk"]),
+        "exp2(G)": (as_stored_fp32(torch.exp2(flat(st["g2"])[rows])), ws["gdecay"]),
+    }
+    bad = {key: err for key, (r, got) in checks.items() if not (err := rel_rms(r, got)) <= TOL}
+    assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
+
+
+def test_intra_on_32_token_chunks_refuses_what_it_does_not_serve(emu):
+    inputs, kw = make_case(T=40, gate="unbounded")
+    with pytest.raises(RuntimeError, match="bounded gates only"):
+        emu.intra_c32(*inputs, **kw)

@@ -25,6 +25,7 @@
 #include "kda/kda_sequence.h"
 #include "kda/fwd/kda_fwd_fused.cuh"
 #include "kda/fwd/kda_fwd_intra.cuh"
+#include "kda/fwd/kda_fwd_intra_c32.cuh"
 #include "kda/fwd/kda_fwd_scan.cuh"
 #include "kda/fwd/kda_fwd_split.cuh"
 #include "kda/recur/kda_recur.cuh"
@@ -445,6 +446,20 @@ void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, i
   });
 }
 
+// The experimental 32-token intra (fwd/kda_fwd_intra_c32.cuh) alone, into the args' workspace
+// pointers (w, qg, kg, Aqk, Akk, M, gdecay at 32-token chunks): bounded gates, fixed length.
+void intra_c32(const KdaEmuArgs& a) {
+  const kda::KdaBwdParams p = make_params(a);
+  if (p.cu_seqlens) throw std::invalid_argument("the 32-token intra takes fixed-length problems only");
+  if (!kda::dev::block_midpoint_ok(p.opt)) throw std::invalid_argument("the 32-token intra takes bounded gates only");
+  kda::dispatch_wt_k(p.dtype, p.K, "kda_emu_intra_c32", [&](auto wt, auto k) {
+    using WT = typename decltype(wt)::type;
+    constexpr int K = decltype(k)::value;
+    launch(kda::intra_c32_launch<WT, K>(p), kda::kda_fwd_intra_c32_kernel<WT, K>,
+           static_cast<const kda::KdaFwdParams&>(p));
+  });
+}
+
 // A fixed-length problem of these sizes, for the launch-policy queries below (shapes only).
 kda::KdaProblem fixed_problem(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V) {
   kda::KdaProblem p;
@@ -504,6 +519,10 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   bv_cost[1] = c.cost;
   bv_cost[2] = c.cost_other;
   return c.chunks;
+}
+
+int kda_emu_intra_c32(const KdaEmuArgs* a) {
+  return guarded([&] { intra_c32(*a); });
 }
 
 int kda_emu_fused_forward(const KdaEmuArgs* a) {

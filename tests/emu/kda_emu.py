@@ -54,7 +54,7 @@ def lib():
         L = ctypes.CDLL(str(path))
         L.kda_emu_args_size.restype = ctypes.c_int
         L.kda_emu_last_error.restype = ctypes.c_char_p
-        for fn in (L.kda_emu_forward, L.kda_emu_backward):
+        for fn in (L.kda_emu_forward, L.kda_emu_backward, L.kda_emu_intra_c32):
             fn.argtypes = [ctypes.POINTER(KdaEmuArgs)]
             fn.restype = ctypes.c_int
         L.kf_emu_configure.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -324,6 +324,29 @@ def forward_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()
     return o, ht, ws
+
+
+def intra_c32(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None,
+              misalign=False, **_ignored):
+    """The experimental 32-token forward intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh) alone: its
+    workspace {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 32]; gdecay: [B * ceil(T / 32), HV, K]
+    fp32}, NaN where never written. Bounded gates, fixed length."""
+    opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, A_log, False)
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    gz, _, f, keep = _setup(q, k, v, g, beta, opts, None, None, A_log, dt_bias, misalign, False)
+    dt = q.dtype
+    ws = {n: gz.alloc(n + " (c32)", (B * T, HV, K), dt) for n in ("w", "qg", "kg")}
+    ws.update({n: gz.alloc(n + " (c32)", (B * T, HV, 32), dt) for n in ("Aqk", "Akk", "M")})
+    ws["gdecay"] = gz.alloc("gdecay (c32)", (B * (-(-T // 32)), HV, K), torch.float32)
+    f.update({n: _ptr(t) for n, t in ws.items()})
+    a = KdaEmuArgs(**f)
+    if lib().kda_emu_intra_c32(ctypes.byref(a)):
+        raise RuntimeError(lib().kda_emu_last_error().decode())
+    gz.check()
+    return ws
 
 
 def intra_stage_check(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,

@@ -219,10 +219,11 @@ __device__ __forceinline__ void gate8_to_float(float (&v)[8], const Raw8& x, con
 // The thread map of the gate's per-chunk pass (gate_cumsum_beta, gate_rows): thread = (16-row block
 // blk, group of 8 columns cg, sub-group sub of RPT rows) owns rows row0 .. row0 + RPT - 1 at columns
 // d0 .. d0 + 7. The SUBS sub-groups of one block are adjacent lanes (the block prefix is a shuffle).
-template <int K, int NTH>
+// NB: the chunk's 16-row blocks (4 for the 64-token chunk every kernel runs; 2 for a 32-token one).
+template <int K, int NTH, int NB = 4>
 struct GateMap {
   static constexpr int CG = K / 8;
-  static constexpr int SUBS = NTH / (4 * CG);  // 4 at K = 128, 8 at K = 64 (NTH = 256)
+  static constexpr int SUBS = NTH / (NB * CG);  // 4 at K = 128, 8 at K = 64 (NTH = 256, NB = 4)
   static constexpr int RPT = 16 / SUBS;        // rows per thread
   static_assert(SUBS * RPT == 16 && 32 % SUBS == 0, "sub-groups of one block are adjacent lanes");
   int sub, cg, blk, d0, row0;
@@ -237,9 +238,9 @@ struct GateMap {
 
 // The pieces of the gate pass, on one thread's GateMap share: the row loads, the activation with a
 // running (inclusive, thread-local) sum, the block prefix over the sub-groups, beta.
-template <int K, int NTH>
+template <int K, int NTH, int NB = 4>
 struct GatePass {
-  using Map = GateMap<K, NTH>;
+  using Map = GateMap<K, NTH, NB>;
   static constexpr int SUBS = Map::SUBS, RPT = Map::RPT;
   const KdaProblem& p;
   const int64_t tok0;
@@ -297,7 +298,7 @@ struct GatePass {
   // sigmoid, 0 past the end.
   __device__ __forceinline__ void load_beta(float* sBeta, float* sSlope = nullptr) const {
     const int tid = threadIdx.x;
-    if (tid < kChunk) {
+    if (tid < 16 * NB) {
       float b = 0.f, sl = 0.f;
       if (tid < len) {
         const float z = load_any(p.beta, p.beta_dtype, (tok0 + tid) * p.HV + hv);
@@ -359,10 +360,10 @@ struct NoBulk {
 // issue_bulk() runs right after the gate rows' loads are issued: the caller's bulk copies of the
 // chunk (cp.async) then queue BEHIND the loads the activation waits on, not ahead of them (ncu on
 // grads: the top stall of its load phase was the wait for the gate row).
-template <int K, int NTH, typename Bulk = NoBulk>
-__device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[GateMap<K, NTH>::RPT][8], float* sBT,
-                                          float* sBeta, Bulk issue_bulk = {}, float* sSlope = nullptr) {
-  constexpr int RPT = GateMap<K, NTH>::RPT;
+template <int K, int NTH, int NB = 4, typename Bulk = NoBulk>
+__device__ __forceinline__ void gate_rows(GatePass<K, NTH, NB>& gp, float (&g2)[GateMap<K, NTH, NB>::RPT][8],
+                                          float* sBT, float* sBeta, Bulk issue_bulk = {}, float* sSlope = nullptr) {
+  constexpr int RPT = GateMap<K, NTH, NB>::RPT;
   Raw8 raw[RPT];
   gp.load_rows(raw);
   issue_bulk();
@@ -382,13 +383,13 @@ __device__ __forceinline__ void gate_rows(GatePass<K, NTH>& gp, float (&g2)[Gate
 // 3c4cfc3 slowdown (3.37 -> 3.86, 1.77 -> 2.39 ms at prod8192) came from the loads being converted
 // right behind each load, not from rolling; the unrolled form alone did not bring it back,
 // load8_raw did. The rolled form has not been measured in them since.
-template <int K, int NTH, int KP, bool kRollRows = false, typename Bulk = NoBulk>
+template <int K, int NTH, int KP, bool kRollRows = false, int NB = 4, typename Bulk = NoBulk>
 __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t tok0, int len, int hv, float* sG,
                                                  float* sBT, float* sBeta, Bulk issue_bulk = {},
                                                  float* sSlope = nullptr) {
-  using Map = GateMap<K, NTH>;
+  using Map = GateMap<K, NTH, NB>;
   constexpr int RPT = Map::RPT;
-  GatePass<K, NTH> gp(p, tok0, len, hv);
+  GatePass<K, NTH, NB> gp(p, tok0, len, hv);
   const int row0 = gp.m.row0, d0 = gp.m.d0, ph = gp.m.phase();
   if constexpr (kRollRows) {  // the running sums wait in sG for the block prefix
     Raw8 raw = gp.load_row(0);
@@ -411,7 +412,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     }
   } else {  // every row in registers from its load to its one store
     float xr[RPT][8];
-    gate_rows<K, NTH>(gp, xr, sBT, sBeta, issue_bulk, sSlope);
+    gate_rows<K, NTH, NB>(gp, xr, sBT, sBeta, issue_bulk, sSlope);
 #pragma unroll
     for (int j = 0; j < RPT; ++j) st8_phased(sG + (row0 + j) * KP + d0, xr[j], ph);
   }
@@ -419,34 +420,39 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
 
 // The gate's per-chunk scratch in shared memory, one block that every kernel recomputing the gate
 // keeps (kda_fwd_intra, kda_bwd_prep, kda_bwd_grads): the block totals T_b and the sums of the
-// totals before (O_b) and after (S_b) each block ([4][K] fp32 each, block_offsets), g2 at the last
-// valid row ([K]), beta and the l2norm row factors of q and k ([64] fp32 each). Every member is a
+// totals before (O_b) and after (S_b) each block ([NB][K] fp32 each, block_offsets), g2 at the last
+// valid row ([K]), beta and the l2norm row factors of q and k ([16 NB] fp32 each). Every member is a
 // multiple of 16 bytes, so the block keeps each piece 16-byte aligned where it starts aligned.
-template <int K>
+template <int K, int NB = 4>
 struct GateStorage {
-  float BT[4][K];
-  float BO[4][K];
-  float BS[4][K];
+  float BT[NB][K];
+  float BO[NB][K];
+  float BS[NB][K];
   float Gt[K];
-  float beta[kChunk];
-  float rq[kChunk];
-  float rk[kChunk];
+  float beta[16 * NB];
+  float rq[16 * NB];
+  float rk[16 * NB];
 };
 
 // Pointers into a GateStorage, for the phases that pass the gate scratch around as one value.
 template <int K>
 struct GateScratch {
   float *BT, *BO, *BS, *Gt, *beta, *rq, *rk;
-  __device__ __forceinline__ explicit GateScratch(GateStorage<K>& s)
+  template <int NB>
+  __device__ __forceinline__ explicit GateScratch(GateStorage<K, NB>& s)
       : BT(&s.BT[0][0]), BO(&s.BO[0][0]), BS(&s.BS[0][0]), Gt(s.Gt), beta(s.beta), rq(s.rq), rk(s.rk) {}
 };
 
-// From the block totals sBT [4][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
-// sGt = G (the chunk total). Sums of terms <= 0: no cancellation. Threads < K.
-template <int K>
+// From the block totals sBT [NB][K]: sBO[b] = sum of the totals before block b, sBS[b] = after it,
+// sGt = G (the chunk total). Sums of terms <= 0: no cancellation. Threads < K. The sums run left to
+// right for O and right to left for S. (NB = 4, every kernel's chunk, is written out: the generic
+// loop gives the same values with another register allocation in the intra's SASS.)
+template <int K, int NB = 4>
 __device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, float* sBS, float* sGt) {
+  static_assert(NB >= 2, "at least two 16-row blocks");
   const int tid = threadIdx.x;
-  if (tid < K) {
+  if (tid >= K) return;
+  if constexpr (NB == 4) {
     const float b0 = sBT[tid], b1 = sBT[K + tid], b2 = sBT[2 * K + tid], b3 = sBT[3 * K + tid];
     const float o2 = b0 + b1, o3 = o2 + b2;
     const float s2 = b3, s1 = b2 + s2, s0 = b1 + s1;
@@ -459,6 +465,23 @@ __device__ __forceinline__ void block_offsets(const float* sBT, float* sBO, floa
     sBS[2 * K + tid] = s2;
     sBS[3 * K + tid] = 0.f;
     if (sGt) sGt[tid] = o3 + b3;  // G
+  } else {
+    float b[NB];
+#pragma unroll
+    for (int i = 0; i < NB; ++i) b[i] = sBT[i * K + tid];
+    float o = b[0], s = b[NB - 1];
+    sBO[tid] = 0.f;
+    sBO[K + tid] = o;
+    sBS[(NB - 1) * K + tid] = 0.f;
+    sBS[(NB - 2) * K + tid] = s;
+#pragma unroll
+    for (int i = 2; i < NB; ++i) {
+      o = o + b[i - 1];
+      sBO[i * K + tid] = o;
+      s = b[NB - i] + s;
+      sBS[(NB - 1 - i) * K + tid] = s;
+    }
+    if (sGt) sGt[tid] = o + b[NB - 1];  // G
   }
 }
 
@@ -485,15 +508,15 @@ __device__ __forceinline__ void sum_sq8(const uint4& uq, const uint4& uk, float&
 // The l2norm row factors rq = 1 / sqrt(sum q^2 + 1e-6) (1 when l2norm is off) of the raw q / k
 // rows sQ, sK [64][KQ]: K/8 lanes per row, 8 elements each (16-byte loads), a shuffle tree over
 // the row's lanes (aligned groups of K/8 lanes of one warp; uniform trip count).
-template <typename WT, int K, int NTH, int KQ>
+template <typename WT, int K, int NTH, int KQ, int C = kChunk>
 __device__ __forceinline__ void row_rstd(const WT* sQ, const WT* sK, bool l2norm, float* sRq, float* sRk) {
   constexpr int VPR = K / 8;
-  static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
+  static_assert((C * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
   if (!l2norm) {  // uniform branch: no loads or shuffles when the factors are all 1
-    strided<kChunk, NTH>(threadIdx.x, [&](int r) { sRq[r] = sRk[r] = 1.f; });
+    strided<C, NTH>(threadIdx.x, [&](int r) { sRq[r] = sRk[r] = 1.f; });
     return;
   }
-  strided<kChunk * VPR, NTH>(threadIdx.x, [&](int i) {
+  strided<C * VPR, NTH>(threadIdx.x, [&](int i) {
     const int r = i / VPR, d0 = (i % VPR) * 8;
     float sq, sk;
     sum_sq8<WT>(*reinterpret_cast<const uint4*>(sQ + r * KQ + d0), *reinterpret_cast<const uint4*>(sK + r * KQ + d0),
@@ -532,13 +555,13 @@ __device__ __forceinline__ int row_exponent(float m) {
 // prep recomputes qg / kg from the raw rows with row_rstd). The sums of squares run in row_rstd's
 // order. fp16 inputs are in fp16's range already, and a gated operand loses no more than the input's
 // own storage did (the same absolute spacing below fp16's normal range): row_rstd as it is.
-template <typename WT, int K, int NTH, int KQ>
+template <typename WT, int K, int NTH, int KQ, int C = kChunk>
 __device__ __forceinline__ void row_rstd_fp16_operands(WT* sQ, WT* sK, bool l2norm, float* sRq, float* sRk) {
   if constexpr (!std::is_same<WT, __nv_bfloat16>::value) {
-    row_rstd<WT, K, NTH, KQ>(sQ, sK, l2norm, sRq, sRk);
+    row_rstd<WT, K, NTH, KQ, C>(sQ, sK, l2norm, sRq, sRk);
   } else {
-    constexpr int VPR = K / 8, IT = kChunk * VPR / NTH;  // each thread: IT vectors of q and of k
-    static_assert((kChunk * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
+    constexpr int VPR = K / 8, IT = C * VPR / NTH;  // each thread: IT vectors of q and of k
+    static_assert((C * VPR) % NTH == 0 && 32 % VPR == 0, "rows map onto aligned lane groups");
     // All IT vectors' loads and reductions side by side, without a branch between them: the shuffle
     // trees are latency chains, and one vector at a time behind a branch (the first form) cost the
     // phase ~1.9k cycles per CTA on the H200.

@@ -92,15 +92,17 @@ struct ChunkPlace {
   int hv, h, HV;
   int64_t tok0;
   int len, gchunk;
-  __device__ __forceinline__ ChunkPlace(const KdaProblem& p, const SeqInfo& seq, int c, int hv_) {
+  // chunk: the tokens per chunk (kChunk; 32 for the experimental short-chunk intra, whose seq.chunk0
+  // then counts chunks of that size).
+  __device__ __forceinline__ ChunkPlace(const KdaProblem& p, const SeqInfo& seq, int c, int hv_, int chunk = kChunk) {
     tid = threadIdx.x;
     lane = tid & 31;
     warp = tid >> 5;
     hv = hv_;
     HV = p.HV;
     h = hv / (HV / p.H);
-    tok0 = seq.bos + static_cast<int64_t>(c) * kChunk;
-    len = min(kChunk, seq.len - c * kChunk);
+    tok0 = seq.bos + static_cast<int64_t>(c) * chunk;
+    len = min(chunk, seq.len - c * chunk);
     gchunk = seq.chunk0 + c;
   }
 };

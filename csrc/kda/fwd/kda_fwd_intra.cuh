@@ -71,24 +71,26 @@ constexpr int kIntraThreads = 256;
 
 // The shared memory plan above as one typed struct (nothing in it is constructed: it is a view of
 // the dynamic shared memory). Every member's size is a multiple of 16 bytes, so each starts 16-byte
-// aligned and the layout has no padding.
-template <typename WT, int K>
+// aligned and the layout has no padding. C: the tokens per chunk (kChunk; 32 for the experimental
+// short-chunk kernel, docs/notes/2026-12-05-chunk-size.md), C / 16 row blocks.
+template <typename WT, int K, int C = kChunk>
 struct IntraSmem {
   // Row strides: KP = K + 8 floats is 8 banks per row, so the 8-byte (float2) loads of P2 (rows g
-  // of a fragment, columns 2t, 2t+1) and P4b's column reads hit distinct banks per half-warp.
+  // of a fragment, columns 2t, 2t+1) and P4b's column reads hit distinct banks per half-warp; AP =
+  // C + 4 shifts each row of the C-wide matrices by 4 banks.
   static constexpr int KP = K + 8;
   static constexpr int KQ = K + 8;
-  static constexpr int AP = 68;
-  float g[kChunk][KP];    // block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2) as tf32 (.. P4b)
+  static constexpr int AP = C + 4;
+  float g[C][KP];    // block-local g2 (P1 .. kexp), then kexp = k rk exp2(g2) as tf32 (.. P4b)
   union {
-    WT q[kChunk][KQ];     // raw q (P0 .. qg)
-    float x[kChunk][AP];  // X = (I + L)^-1 (P3 .. P4b): q is dead once qg is written
+    WT q[C][KQ];     // raw q (P0 .. qg)
+    float x[C][AP];  // X = (I + L)^-1 (P3 .. P4b): q is dead once qg is written
   } qx;
-  WT k[kChunk][KQ];       // raw k (P0 .. kexp)
-  float a[kChunk][AP];    // Aqk (P2 .. its store), then the merge scratch Y [48][AP] (P3 merge)
-  float l[kChunk][AP];    // L (P2 .. P3); zero-filled with a[] as one range, so it must follow a[]
-  dev::GateStorage<K> gate;
-  int work[4];            // [0]: the next unit of the shared qg / kg work queue (P2 .. P4a)
+  WT k[C][KQ];       // raw k (P0 .. kexp)
+  float a[C][AP];    // Aqk (P2 .. its store), then the merge scratch Y [C - 16][AP] (P3 merge)
+  float l[C][AP];    // L (P2 .. P3); zero-filled with a[] as one range, so it must follow a[]
+  dev::GateStorage<K, C / 16> gate;
+  int work[4];       // [0]: the next unit of the shared qg / kg work queue (P2 .. P4a)
 };
 
 // 3xTF32 m16n8k8: D += A B with A, B split into tf32 hi + lo parts (hi*hi + hi*lo + lo*hi), about
@@ -112,11 +114,13 @@ __device__ __forceinline__ void intra_mma_3xtf32(float (&big)[4], float (&small)
 
 // Everything the phases of one CTA share: the params, its chunk (sequence, first token, length),
 // the thread's place and the typed views of the shared memory plan above.
-template <typename WT, int K>
+template <typename WT, int K, int C = kChunk>
 struct IntraCtx : dev::ChunkPlace {
-  using S = IntraSmem<WT, K>;
+  using S = IntraSmem<WT, K, C>;
   using E = dev::Elem<WT>;
-  static constexpr int KP = S::KP, KQ = S::KQ, AP = S::AP, NTH = kIntraThreads;
+  // four threads per token: 256 for the 64-token chunk (kIntraThreads), 128 for a 32-token one
+  static constexpr int KP = S::KP, KQ = S::KQ, AP = S::AP, NTH = 4 * C, NB = C / 16;
+  static_assert(C != kChunk || NTH == kIntraThreads, "the 64-token kernel's block size");
   static_assert(sizeof(S) <= 113 * 1024, "two CTAs per SM");
   static_assert(offsetof(S, l) == offsetof(S, a) + sizeof(S::a), "a[] and l[] are zero-filled as one range");
 
@@ -126,7 +130,7 @@ struct IntraCtx : dev::ChunkPlace {
 
   __device__ __forceinline__ IntraCtx(const KdaFwdParams& p_, char* sm_, const dev::SeqInfo& seq, int c, int hv_,
                                       long long* clk_ = nullptr)
-      : dev::ChunkPlace(p_, seq, c, hv_), p(p_), st(reinterpret_cast<S*>(sm_)), clk(clk_) {}
+      : dev::ChunkPlace(p_, seq, c, hv_, C), p(p_), st(reinterpret_cast<S*>(sm_)), clk(clk_) {}
   // Phase boundary `slot` as thread 0 sees it (after the phase's barrier); slots 8 + warp: when each
   // warp finishes its own P2 tiles (before the shared qg / kg queue).
   __device__ __forceinline__ void stamp(int slot) const {
@@ -173,26 +177,30 @@ struct IntraCtx : dev::ChunkPlace {
 // dev::scan_load_chunk gives it (IntraToStage: every row, those past the end +0, as the scan's
 // zero-filled loads; M is not wanted there). Stores of 8 elements (uint4) at row r,
 // columns c0 .. c0 + 7, or of 2 (w, one uint32).
-template <typename WT, int K>
+template <typename WT, int K, int C = kChunk>
 struct IntraToWorkspace {
-  __device__ __forceinline__ bool wants_row(const IntraCtx<WT, K>& c, int r) const { return r < c.len; }
-  __device__ __forceinline__ int64_t row(const IntraCtx<WT, K>& c, int r) const { return (c.tok0 + r) * c.HV + c.hv; }
-  __device__ __forceinline__ void qg_kg(const IntraCtx<WT, K>& c, int r, int c0, const uint4& q, const uint4& k) const {
+  __device__ __forceinline__ bool wants_row(const IntraCtx<WT, K, C>& c, int r) const { return r < c.len; }
+  __device__ __forceinline__ int64_t row(const IntraCtx<WT, K, C>& c, int r) const {
+    return (c.tok0 + r) * c.HV + c.hv;
+  }
+  __device__ __forceinline__ void qg_kg(const IntraCtx<WT, K, C>& c, int r, int c0, const uint4& q,
+                                        const uint4& k) const {
     const int64_t off = row(c, r) * K + c0;
     dev::stg16(reinterpret_cast<WT*>(c.p.qg) + off, q);
     dev::stg16(reinterpret_cast<WT*>(c.p.kg) + off, k);
   }
-  __device__ __forceinline__ void aqk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a) const {
-    dev::stg16(reinterpret_cast<WT*>(c.p.Aqk) + row(c, r) * kChunk + c0, a);
+  __device__ __forceinline__ void aqk(const IntraCtx<WT, K, C>& c, int r, int c0, const uint4& a) const {
+    dev::stg16(reinterpret_cast<WT*>(c.p.Aqk) + row(c, r) * C + c0, a);
   }
-  __device__ __forceinline__ void gdecay(const IntraCtx<WT, K>& c, int k, float v) const {
+  __device__ __forceinline__ void gdecay(const IntraCtx<WT, K, C>& c, int k, float v) const {
     c.p.gdecay[(static_cast<int64_t>(c.gchunk) * c.HV + c.hv) * K + k] = v;
   }
-  __device__ __forceinline__ void w2(const IntraCtx<WT, K>& c, int r, int col, uint32_t v) const {
+  __device__ __forceinline__ void w2(const IntraCtx<WT, K, C>& c, int r, int col, uint32_t v) const {
     *reinterpret_cast<uint32_t*>(reinterpret_cast<WT*>(c.p.w) + row(c, r) * K + col) = v;
   }
-  __device__ __forceinline__ void akk(const IntraCtx<WT, K>& c, int r, int c0, const uint4& a, const uint4& m) const {
-    const int64_t off = row(c, r) * kChunk + c0;
+  __device__ __forceinline__ void akk(const IntraCtx<WT, K, C>& c, int r, int c0, const uint4& a,
+                                      const uint4& m) const {
+    const int64_t off = row(c, r) * C + c0;
     dev::stg16(reinterpret_cast<WT*>(c.p.Akk) + off, a);
     if (c.p.M) dev::stg16(reinterpret_cast<WT*>(c.p.M) + off, m);
   }
@@ -229,9 +237,9 @@ struct IntraToStage {
 // ---------------------------------------------------------------- P0 + P1
 // P0: raw q / k -> smem (async), issued by P1's gate_cumsum_beta right behind the gate rows' loads;
 // P1: gate + cumsum, beta; Aqk / L zeroed, the work queue reset. Ends with a barrier.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
-  using Ctx = IntraCtx<WT, K>;
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K, C>& c) {
+  using Ctx = IntraCtx<WT, K, C>;
   using E = typename Ctx::E;
   constexpr int KP = Ctx::KP, KQ = Ctx::KQ, AP = Ctx::AP, NTH = Ctx::NTH;
   const KdaFwdParams& p = c.p;
@@ -250,13 +258,13 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
       // range, then of the k range: the map row_rstd_fp16_operands relies on, below). The row offsets
       // from one 64-bit base per tensor: no division, no 64-bit multiply per copy.
       constexpr int RPI = NTH / VPR;  // rows per pass of the CTA
-      static_assert(NTH % VPR == 0 && kChunk % RPI == 0, "whole rows per pass");
+      static_assert(NTH % VPR == 0 && C % RPI == 0, "whole rows per pass");
       const int v = tid % VPR, r0 = tid / VPR;
       const int64_t rstride = static_cast<int64_t>(p.H) * K;
       const WT* qb = q + (tok0 * p.H + h) * K + 8 * v;
       const WT* kb = k + (tok0 * p.H + h) * K + 8 * v;
 #pragma unroll
-      for (int j = 0; j < kChunk / RPI; ++j) {
+      for (int j = 0; j < C / RPI; ++j) {
         const int r = r0 + RPI * j;
         const int64_t off = (r < len ? r : 0) * rstride;  // rows past the end: zero-filled, source never read
         dev::cp_async16(sQ + r * KQ + 8 * v, qb + off, r < len ? 16 : 0);
@@ -264,7 +272,7 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
       }
       dev::cp_async_commit();
     } else {
-      for (int i = tid; i < kChunk * K; i += NTH) {
+      for (int i = tid; i < C * K; i += NTH) {
         const int r = i / K, d = i % K;
         const int64_t off = ((tok0 + r) * p.H + h) * K + d;
         sQ[r * KQ + d] = r < len ? q[off] : E::from_float(0.f);
@@ -272,29 +280,29 @@ __device__ __forceinline__ void intra_load_gate(const IntraCtx<WT, K>& c) {
       }
     }
   };
-  dev::gate_cumsum_beta<K, NTH, KP>(p, tok0, len, c.hv, c.sG(), gs.BT, gs.beta, issue_bulk);
+  dev::gate_cumsum_beta<K, NTH, KP, false, Ctx::NB>(p, tok0, len, c.hv, c.sG(), gs.BT, gs.beta, issue_bulk);
   float* sA = c.sA();
-  for (int i = tid; i < 2 * kChunk * AP / 4; i += NTH)  // sA and sL are adjacent
+  for (int i = tid; i < 2 * C * AP / 4; i += NTH)  // sA and sL are adjacent
     reinterpret_cast<float4*>(sA)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (tid == 0) *c.sWork() = 0;
   dev::cp_async_wait<0>();
   // The l2norm row factors (and the fp16 operands' row scaling) before the barrier: with the 16-byte
   // copies, row_rstd_fp16_operands' vector i (q and k) is the one this thread's own cp.async brought
-  // (copy index i and kChunk VPR + i, both = tid mod NTH), complete for it after its wait; a row's
+  // (copy index i and C VPR + i, both = tid mod NTH), complete for it after its wait; a row's
   // lanes are one warp's (its shuffles). Every other reader of sQ / sK, sRq, sRk comes after the
   // barrier. The element-wise fallback copy maps threads differently: the barrier first.
-  static_assert((kChunk * VPR) % NTH == 0, "the row factors' vectors are the thread's own copies");
+  static_assert((C * VPR) % NTH == 0, "the row factors' vectors are the thread's own copies");
   if (!al16) __syncthreads();
-  dev::row_rstd_fp16_operands<WT, K, NTH, KQ>(sQ, sK, p.opt.l2norm, gs.rq, gs.rk);
+  dev::row_rstd_fp16_operands<WT, K, NTH, KQ, C>(sQ, sK, p.opt.l2norm, gs.rq, gs.rk);
   __syncthreads();
 }
 
 // ---- block offsets (sums of whole-block totals: all terms <= 0, so no cancellation), G. Ends with a
 // barrier.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_block_offsets(const IntraCtx<WT, K>& c) {
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_block_offsets(const IntraCtx<WT, K, C>& c) {
   const dev::GateScratch<K> gs = c.gs();
-  dev::block_offsets<K>(gs.BT, gs.BO, gs.BS, gs.Gt);
+  dev::block_offsets<K, IntraCtx<WT, K, C>::NB>(gs.BT, gs.BO, gs.BS, gs.Gt);
   __syncthreads();
 }
 
@@ -399,9 +407,9 @@ __device__ __forceinline__ int p2_col(int kk, int hf, int t) { return 16 * kk + 
 // BJ_LO .. BJ_HI: the column blocks this warp takes (the bounded-gate kernel splits row 3 over two warps);
 // the blocks between BJ_HI and bi still add their totals to m, in the same order as the whole row, so
 // each product is bitwise the unsplit row's.
-template <typename WT, int K, int BI, int BJ_LO = 0, int BJ_HI = BI - 1>
-__device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K>& c) {
-  constexpr int KQ = IntraCtx<WT, K>::KQ;
+template <typename WT, int K, int BI, int BJ_LO = 0, int BJ_HI = BI - 1, int C = kChunk>
+__device__ __forceinline__ void intra_p2_below_diag_row(const IntraCtx<WT, K, C>& c) {
+  constexpr int KQ = IntraCtx<WT, K, C>::KQ;
   using H = dev::Elem<__half>;
   const WT* sQ = c.sQ();
   const WT* sK = c.sK();
@@ -606,9 +614,9 @@ __device__ __forceinline__ void intra_p2_diag_tc(const IntraCtx<WT, K>& c) {
 // k-slot t of an m16n8k8 step is column 8 s + 2 t and slot t + 4 column 8 s + 2 t + 1 (each dot product
 // is the same sum in another order): a lane's A rows (g, g + 8) and its B rows (n-tiles 0 / 1: rows
 // g / g + 8 of the block) are then the same entries, one 8-byte g and one 4-byte q / k load per row.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_p2_diag_mid(const IntraCtx<WT, K>& c, int blk) {
-  constexpr int KQ = IntraCtx<WT, K>::KQ;
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_p2_diag_mid(const IntraCtx<WT, K, C>& c, int blk) {
+  constexpr int KQ = IntraCtx<WT, K, C>::KQ;
   const WT* sQ = c.sQ();
   const WT* sK = c.sK();
   const int g = c.lane >> 2, t = c.lane & 3;
@@ -653,14 +661,14 @@ __device__ __forceinline__ void intra_p2_diag_mid(const IntraCtx<WT, K>& c, int 
 // queue instead of idling at the barrier (P2's three kinds of work are uneven). Units of 64
 // vectors (two per lane); every vector is computed the same way whichever warp takes it, so the
 // result is deterministic.
-template <typename WT, int K, typename Out>
-__device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c, const Out& out) {
-  using Ctx = IntraCtx<WT, K>;
+template <typename WT, int K, int C, typename Out>
+__device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K, C>& c, const Out& out) {
+  using Ctx = IntraCtx<WT, K, C>;
   const KdaFwdParams& p = c.p;
   const dev::GateScratch<K> gs = c.gs();
   const int lane = c.lane;
   constexpr int VPR = K / 8;                 // 8-element vectors per row
-  constexpr int kUnits = kChunk * VPR / 64;  // units of 64 vectors, two per lane
+  constexpr int kUnits = C * VPR / 64;  // units of 64 vectors, two per lane
   constexpr int RS = 32 / VPR;                // rows between a lane's two vectors
   static_assert(VPR <= 32 && 32 % VPR == 0 && 16 % (64 / VPR) == 0, "a unit's rows lie in one row block");
   for (;;) {
@@ -689,13 +697,17 @@ __device__ __forceinline__ void intra_store_gated(const IntraCtx<WT, K>& c, cons
 }
 
 // ---------------------------------------------------------------- P3 (diagonal) || P4a, second part
-// Warps 0-1 (tid < 64): the diagonal blocks of X = (I + L)^-1 (a serial, latency-bound
-// substitution), into the dead q region: column j of the inverse of the unit lower-triangular 16x16
-// block by forward substitution in fp32 (never a low-precision Neumann series: near-collinear keys
-// make it diverge).
-template <typename WT, int K>
-__device__ __forceinline__ void intra_diag_inverse(const IntraCtx<WT, K>& c) {
-  constexpr int AP = IntraCtx<WT, K>::AP;
+// Threads < intra_diag_threads (warps 0-1 of the 64-token kernel): the diagonal blocks of
+// X = (I + L)^-1 (a serial, latency-bound substitution), into the dead q region: column j of the
+// inverse of the unit lower-triangular 16x16 block by forward substitution in fp32 (never a
+// low-precision Neumann series: near-collinear keys make it diverge).
+template <int C>
+constexpr int intra_diag_threads() {
+  return C;  // one thread per column of each 16 x 16 diagonal block
+}
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_diag_inverse(const IntraCtx<WT, K, C>& c) {
+  constexpr int AP = IntraCtx<WT, K, C>::AP;
   const float* sL = c.sL();
   float* sX = c.sX();
   const int blk = c.tid >> 4, j = c.tid & 15, o = 16 * blk;
@@ -713,21 +725,21 @@ __device__ __forceinline__ void intra_diag_inverse(const IntraCtx<WT, K>& c) {
 
 // Warps 2-7 meanwhile: kexp = k rk exp2(g2) in place of g2 (B operand of w), Aqk -> workspace,
 // exp2(G) -> gdecay. Disjoint buffers from intra_diag_inverse's: sL / sX vs sG / sK / sA.
-template <typename WT, int K, typename Out>
-__device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, const Out& out) {
-  using Ctx = IntraCtx<WT, K>;
+template <typename WT, int K, int C, typename Out>
+__device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K, C>& c, const Out& out) {
+  using Ctx = IntraCtx<WT, K, C>;
   using E = typename Ctx::E;
   constexpr int KP = Ctx::KP, KQ = Ctx::KQ, AP = Ctx::AP;
-  constexpr int NT2 = Ctx::NTH - 64;
+  constexpr int ND = intra_diag_threads<C>(), NT2 = Ctx::NTH - ND;
   const KdaFwdParams& p = c.p;
   const dev::GateScratch<K> gs = c.gs();
   const float* sG = c.sG();
   const WT* sK = c.sK();
   const float* sA = c.sA();
   float* sKexp = c.sKexp();
-  const int t2 = c.tid - 64;
+  const int t2 = c.tid - ND;
   constexpr int VPR = K / 8;
-  for (int i = t2; i < kChunk * VPR; i += NT2) {
+  for (int i = t2; i < C * VPR; i += NT2) {
     const int r = i / VPR, d0 = (i % VPR) * 8;
     const float fk = gs.rk[r];
     const int sw = dev::half_swap(d0);  // every 8-vector below in slot order: conflict-free phases
@@ -750,8 +762,8 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, 
     // in place: this thread is the only reader of sG[r][d0 .. d0+7] in this phase
     dev::st8_slots(sKexp + r * KP + d0, kx, sw);
   }
-  for (int i = t2; i < kChunk * 8; i += NT2) {
-    const int r = i / 8, s0 = (i % 8) * 8;
+  for (int i = t2; i < C * (C / 8); i += NT2) {
+    const int r = i / (C / 8), s0 = (i % (C / 8)) * 8;
     if (out.wants_row(c, r)) {
       uint32_t pa[4];
 #pragma unroll
@@ -759,22 +771,26 @@ __device__ __forceinline__ void intra_kexp_aqk_gdecay(const IntraCtx<WT, K>& c, 
       out.aqk(c, r, s0, make_uint4(pa[0], pa[1], pa[2], pa[3]));
     }
   }
-  if (t2 < K) out.gdecay(c, t2, dev::fast_exp2(gs.Gt[t2]));
+  if constexpr (NT2 >= K) {
+    if (t2 < K) out.gdecay(c, t2, dev::fast_exp2(gs.Gt[t2]));
+  } else {
+    for (int d = t2; d < K; d += NT2) out.gdecay(c, d, dev::fast_exp2(gs.Gt[d]));
+  }
 }
 
-// Akk rows of 16-row block blk = X diag(beta) as full 64-wide rows (zeros above the diagonal
+// Akk rows of 16-row block blk = X diag(beta) as full C-wide rows (zeros above the diagonal
 // blocks), threads [t0, t0 + nthr) of the CTA (and, for the backward, M = X itself: the backward
 // needs (I + L)^-1 without beta folded in).
-template <typename WT, int K, typename Out>
-__device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, const Out& out, int blk, int t0,
+template <typename WT, int K, int C, typename Out>
+__device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K, C>& c, const Out& out, int blk, int t0,
                                                      int nthr) {
-  using Ctx = IntraCtx<WT, K>;
+  using Ctx = IntraCtx<WT, K, C>;
   using E = typename Ctx::E;
   constexpr int AP = Ctx::AP;
   const float* sX = c.sX();
   const float* sBeta = c.gs().beta;
-  for (int i = c.tid - t0; i < 16 * 8; i += nthr) {
-    const int r = 16 * blk + i / 8, s0 = (i % 8) * 8;
+  for (int i = c.tid - t0; i < 16 * (C / 8); i += nthr) {
+    const int r = 16 * blk + i / (C / 8), s0 = (i % (C / 8)) * 8;
     if (out.wants_row(c, r)) {
       uint32_t pa[4], pm[4];
       if ((s0 >> 4) > blk) {
@@ -796,9 +812,9 @@ __device__ __forceinline__ void intra_store_akk_rows(const IntraCtx<WT, K>& c, c
 // P4b for one m-tile: w[16 mt .. 16 mt + 15][col0 .. col0 + 8 ntc) = Akk @ kexp (tf32 tensor cores).
 // Akk is lower triangular: rows of m-tile mt only see columns < 16 (mt + 1). Needs only the rows of
 // X in block mt, which are final once merge step mt is done.
-template <typename WT, int K, typename Out>
-__device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, const Out& out, int mt, int col0, int ntc) {
-  using Ctx = IntraCtx<WT, K>;
+template <typename WT, int K, int C, typename Out>
+__device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K, C>& c, const Out& out, int mt, int col0, int ntc) {
+  using Ctx = IntraCtx<WT, K, C>;
   using E = typename Ctx::E;
   constexpr int KP = Ctx::KP, AP = Ctx::AP;
   constexpr int kNtMax = K / 32;
@@ -835,9 +851,9 @@ __device__ __forceinline__ void intra_w_tile(const IntraCtx<WT, K>& c, const Out
 // on tensor cores in 3xTF32 (hi*hi + hi*lo + lo*hi: ~fp32 accuracy). Y goes through the warp's own
 // rows of the scratch sY. The blocks above the diagonal are never formed (the Akk store writes
 // zeros there, w never reads them).
-template <typename WT, int K>
-__device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K>& c, int bi) {
-  constexpr int AP = IntraCtx<WT, K>::AP;
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K, C>& c, int bi) {
+  constexpr int AP = IntraCtx<WT, K, C>::AP;
   const float* sL = c.sL();
   float* sX = c.sX();
   const int g = c.lane >> 2, t = c.lane & 3;

@@ -1,0 +1,83 @@
+// kda_fwd_intra_c32: an EXPERIMENT, not on any runtime path. The forward intra's phases
+// (kda_fwd_intra.cuh) on 32-token chunks instead of 64, for bounded gates (the midpoint diagonal
+// blocks, dev::block_midpoint_ok), to measure what the chunk size saves per token
+// (docs/notes/2026-12-05-chunk-size.md). The scan and the backward still run 64-token chunks, so
+// nothing consumes this kernel's workspace yet: the emulator checks it against the fp64 reference at
+// chunk_size = 32 (tests/test_emu_kda_fwd.py), and the GPU would time it beside the 64-token kernel.
+//
+// One CTA of 128 threads (four per token, as the 64-token kernel's 256) per (32-token chunk, value
+// head), ~56 KB of shared memory at K = 128: four CTAs per SM. Per chunk, "|" = barrier:
+//   P0 + P1  q / k copies, gate + block-local cumsum, beta, row factors            |  block offsets |
+//   P2       warps 0-1: the two diagonal 16 x 16 blocks at their midpoints; warp 2: the one block
+//            below the diagonal (row block 1, column block 0); then every warp the qg / kg queue |
+//   P3       warp 0: the two diagonal inverses || warps 1-3: kexp, Aqk -> workspace, exp2(G)     |
+//   merge    warp 0: X_10 = -X_11 L_10 X_00 (the one merge step) || warps 1-3: w and Akk of row
+//            block 0                                                                           |
+//   P4b      w and Akk of row block 1 (all warps)
+// Against the 64-token chunk, per 64 tokens: the below-diagonal block pairs fall from 6 to 2, the
+// merge steps from three growing ones to two of the smallest, w's k-steps from 20 to 12; the gate
+// pass, the diagonal blocks and the qg / kg / kexp work stay as they are per token.
+// Fixed-length problems only (a varlen chunk map of 32-token chunks does not exist).
+#pragma once
+
+#include "kda/fwd/kda_fwd_intra.cuh"
+
+namespace kernel_fun::kda {
+
+constexpr int kC32 = 32;
+constexpr int kIntraC32Threads = 4 * kC32;
+
+template <typename WT, int K, typename Out>
+__device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, const Out& out) {
+  static_assert(IntraCtx<WT, K, kC32>::NTH == kIntraC32Threads, "four threads per token");
+  intra_load_gate(c);      // P0 + P1                                      |
+  intra_block_offsets(c);  // block offsets                                 |
+  // P2: each warp at most one product (a diagonal block's tf32 product is about two fp16 ones, the
+  // block below the diagonal is two: its q and its k rows); warp 3 goes to the queue at once
+  if (c.warp < 2) intra_p2_diag_mid(c, c.warp);
+  else if (c.warp == 2) intra_p2_below_diag_row<WT, K, 1>(c);
+  intra_store_gated(c, out);  // qg, kg from the shared queue
+  __syncthreads();
+  if (c.tid < intra_diag_threads<kC32>()) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
+  else intra_kexp_aqk_gdecay(c, out);
+  __syncthreads();
+  // the one merge step (row block 1) on warp 0, while warps 1-3 produce w and Akk of row block 0
+  // (final since the diagonal inverse): w by quarters of K (warp 3 takes two)
+  if (c.warp == 0) {
+    intra_merge_step(c, 1);
+  } else {
+    for (int qr = c.warp - 1; qr < 4; qr += 3) intra_w_tile(c, out, 0, qr * (K / 4), K / 32);
+    intra_store_akk_rows(c, out, 0, 32, kIntraC32Threads - 32);
+  }
+  __syncthreads();
+  // P4b, row block 1 (all warps)
+  intra_w_tile(c, out, 1, c.warp * (K / 4), K / 32);
+  intra_store_akk_rows(c, out, 1, 0, kIntraC32Threads);
+}
+
+// The chunk count of a sequence at 32 tokens, and the sequence of a fixed-length problem as the
+// 32-token grid sees it (chunk0 counts 32-token chunks: the row of gdecay).
+__host__ __device__ inline int c32_chunks(const KdaProblem& p) { return (p.T + kC32 - 1) / kC32; }
+
+template <typename WT, int K>
+__global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  const int nts = c32_chunks(p);
+  const int n = blockIdx.x / nts, ch = blockIdx.x % nts, hv = blockIdx.y;
+  dev::SeqInfo seq;
+  seq.bos = static_cast<int64_t>(n) * p.T;
+  seq.len = p.T;
+  seq.chunk0 = n * nts;
+  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv);
+  intra_chunk_c32<WT, K>(c, IntraToWorkspace<WT, K, kC32>{});
+}
+
+// The launch: one CTA per (32-token chunk, value head); the workspace is [B*T, HV, 32] for Aqk and
+// Akk (and M), [B*T, HV, K] for w, qg, kg, [B * c32_chunks, HV, K] for gdecay.
+template <typename WT, int K>
+inline LaunchShape intra_c32_launch(const KdaFwdParams& p) {
+  return {dim3(static_cast<unsigned>(p.B * c32_chunks(p)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
+          sizeof(IntraSmem<WT, K, kC32>)};
+}
+
+}  // namespace kernel_fun::kda
