@@ -8,7 +8,10 @@
 //
 //   bash scripts/dev/intra_c32_bench.sh            (builds with setup.py's flags, runs; GPU only)
 //
-// Prints one line per case: ms of each kernel, their ratio, and the mismatch counts (0 expected).
+// Prints one line per case: ms of each kernel, their ratio, and the mismatch counts (0 expected); then
+// each kernel's phases in cycles per CTA (means of the clock64() stamps of one more launch with
+// KdaFwdParams::dbg_intra_clock set: P0 + P1, offsets, P2 + queue, P3, merges, P4b; the 32-token
+// kernel's CTA holds half the tokens and shares its SM with three others, the 64-token one's with one).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -82,6 +85,16 @@ struct Case {
   const char* name;
   int B, T, H;
 };
+
+// Mean cycles between consecutive phase stamps 0..6 over n CTAs' rows of 16 (kda_phases.py's slots).
+void phase_means(const long long* d_clk, int64_t n, double (&out)[6]) {
+  std::vector<long long> h(static_cast<size_t>(n) * 16);
+  CK(cudaMemcpy(h.data(), d_clk, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  for (double& x : out) x = 0.0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int s = 0; s < 6; ++s) out[s] += static_cast<double>(h[i * 16 + s + 1] - h[i * 16 + s]);
+  for (double& x : out) x /= static_cast<double>(n);
+}
 
 template <typename F>
 float median_ms(F&& launch, int reps = 20, int rounds = 7) {
@@ -163,6 +176,23 @@ int main() {
     CK(cudaMemcpy(c, cnt, sizeof(c), cudaMemcpyDeviceToHost));
     std::printf("%-16s %10.3f %10.3f %7.3f   %llu / %llu / %llu / %llu\n", cs.name, t64, t32, t32 / t64, c[0], c[1],
                 c[2], c[3]);
+    // one launch of each with the phase clocks
+    for (KdaFwdParams* q : {&p64, &p32}) {
+      const LaunchShape& s = q == &p64 ? s64 : s32;
+      const int64_t ctas = static_cast<int64_t>(s.grid.x) * s.grid.y;
+      CK(cudaMalloc(&q->dbg_intra_clock, ctas * 16 * sizeof(long long)));
+      CK(cudaMemset(q->dbg_intra_clock, 0, ctas * 16 * sizeof(long long)));
+      if (q == &p64) dev::launch_chunk_kernel(k64, s64, p64, 0);
+      else dev::launch_chunk_kernel(kda_fwd_intra_c32_kernel<WT, K>, s32, p32, 0);
+      CK(cudaDeviceSynchronize());
+      double m[6];
+      phase_means(q->dbg_intra_clock, ctas, m);
+      std::printf("    C=%d cycles per CTA: P0+P1 %.0f | offsets %.0f | P2+queue %.0f | P3 %.0f | merges %.0f | "
+                  "P4b %.0f | CTA %.0f\n", q == &p64 ? 64 : 32, m[0], m[1], m[2], m[3], m[4], m[5],
+                  m[0] + m[1] + m[2] + m[3] + m[4] + m[5]);
+      CK(cudaFree(q->dbg_intra_clock));
+      q->dbg_intra_clock = nullptr;
+    }
     for (const void* x : {p.q, p.k, p.g, p.beta, static_cast<const void*>(p.A_log),
                           static_cast<const void*>(p.dt_bias)})
       CK(cudaFree(const_cast<void*>(x)));

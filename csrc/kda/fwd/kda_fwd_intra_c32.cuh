@@ -30,17 +30,25 @@ constexpr int kIntraC32Threads = 4 * kC32;
 template <typename WT, int K, typename Out>
 __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, const Out& out) {
   static_assert(IntraCtx<WT, K, kC32>::NTH == kIntraC32Threads, "four threads per token");
+  // phase clocks at the 64-token kernel's slots (intra_chunk): 0 start, 1 after P0 + P1, 2 after the
+  // block offsets, 3 after P2 and the queue, 4 after P3, 5 after the merge, 6 the end
+  c.stamp(0);
   intra_load_gate(c);      // P0 + P1                                      |
+  c.stamp(1);
   intra_block_offsets(c);  // block offsets                                 |
+  c.stamp(2);
   // P2: each warp at most one product (a diagonal block's tf32 product is about two fp16 ones, the
   // block below the diagonal is two: its q and its k rows); warp 3 goes to the queue at once
   if (c.warp < 2) intra_p2_diag_mid(c, c.warp);
   else if (c.warp == 2) intra_p2_below_diag_row<WT, K, 1>(c);
+  c.stamp_warp_p2(c.warp);
   intra_store_gated(c, out);  // qg, kg from the shared queue
   __syncthreads();
+  c.stamp(3);
   if (c.tid < intra_diag_threads<kC32>()) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
   else intra_kexp_aqk_gdecay(c, out);
   __syncthreads();
+  c.stamp(4);
   // the one merge step (row block 1) on warp 0, while warps 1-3 produce w and Akk of row block 0
   // (final since the diagonal inverse): w by quarters of K (warp 3 takes two)
   if (c.warp == 0) {
@@ -50,9 +58,14 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
     intra_store_akk_rows(c, out, 0, 32, kIntraC32Threads - 32);
   }
   __syncthreads();
+  c.stamp(5);
   // P4b, row block 1 (all warps)
   intra_w_tile(c, out, 1, c.warp * (K / 4), K / 32);
   intra_store_akk_rows(c, out, 1, 0, kIntraC32Threads);
+  if (c.clk) {  // profiling only (clk is uniform over the CTA): the end of the slowest warp
+    __syncthreads();
+    c.stamp(6);
+  }
 }
 
 // The chunk count of a sequence at 32 tokens, and the sequence of a fixed-length problem as the
@@ -68,7 +81,8 @@ __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(
   seq.bos = static_cast<int64_t>(n) * p.T;
   seq.len = p.T;
   seq.chunk0 = n * nts;
-  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv);
+  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv,
+                                dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk_c32<WT, K>(c, IntraToWorkspace<WT, K, kC32>{});
 }
 
