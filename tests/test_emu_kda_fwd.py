@@ -698,14 +698,19 @@ C32_CASES = {
     "bounded16-K128-nol2": dict(T=90, K=128, gate="bounded16", l2norm=False),  # the widest midpoint factors
     "bounded-weak-K64": dict(T=64, gate="bounded_weak"),  # every block pair carries weight
     "noalog-large-qk": dict(T=80, K=128, gate="bounded_noalog", qk_scale=1e5),  # rows rescaled for fp16
+    # the one-sided P2 form (SIMT diagonal tiles, fp16 tile pairs): unbounded and precomputed gates
+    "unbounded-K128-T100": dict(T=100, K=128),
+    "unbounded-K64-B2-gva-fp16": dict(B=2, T=70, H=1, HV=2, dtype=torch.float16),
+    "extreme-1000-K128": dict(T=96, K=128, gate="precomputed", extreme=0.5),
+    "weak-decay-K128": dict(T=64, K=128, gate="precomputed_weak"),
 }
 
 
 @pytest.mark.parametrize("name", list(C32_CASES))
 def test_intra_on_32_token_chunks_matches_fp64_reference(name, emu, ref):
-    """The experimental 32-token intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh): its workspace against the
-    fp64 reference's stages at chunk_size = 32 (w, qg, kg, Aqk, Akk, exp2(G) of every chunk's last
-    row). The 64-token phases it is built from, run on 32-token chunks."""
+    """The experimental 32-token intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh), both P2 forms: its
+    workspace against the fp64 reference's stages at chunk_size = 32 (w, qg, kg, Aqk, Akk, exp2(G) of
+    every chunk's last row). The 64-token phases it is built from, run on 32-token chunks."""
     inputs, kw = make_case(**C32_CASES[name])
     B, T, _, K = inputs[0].shape
     ws = emu.intra_c32(*inputs, **kw)
@@ -728,6 +733,6 @@ def test_intra_on_32_token_chunks_matches_fp64_reference(name, emu, ref):
 
 
 def test_intra_on_32_token_chunks_refuses_what_it_does_not_serve(emu):
-    inputs, kw = make_case(T=40, gate="unbounded")
-    with pytest.raises(RuntimeError, match="bounded gates only"):
+    inputs, kw = make_case(T=40, cu=[0, 10, 40])
+    with pytest.raises(RuntimeError, match="fixed-length problems only"):
         emu.intra_c32(*inputs, **kw)

@@ -1,5 +1,6 @@
 // The experimental 32-token forward intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh) beside the 64-token
-// kernel on the GPU, without torch: both on the same random bounded-gate inputs, each timed by CUDA
+// kernel on the GPU, without torch: both on the same random inputs (the bench cases' gates: bounded,
+// or unbounded for prod8192 and k3_h32), each timed by CUDA
 // events (the median of 7 rounds of 20 launches). Also a check that the two agree where they must:
 // the first 32 rows of a 64-token chunk are a 32-token chunk of their own (the same chunk-local
 // cumsum, diagonal blocks, first merge step and first two row blocks of w), so qg, w and the first
@@ -84,6 +85,7 @@ __global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t rows, i
 struct Case {
   const char* name;
   int B, T, H;
+  bool bounded;  // lower_bound -5 sigmoid gate (the midpoint P2), else -exp(A_log) softplus (one-sided P2)
 };
 
 // Mean cycles between consecutive phase stamps 0..6 over n CTAs' rows of 16 (kda_phases.py's slots).
@@ -119,8 +121,9 @@ float median_ms(F&& launch, int reps = 20, int rounds = 7) {
 }
 
 int main() {
-  const Case cases[] = {{"bounded_b16", 16, 8192, 16}, {"bounded_b8_h32", 8, 8192, 32}, {"long_b1_t32k", 1, 32768, 32},
-                        {"bounded_b1", 1, 8192, 16}};
+  const Case cases[] = {{"bounded_b16", 16, 8192, 16, true},  {"bounded_b8_h32", 8, 8192, 32, true},
+                        {"long_b1_t32k", 1, 32768, 32, true}, {"bounded_b1", 1, 8192, 16, true},
+                        {"prod8192", 16, 8192, 16, false},    {"k3_h32", 8, 8192, 32, false}};
   std::printf("%-16s %10s %10s %7s   mismatches qg / w / Aqk / Akk (first 32 rows of each 64-chunk)\n", "case",
               "C=64 ms", "C=32 ms", "32/64");
   for (const Case& cs : cases) {
@@ -136,8 +139,8 @@ int main() {
     p.g_dtype = DType::kFloat32;
     p.beta_dtype = DType::kBFloat16;
     p.opt.scale = 1.f / std::sqrt(static_cast<float>(K));
-    p.opt.gate_mode = GateMode::kBounded;
-    p.opt.lower_bound = -5.f;
+    p.opt.gate_mode = cs.bounded ? GateMode::kBounded : GateMode::kUnbounded;
+    p.opt.lower_bound = cs.bounded ? -5.f : 0.f;
     p.opt.l2norm = true;
     p.opt.beta_sigmoid_scale = 1.f;
     p.q = alloc_fill<WT>(BT * H * K, 1, 1.f);
@@ -163,7 +166,8 @@ int main() {
     const auto k64 = intra_kernel_for<WT, K>(p64);
     const LaunchShape s64 = intra_launch<WT, K>(p64), s32 = intra_c32_launch<WT, K>(p32);
     const float t64 = median_ms([&] { dev::launch_chunk_kernel(k64, s64, p64, 0); });
-    const float t32 = median_ms([&] { dev::launch_chunk_kernel(kda_fwd_intra_c32_kernel<WT, K>, s32, p32, 0); });
+    const auto k32 = intra_c32_kernel_for<WT, K>(p32);
+    const float t32 = median_ms([&] { dev::launch_chunk_kernel(k32, s32, p32, 0); });
     unsigned long long* cnt = nullptr;
     CK(cudaMalloc(&cnt, 4 * sizeof(unsigned long long)));
     CK(cudaMemset(cnt, 0, 4 * sizeof(unsigned long long)));
@@ -183,7 +187,7 @@ int main() {
       CK(cudaMalloc(&q->dbg_intra_clock, ctas * 16 * sizeof(long long)));
       CK(cudaMemset(q->dbg_intra_clock, 0, ctas * 16 * sizeof(long long)));
       if (q == &p64) dev::launch_chunk_kernel(k64, s64, p64, 0);
-      else dev::launch_chunk_kernel(kda_fwd_intra_c32_kernel<WT, K>, s32, p32, 0);
+      else dev::launch_chunk_kernel(k32, s32, p32, 0);
       CK(cudaDeviceSynchronize());
       double m[6];
       phase_means(q->dbg_intra_clock, ctas, m);

@@ -447,15 +447,14 @@ void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, i
 }
 
 // The experimental 32-token intra (fwd/kda_fwd_intra_c32.cuh) alone, into the args' workspace
-// pointers (w, qg, kg, Aqk, Akk, M, gdecay at 32-token chunks): bounded gates, fixed length.
+// pointers (w, qg, kg, Aqk, Akk, M, gdecay at 32-token chunks): fixed length.
 void intra_c32(const KdaEmuArgs& a) {
   const kda::KdaBwdParams p = make_params(a);
   if (p.cu_seqlens) throw std::invalid_argument("the 32-token intra takes fixed-length problems only");
-  if (!kda::dev::block_midpoint_ok(p.opt)) throw std::invalid_argument("the 32-token intra takes bounded gates only");
   kda::dispatch_wt_k(p.dtype, p.K, "kda_emu_intra_c32", [&](auto wt, auto k) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value;
-    launch(kda::intra_c32_launch<WT, K>(p), kda::kda_fwd_intra_c32_kernel<WT, K>,
+    launch(kda::intra_c32_launch<WT, K>(p), kda::intra_c32_kernel_for<WT, K>(p),
            static_cast<const kda::KdaFwdParams&>(p));
   });
 }

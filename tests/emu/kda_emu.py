@@ -328,15 +328,15 @@ def forward_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 
 def intra_c32(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None,
-              misalign=False, **_ignored):
+              misalign=False, cu_seqlens=None, **_ignored):
     """The experimental 32-token forward intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh) alone: its
     workspace {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 32]; gdecay: [B * ceil(T / 32), HV, K]
-    fp32}, NaN where never written. Bounded gates, fixed length."""
+    fp32}, NaN where never written. Fixed length (cu_seqlens is refused by the kernel's entry)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, False)
     B, T, H, K = q.shape
     HV = v.shape[2]
-    gz, _, f, keep = _setup(q, k, v, g, beta, opts, None, None, A_log, dt_bias, misalign, False)
+    gz, _, f, keep = _setup(q, k, v, g, beta, opts, None, cu_seqlens, A_log, dt_bias, misalign, False)
     dt = q.dtype
     ws = {n: gz.alloc(n + " (c32)", (B * T, HV, K), dt) for n in ("w", "qg", "kg")}
     ws.update({n: gz.alloc(n + " (c32)", (B * T, HV, 32), dt) for n in ("Aqk", "Akk", "M")})

@@ -310,11 +310,12 @@ __device__ __forceinline__ void intra_block_offsets(const IntraCtx<WT, K, C>& c)
 // Warps 0-1, SIMT: the 16 4x4 tiles ON the diagonal (4 per 16-block) x 4 d-slices (d = ds mod 4);
 // lanes 4m..4m+3 share a tile. Inside the tile exp2(g_i - g_j) = a_{j+1} ... a_i with
 // a_t = exp2(g_t - g_{t-1}) <= 1: 3 exp2 per tile and d instead of 10.
-template <typename WT, int K>
-__device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K>& c) {
-  constexpr int KP = IntraCtx<WT, K>::KP;
+// w: this warp's place among the SIMT warps (C / 32 of them: roles 0-1 of the 64-token kernel).
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_p2_diag_simt(const IntraCtx<WT, K, C>& c, int w) {
+  constexpr int KP = IntraCtx<WT, K, C>::KP;
   const float* sG = c.sG();
-  const int tid = 32 * c.p2_role() + c.lane;  // roles 0-1
+  const int tid = 32 * w + c.lane;
   const int ds = tid & 3, slot = tid >> 2;  // slot 0..15
   const int r0 = 16 * (slot >> 2) + 4 * (slot & 3);
   float aq[4][4], ak[4][4];
@@ -503,15 +504,16 @@ __device__ __forceinline__ void intra_p2_below_diag(const IntraCtx<WT, K>& c) {
 //
 // One tile's per-thread rows, boundaries and operand rows (SUB4: the tile of two 4x4 blocks) and its
 // accumulator (the other tile of the pair runs between two of its MMAs).
-template <typename WT, int K, bool SUB4>
+template <typename WT, int K, bool SUB4, int C = kChunk>
 struct DiagTile {
-  static constexpr int KQ = IntraCtx<WT, K>::KQ;
+  using Ctx = IntraCtx<WT, K, C>;
+  static constexpr int KQ = Ctx::KQ;
   int o, r0, r1, e0, e1, sb, eb;
   bool k0, k1;
   const WT* x0;
   const WT* x1;
   float cc[4] = {};
-  __device__ __forceinline__ DiagTile(const IntraCtx<WT, K>& c, int ti) {
+  __device__ __forceinline__ DiagTile(const Ctx& c, int ti) {
     const int g = c.lane >> 2;
     o = 16 * (ti >> 1);
     if (!SUB4) {
@@ -533,7 +535,7 @@ struct DiagTile {
     x1 = (k1 ? c.sK() : c.sQ()) + r1 * KQ;
   }
   // One m16n8k16 step over columns 16 kk .. 16 kk + 15 (p2_col).
-  __device__ __forceinline__ void step(const IntraCtx<WT, K>& c, int kk) {
+  __device__ __forceinline__ void step(const Ctx& c, int kk) {
     using H = dev::Elem<__half>;
     const int t = c.lane & 3;
     uint32_t af[4], b[2];
@@ -557,7 +559,7 @@ struct DiagTile {
     }
     dev::mma_16816<__half>(cc, af, b[0], b[1]);
   }
-  __device__ __forceinline__ void put(const IntraCtx<WT, K>& c) {
+  __device__ __forceinline__ void put(const Ctx& c) {
     const int t = c.lane & 3;
     if (!SUB4) {
       c.put(false, r0, o + 2 * t, cc[0]);
@@ -578,10 +580,10 @@ struct DiagTile {
 // independent, so each hides the other's latency. Each tile's sum runs in the same order as alone.
 // One instantiation only: this kernel sits at an instruction-cache cliff (more code in P2 slows
 // every other phase; docs/notes/2026-12-02-fused-forward-groundwork.md, seventh session).
-template <typename WT, int K>
-__device__ __forceinline__ void intra_diag_tile_pair(const IntraCtx<WT, K>& c, int t4, int tq) {
-  DiagTile<WT, K, true> a(c, t4);
-  DiagTile<WT, K, false> b(c, tq);
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_diag_tile_pair(const IntraCtx<WT, K, C>& c, int t4, int tq) {
+  DiagTile<WT, K, true, C> a(c, t4);
+  DiagTile<WT, K, false, C> b(c, tq);
   for (int kk = 0; kk < K / 16; ++kk) {
     a.step(c, kk);
     b.step(c, kk);
@@ -932,7 +934,7 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
     c.stamp_warp_p2(c.warp);  // kda_phases.py: per physical warp here
   } else {
     if (c.p2_role() < 2) {  // P2, three kinds of tiles
-      intra_p2_diag_simt(c);
+      intra_p2_diag_simt(c, c.p2_role());
     } else {
       if (c.p2_role() < 5) intra_p2_below_diag(c);
       intra_p2_diag_tc(c);

@@ -1,6 +1,7 @@
 // kda_fwd_intra_c32: an EXPERIMENT, not on any runtime path. The forward intra's phases
-// (kda_fwd_intra.cuh) on 32-token chunks instead of 64, for bounded gates (the midpoint diagonal
-// blocks, dev::block_midpoint_ok), to measure what the chunk size saves per token
+// (kda_fwd_intra.cuh) on 32-token chunks instead of 64, in both of its P2 forms (kMid: bounded gates,
+// the midpoint diagonal blocks; else the one-sided SIMT tiles and fp16 tile pairs of any gate), to
+// measure what the chunk size saves per token
 // (docs/notes/2026-12-05-chunk-size.md). The scan and the backward still run 64-token chunks, so
 // nothing consumes this kernel's workspace yet: the emulator checks it against the fp64 reference at
 // chunk_size = 32 (tests/test_emu_kda_fwd.py), and the GPU would time it beside the 64-token kernel.
@@ -8,8 +9,10 @@
 // One CTA of 128 threads (four per token, as the 64-token kernel's 256) per (32-token chunk, value
 // head), ~56 KB of shared memory at K = 128: four CTAs per SM. Per chunk, "|" = barrier:
 //   P0 + P1  q / k copies, gate + block-local cumsum, beta, row factors            |  block offsets |
-//   P2       warps 0-1: the two diagonal 16 x 16 blocks at their midpoints; warp 2: the one block
-//            below the diagonal (row block 1, column block 0); then every warp the qg / kg queue |
+//   P2       kMid: warps 0-1 the two diagonal 16 x 16 blocks at their midpoints, warp 2 the one
+//            block below the diagonal (row block 1, column block 0); otherwise warp 0 the SIMT 4 x 4
+//            tiles on the diagonal, warps 1-2 one fp16 tile pair per diagonal block, warp 3 the
+//            block below the diagonal; then every warp the qg / kg queue                         |
 //   P3       warp 0: the two diagonal inverses || warps 1-3: kexp, Aqk -> workspace, exp2(G)     |
 //   merge    warp 0: X_10 = -X_11 L_10 X_00 (the one merge step) || warps 1-3: w and Akk of row
 //            block 0                                                                           |
@@ -27,7 +30,7 @@ namespace kernel_fun::kda {
 constexpr int kC32 = 32;
 constexpr int kIntraC32Threads = 4 * kC32;
 
-template <typename WT, int K, typename Out>
+template <typename WT, int K, bool kMid, typename Out>
 __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, const Out& out) {
   static_assert(IntraCtx<WT, K, kC32>::NTH == kIntraC32Threads, "four threads per token");
   // phase clocks at the 64-token kernel's slots (intra_chunk): 0 start, 1 after P0 + P1, 2 after the
@@ -37,10 +40,17 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   c.stamp(1);
   intra_block_offsets(c);  // block offsets                                 |
   c.stamp(2);
-  // P2: each warp at most one product (a diagonal block's tf32 product is about two fp16 ones, the
-  // block below the diagonal is two: its q and its k rows); warp 3 goes to the queue at once
-  if (c.warp < 2) intra_p2_diag_mid(c, c.warp);
-  else if (c.warp == 2) intra_p2_below_diag_row<WT, K, 1>(c);
+  // P2, about two fp16 products per warp: a diagonal block's tf32 product is about two, the block
+  // below the diagonal two (its q and its k rows), a tile pair two, the SIMT tiles of two blocks what
+  // one of the 64-token kernel's two SIMT warps does; with kMid warp 3 goes to the queue at once
+  if constexpr (kMid) {
+    if (c.warp < 2) intra_p2_diag_mid(c, c.warp);
+    else if (c.warp == 2) intra_p2_below_diag_row<WT, K, 1>(c);
+  } else {
+    if (c.warp == 0) intra_p2_diag_simt(c, 0);
+    else if (c.warp == 3) intra_p2_below_diag_row<WT, K, 1>(c);
+    else intra_diag_tile_pair(c, 2 * c.warp - 1, 2 * c.warp - 2);  // block w - 1: tiles 2 blk + 1, 2 blk
+  }
   c.stamp_warp_p2(c.warp);
   intra_store_gated(c, out);  // qg, kg from the shared queue
   __syncthreads();
@@ -72,7 +82,7 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
 // 32-token grid sees it (chunk0 counts 32-token chunks: the row of gdecay).
 __host__ __device__ inline int c32_chunks(const KdaProblem& p) { return (p.T + kC32 - 1) / kC32; }
 
-template <typename WT, int K>
+template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
   const int nts = c32_chunks(p);
@@ -83,7 +93,13 @@ __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(
   seq.chunk0 = n * nts;
   const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv,
                                 dev::cta_clock_row(p.dbg_intra_clock));
-  intra_chunk_c32<WT, K>(c, IntraToWorkspace<WT, K, kC32>{});
+  intra_chunk_c32<WT, K, kMid>(c, IntraToWorkspace<WT, K, kC32>{});
+}
+
+// The kernel a problem runs (dev::block_midpoint_ok picks the P2 form, as intra_kernel_for).
+template <typename WT, int K>
+auto intra_c32_kernel_for(const KdaFwdParams& p) {
+  return dev::block_midpoint_ok(p.opt) ? kda_fwd_intra_c32_kernel<WT, K, true> : kda_fwd_intra_c32_kernel<WT, K, false>;
 }
 
 // The launch: one CTA per (32-token chunk, value head); the workspace is [B*T, HV, 32] for Aqk and
