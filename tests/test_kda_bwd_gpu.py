@@ -656,3 +656,43 @@ def test_the_backward_takes_its_forwards_path(name, monkeypatch):
     assert len(same) == len(changed) == 6  # dq, dk, dv, dg, dbeta, dh0
     for i, (a, b) in enumerate(zip(same, changed)):
         assert torch.equal(a, b), (name, i)
+
+
+@pytest.mark.parametrize("name", ["T1000", "GVA-2-4", "bounded", "K128-V512"])
+def test_crossing_call_backward_from_the_kept_factors(name):
+    """kda/_cp.py's KernelEngine on our raw ops, the context-parallel path's document that began on an
+    earlier rank: the forward over [v | 0] from [0 | I] keeps its factors and workspace (two calls for
+    V + K > 512: K128-V512), and the backward is the ordinary call's over v from S_in reading them. Its
+    gradients (o(0) seeded with do, E with dE) are the ordinary call's from S_in against the fp64
+    naive recurrence, with our forward twice and our backward once counted."""
+    from kernel_fun.kda._cp import KernelEngine, _Crossing
+
+    inputs, kw = make_case(**dict(CASES[name], h0=False))
+    q, k, v, g, beta = inputs
+    K, HV, V = q.shape[-1], v.shape[2], v.shape[3]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    S_in = 0.3 * torch.randn(1, HV, K, V, device="cuda", generator=gen)
+    eng = KernelEngine(options(inputs, kw).encode())
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    extra = {n: kw[n].detach().clone().requires_grad_(True) for n in ("A_log", "dt_bias") if kw.get(n) is not None}
+    before = _ext.op_calls()
+    o0, Q, E, Phi = _Crossing.apply(eng, {"S_in": S_in[0]}, K, True, *leaves,
+                                    *eng.gate(extra.get("A_log"), extra.get("dt_bias")))
+    assert not Q.requires_grad and not Phi.requires_grad
+    do, dE = _do_dht(inputs, kw)
+    grads = torch.autograd.grad([o0, E], leaves + list(extra.values()), [do, dE], allow_unused=True)
+    after = _ext.op_calls()
+    calls = 2 if V + K > 512 else 1
+    assert (after["kda_fwd"] - before["kda_fwd"], after["kda_bwd"] - before["kda_bwd"]) == (calls, 1)
+    ours = dict(zip(["dq", "dk", "dv", "dg", "dbeta"], grads[:5]))
+    ours.update({{"A_log": "dA_log", "dt_bias": "ddt_bias"}[n]: gr for n, gr in zip(extra, grads[5:])})
+    ref = _grads_naive(inputs, dict(kw, initial_state=S_in), do, dE)
+    bad = {}
+    for key, r in ref.items():
+        if r is None or key == "dh0":
+            continue
+        t = DA_LOG_TOL if key == "dA_log" else (KDA_TOL["dbias"] if key == "ddt_bias" else KDA_TOL[key])
+        err = rel_rms(r, ours[key])
+        if not err <= t:
+            bad[key] = (err, t)
+    assert not bad, f"gradients off the fp64 naive recurrence: {bad}"
