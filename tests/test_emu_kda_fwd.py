@@ -736,3 +736,20 @@ def test_intra_on_32_token_chunks_refuses_what_it_does_not_serve(emu):
     inputs, kw = make_case(T=40, cu=[0, 10, 40])
     with pytest.raises(RuntimeError, match="fixed-length problems only"):
         emu.intra_c32(*inputs, **kw)
+
+
+@pytest.mark.parametrize("name,bv", [("K128-T100", 64), ("K128-T100", 128), ("K64-B2-gva", 64),
+                                     ("unbounded-K128-T100", 128), ("extreme-1000-K128", 64),
+                                     ("bounded-weak-K64", 64)])
+def test_forward_on_32_token_chunks_matches_fp64_reference(name, bv, emu, ref):
+    """The experimental 32-token forward (the 32-token intra, then the scan at C = 32:
+    kda_fwd_scan_c32_kernel) with an initial state: o and the final state against the fp64 reference
+    (the outputs do not depend on the chunk size)."""
+    case = dict(C32_CASES[name], h0=True)
+    case.setdefault("V", 128 if bv == 128 else 64)
+    inputs, kw = make_case(**case)
+    o, ht, _ = emu.forward_c32(*inputs, **kw, bv=bv)
+    o_ref, ht_ref = kda_reference(inputs, kw, ref=ref)
+    bad = {key: err for key, (r, got) in {"o": (o_ref, o), "ht": (ht_ref, ht)}.items()
+           if not (err := rel_rms(r, got)) <= TOL}
+    assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"

@@ -9,6 +9,9 @@
 //
 //   bash scripts/dev/intra_c32_bench.sh            (builds with setup.py's flags, runs; GPU only)
 //
+// Then the whole forward (no streaming, no split): the 64-token intra and scan against the 32-token
+// intra and scan (kda_fwd_scan_c32_kernel), each scan at BV 64 and 128, and the rel-RMS difference of
+// the two o (both bf16 roundings of the same function: ~1e-3 expected).
 // Prints one line per case: ms of each kernel, their ratio, and the mismatch counts (0 expected); then
 // each kernel's phases in cycles per CTA (means of the clock64() stamps of one more launch with
 // KdaFwdParams::dbg_intra_clock set: P0 + P1, offsets, P2 + queue, P3, merges, P4b; the 32-token
@@ -84,9 +87,22 @@ __global__ void count_diff(const uint16_t* a, const uint16_t* b, int64_t rows, i
 
 struct Case {
   const char* name;
-  int B, T, H;
+  int B, T, H, V;
   bool bounded;  // lower_bound -5 sigmoid gate (the midpoint P2), else -exp(A_log) softplus (one-sided P2)
 };
+
+// sums of (a - b)^2 and of a^2 over n bf16 elements
+__global__ void diff_sums(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, double* out) {
+  double d = 0.0, r = 0.0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    d += (x - y) * (x - y);
+    r += x * x;
+  }
+  atomicAdd(out, d);
+  atomicAdd(out + 1, r);
+}
 
 // Mean cycles between consecutive phase stamps 0..6 over n CTAs' rows of 16 (kda_phases.py's slots).
 void phase_means(const long long* d_clk, int64_t n, double (&out)[6]) {
@@ -121,9 +137,9 @@ float median_ms(F&& launch, int reps = 20, int rounds = 7) {
 }
 
 int main() {
-  const Case cases[] = {{"bounded_b16", 16, 8192, 16, true},  {"bounded_b8_h32", 8, 8192, 32, true},
-                        {"long_b1_t32k", 1, 32768, 32, true}, {"bounded_b1", 1, 8192, 16, true},
-                        {"prod8192", 16, 8192, 16, false},    {"k3_h32", 8, 8192, 32, false}};
+  const Case cases[] = {{"bounded_b16", 16, 8192, 16, 128, true},  {"bounded_b8_h32", 8, 8192, 32, 128, true},
+                        {"long_b1_t32k", 1, 32768, 32, 128, true}, {"bounded_b1", 1, 8192, 16, 128, true},
+                        {"prod8192", 16, 8192, 16, 256, false},    {"k3_h32", 8, 8192, 32, 128, false}};
   std::printf("%-16s %10s %10s %7s   mismatches qg / w / Aqk / Akk (first 32 rows of each 64-chunk)\n", "case",
               "C=64 ms", "C=32 ms", "32/64");
   for (const Case& cs : cases) {
@@ -134,7 +150,7 @@ int main() {
     p.T = cs.T;
     p.H = p.HV = H;
     p.K = K;
-    p.V = 128;
+    p.V = cs.V;
     p.dtype = DType::kBFloat16;
     p.g_dtype = DType::kFloat32;
     p.beta_dtype = DType::kBFloat16;
@@ -145,7 +161,7 @@ int main() {
     p.opt.beta_sigmoid_scale = 1.f;
     p.q = alloc_fill<WT>(BT * H * K, 1, 1.f);
     p.k = alloc_fill<WT>(BT * H * K, 2, 1.f);
-    p.v = p.q;  // the intra reads no values
+    p.v = alloc_fill<WT>(BT * H * cs.V, 7, 1.f);
     p.g = alloc_fill<float>(BT * H * K, 3, 1.f);
     p.beta = alloc_fill<WT>(BT * H, 4, 1.f);
     p.A_log = alloc_fill<float>(H, 5, 0.5f, 1.f);
@@ -161,6 +177,7 @@ int main() {
       q->Aqk = alloc<WT>(BT * H * C);
       q->Akk = alloc<WT>(BT * H * C);
       q->gdecay = alloc<float>(static_cast<size_t>(q->max_chunks) * H * K);
+      q->o = alloc<WT>(BT * H * cs.V);
     }
     CK(cudaDeviceSynchronize());
     const auto k64 = intra_kernel_for<WT, K>(p64);
@@ -197,11 +214,35 @@ int main() {
       CK(cudaFree(q->dbg_intra_clock));
       q->dbg_intra_clock = nullptr;
     }
-    for (const void* x : {p.q, p.k, p.g, p.beta, static_cast<const void*>(p.A_log),
+    // the whole forward, intra then scan, at each chunk size and slice width
+    float fwd[2][2];
+    for (int bi = 0; bi < 2; ++bi) {
+      fwd[0][bi] = median_ms([&] {
+        dev::launch_chunk_kernel(k64, s64, p64, 0);
+        if (bi == 0) dev::launch(kda_fwd_scan_kernel<WT, K, 64>, fwd_scan_launch<WT, K, 64>(p64), p64, 0);
+        else dev::launch(kda_fwd_scan_kernel<WT, K, 128>, fwd_scan_launch<WT, K, 128>(p64), p64, 0);
+      });
+      fwd[1][bi] = median_ms([&] {
+        dev::launch_chunk_kernel(k32, s32, p32, 0);
+        if (bi == 0) dev::launch(kda_fwd_scan_c32_kernel<WT, K, 64>, scan_c32_launch<WT, K, 64>(p32), p32, 0);
+        else dev::launch(kda_fwd_scan_c32_kernel<WT, K, 128>, scan_c32_launch<WT, K, 128>(p32), p32, 0);
+      });
+    }
+    double* sums = nullptr;
+    CK(cudaMalloc(&sums, 2 * sizeof(double)));
+    CK(cudaMemset(sums, 0, 2 * sizeof(double)));
+    diff_sums<<<1024, 256>>>(static_cast<const WT*>(p64.o), static_cast<const WT*>(p32.o), BT * H * cs.V, sums);
+    double hs[2];
+    CK(cudaMemcpy(hs, sums, sizeof(hs), cudaMemcpyDeviceToHost));
+    CK(cudaFree(sums));
+    std::printf("    forward (intra + scan) ms: C=64 BV64 %.3f BV128 %.3f | C=32 BV64 %.3f BV128 %.3f | best 32/64 %.3f | "
+                "o rel-RMS between them %.2e\n", fwd[0][0], fwd[0][1], fwd[1][0], fwd[1][1],
+                std::min(fwd[1][0], fwd[1][1]) / std::min(fwd[0][0], fwd[0][1]), std::sqrt(hs[0] / hs[1]));
+    for (const void* x : {p.q, p.k, p.v, p.g, p.beta, static_cast<const void*>(p.A_log),
                           static_cast<const void*>(p.dt_bias)})
       CK(cudaFree(const_cast<void*>(x)));
     for (KdaFwdParams* q : {&p64, &p32})
-      for (void* x : {q->w, q->qg, q->kg, q->Aqk, q->Akk, static_cast<void*>(q->gdecay)}) CK(cudaFree(x));
+      for (void* x : {q->w, q->qg, q->kg, q->Aqk, q->Akk, static_cast<void*>(q->gdecay), q->o}) CK(cudaFree(x));
     CK(cudaFree(cnt));
   }
   return 0;

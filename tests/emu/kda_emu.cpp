@@ -520,6 +520,22 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   return c.chunks;
 }
 
+// The experimental 32-token forward: the intra above, then kda_fwd_scan_c32_kernel at a.bv (64 or 128;
+// 0: 64) into o and ht.
+int kda_emu_forward_c32(const KdaEmuArgs* a) {
+  return guarded([&] {
+    intra_c32(*a);
+    const kda::KdaBwdParams p = make_params(*a);
+    kda::dispatch_wt_k(p.dtype, p.K, "kda_emu_forward_c32", [&](auto wt, auto k) {
+      using WT = typename decltype(wt)::type;
+      constexpr int K = decltype(k)::value;
+      const auto& fp = static_cast<const kda::KdaFwdParams&>(p);
+      if (a->bv == 128) launch(kda::scan_c32_launch<WT, K, 128>(p), kda::kda_fwd_scan_c32_kernel<WT, K, 128>, fp);
+      else launch(kda::scan_c32_launch<WT, K, 64>(p), kda::kda_fwd_scan_c32_kernel<WT, K, 64>, fp);
+    });
+  });
+}
+
 int kda_emu_intra_c32(const KdaEmuArgs* a) {
   return guarded([&] { intra_c32(*a); });
 }

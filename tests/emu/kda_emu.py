@@ -54,7 +54,7 @@ def lib():
         L = ctypes.CDLL(str(path))
         L.kda_emu_args_size.restype = ctypes.c_int
         L.kda_emu_last_error.restype = ctypes.c_char_p
-        for fn in (L.kda_emu_forward, L.kda_emu_backward, L.kda_emu_intra_c32):
+        for fn in (L.kda_emu_forward, L.kda_emu_backward, L.kda_emu_intra_c32, L.kda_emu_forward_c32):
             fn.argtypes = [ctypes.POINTER(KdaEmuArgs)]
             fn.restype = ctypes.c_int
         L.kf_emu_configure.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -332,21 +332,42 @@ def intra_c32(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False, us
     """The experimental 32-token forward intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh) alone: its
     workspace {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 32]; gdecay: [B * ceil(T / 32), HV, K]
     fp32}, NaN where never written. Fixed length (cu_seqlens is refused by the kernel's entry)."""
-    opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, lower_bound, A_log, False)
+    return _c32(q, k, v, g, beta, None, False, 0, dict(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, misalign=misalign, cu_seqlens=cu_seqlens))[2]
+
+
+def forward_c32(q, k, v, g, beta, *, initial_state=None, output_final_state=False, bv=64, **kw):
+    """The experimental 32-token forward (that intra, then kda_fwd_scan_c32_kernel at V-slice bv):
+    (o, final_state, ws) with ws as intra_c32's. kw: intra_c32's options."""
+    return _c32(q, k, v, g, beta, initial_state, output_final_state, bv, kw)
+
+
+def _c32(q, k, v, g, beta, initial_state, output_final_state, bv, kw):
+    opts = _options(q, kw.get("scale"), kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
+                    kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False),
+                    kw.get("lower_bound"), kw.get("A_log"), False)
     B, T, H, K = q.shape
-    HV = v.shape[2]
-    gz, _, f, keep = _setup(q, k, v, g, beta, opts, None, cu_seqlens, A_log, dt_bias, misalign, False)
+    HV, V = v.shape[2], v.shape[3]
+    gz, _, f, keep = _setup(q, k, v, g, beta, opts, initial_state, kw.get("cu_seqlens"), kw.get("A_log"),
+                            kw.get("dt_bias"), kw.get("misalign", False), False)
     dt = q.dtype
     ws = {n: gz.alloc(n + " (c32)", (B * T, HV, K), dt) for n in ("w", "qg", "kg")}
     ws.update({n: gz.alloc(n + " (c32)", (B * T, HV, 32), dt) for n in ("Aqk", "Akk", "M")})
     ws["gdecay"] = gz.alloc("gdecay (c32)", (B * (-(-T // 32)), HV, K), torch.float32)
     f.update({n: _ptr(t) for n, t in ws.items()})
-    a = KdaEmuArgs(**f)
-    if lib().kda_emu_intra_c32(ctypes.byref(a)):
+    o = ht = None
+    if bv:
+        o = gz.alloc("o", (B, T, HV, V), dt)
+        ht = gz.alloc("ht", (B, HV, K, V), torch.float32) if output_final_state else None
+        f.update(o=_ptr(o), ht=_ptr(ht))
+    a = KdaEmuArgs(**f, bv=int(bv))
+    fn = lib().kda_emu_forward_c32 if bv else lib().kda_emu_intra_c32
+    if fn(ctypes.byref(a)):
         raise RuntimeError(lib().kda_emu_last_error().decode())
     gz.check()
-    return ws
+    return o, ht, ws
 
 
 def intra_stage_check(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,

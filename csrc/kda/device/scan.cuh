@@ -23,21 +23,24 @@ namespace kernel_fun::kda::dev {
 // are padded rows for ldmatrix (mma.sync products); sDec [K] fp32 = exp2(G). Stages are 1024-byte
 // multiples from a 1024-byte aligned base (the swizzle atoms' alignment). Two stages: chunk c+1 is
 // filled by cp.async while chunk c computes; the one CTA-wide barrier per chunk hands it over.
-template <typename WT, int K, int BV>
+// C: tokens per chunk (kChunk; 32 for the experimental short-chunk forward, whose tiles are [32][K],
+// still whole 1024-byte swizzle atoms).
+template <typename WT, int K, int BV, int C = kChunk>
 struct ScanStage {
   static_assert(sizeof(WT) == 2 && K % 64 == 0, "16-bit operands, K a multiple of 64 (swizzle blocks)");
-  static constexpr int AP = kChunk + 8;
+  static_assert(C % 16 == 0 && (C * 128) % 1024 == 0, "whole 16-token blocks and swizzle atoms");
+  static constexpr int AP = C + 8;
   static constexpr int VP = BV + 8;
-  static constexpr int kTile = kChunk * K;  // one swizzled [64][K] tile
+  static constexpr int kTile = C * K;  // one swizzled [C][K] tile
   // The stage as a type (a view of the dynamic shared memory; nothing is constructed). alignas(1024)
   // pads its size to a multiple of 1024 bytes, so the second stage starts swizzle-aligned as well.
   struct alignas(1024) Layout {
     WT w[kTile];
     WT qg[kTile];
     WT kg[kTile];
-    WT aqk[kChunk][AP];
-    WT akk[kChunk][AP];
-    WT val[kChunk][VP];
+    WT aqk[C][AP];
+    WT akk[C][AP];
+    WT val[C][VP];
     float dec[K];
     // the streamed forward's copy of the aligned flag group of the chunk this stage will hold
     // (fwd_scan_cta, dev::prefetch_flag); in the padding the 1024-byte alignment leaves anyway
@@ -58,7 +61,7 @@ struct ScanStage {
   static constexpr size_t kBytes = sizeof(WT) * 2 * kStageElems + 1024;  // + the base's alignment slack
   // Element index of (row r, column c) in one swizzled [64][K] tile (w, qg, kg): K / 64 blocks of
   // [64 rows][64 columns] with 128-byte rows (sw128_offset).
-  static __device__ __forceinline__ int tile_index(int r, int c) { return sw128_index<kChunk>(r, c); }
+  static __device__ __forceinline__ int tile_index(int r, int c) { return sw128_index<C>(r, c); }
   static_assert(kBytes <= 227 * 1024, "scan shared memory exceeds the sm_90 per-CTA limit");
 };
 
@@ -74,30 +77,31 @@ __device__ __forceinline__ WT* scan_smem_base(void* raw) {
 // 1024 bytes apart. MN-major (the state updates, B[k = token][n = state row] = tile[token][row])
 // for token step jj: 16 rows = 2048 bytes; 8-token groups 1024 bytes apart, 64-row blocks of the
 // state 8192 bytes apart.
-template <typename WT>
+template <int C = kChunk, typename WT>
 __device__ __forceinline__ uint64_t tile_desc_k(const WT* tile, int kk) {
-  return sw128_desc_k<kChunk>(tile, kk);
+  return sw128_desc_k<C>(tile, kk);
 }
-template <typename WT>
+template <int C = kChunk, typename WT>
 __device__ __forceinline__ uint64_t tile_desc_mn(const WT* tile, int jj) {
-  return sw128_desc_mn<kChunk>(tile, 16 * jj, 0);
+  return sw128_desc_mn<C>(tile, 16 * jj, 0);
 }
 
 // acc (+)= the warpgroup's state rows times tile^T over K ([16 v] x [64 tokens] per warp): a[kk] is
 // the state packed as A fragments (pack_a of n-tiles 2 kk, 2 kk + 1). Issue only: the caller
 // fences, commits and waits (several products share one wait).
-template <typename WT, int K>
-__device__ __forceinline__ void wgmma_state_tile_t(float (&acc)[8][4], const uint32_t (&a)[K / 16][4], const WT* tile,
-                                                   bool accumulate) {
+template <typename WT, int K, int C = kChunk>
+__device__ __forceinline__ void wgmma_state_tile_t(float (&acc)[C / 8][4], const uint32_t (&a)[K / 16][4],
+                                                   const WT* tile, bool accumulate) {
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<WT, 64, 0>(acc, a[kk], tile_desc_k(tile, kk), accumulate || kk > 0);
+  for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<WT, C, 0>(acc, a[kk], tile_desc_k<C>(tile, kk), accumulate || kk > 0);
 }
 // sT += a[jj] @ tile[16 jj .. 16 jj + 15][:] over the chunk's four token blocks ([16 v] x [K] per
 // warp): a[jj] are [16 v] x [16 tokens] A fragments. Issue only, as above.
-template <typename WT, int K>
-__device__ __forceinline__ void wgmma_tokens_tile(float (&sT)[K / 8][4], const uint32_t (&a)[4][4], const WT* tile) {
+template <typename WT, int K, int C = kChunk>
+__device__ __forceinline__ void wgmma_tokens_tile(float (&sT)[K / 8][4], const uint32_t (&a)[C / 16][4],
+                                                  const WT* tile) {
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) wgmma_rs<WT, K, 1>(sT, a[jj], tile_desc_mn(tile, jj), true);
+  for (int jj = 0; jj < C / 16; ++jj) wgmma_rs<WT, K, 1>(sT, a[jj], tile_desc_mn<C>(tile, jj), true);
 }
 
 template <int BV>
@@ -139,7 +143,9 @@ __device__ __forceinline__ ScanBlock scan_block(const KdaProblem& p) {
 // Where a scan thread works: its CTA's item (V-slice b.vs, value head b.hv, sequence b.n), its
 // warp's 16 value columns (vw within the slice) and its fragment coordinates. A state fragment
 // sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
-template <int K, int BV>
+// C: tokens per chunk; at C != kChunk (the experimental 32-token forward: fixed length only) seq.chunk0
+// counts chunks of C tokens.
+template <int K, int BV, int C = kChunk>
 struct ScanPlace {
   int lane, warp, g, t;
   int hv, v0, vw, col0;
@@ -149,33 +155,34 @@ struct ScanPlace {
   __device__ __forceinline__ ScanPlace(const KdaProblem& p, const ScanBlock& b)
       : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3),
         hv(b.hv), v0(b.vs * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, b.n)),
-        nchunks((seq.len + kChunk - 1) / kChunk),
-        sbase(state_base<K>(p, b.n, b.hv)) {}
+        nchunks((seq.len + C - 1) / C),
+        sbase(state_base<K>(p, b.n, b.hv)) {
+    if constexpr (C != kChunk) seq.chunk0 = b.n * ((p.T + C - 1) / C);
+  }
 };
 
 // The operands of one landed stage (base = the stage's first element).
-template <typename WT, int K, int BV>
+template <typename WT, int K, int BV, int C = kChunk>
 struct ScanOperands {
+  using S = ScanStage<WT, K, BV, C>;
   const WT *w, *qg, *kg, *Aqk, *Akk, *val;
   const float* dec;  // exp2(G) [K]
   __device__ __forceinline__ explicit ScanOperands(const WT* base)
-      : w(base + ScanStage<WT, K, BV>::kW), qg(base + ScanStage<WT, K, BV>::kQg), kg(base + ScanStage<WT, K, BV>::kKg),
-        Aqk(base + ScanStage<WT, K, BV>::kAqk), Akk(base + ScanStage<WT, K, BV>::kAkk),
-        val(base + ScanStage<WT, K, BV>::kVal),
-        dec(reinterpret_cast<const float*>(base + ScanStage<WT, K, BV>::kDec)) {}
+      : w(base + S::kW), qg(base + S::kQg), kg(base + S::kKg), Aqk(base + S::kAqk), Akk(base + S::kAkk),
+        val(base + S::kVal), dec(reinterpret_cast<const float*>(base + S::kDec)) {}
 };
 
 // Async load of chunk cc's value slice [64 tokens][v0, v0 + BV) of val ([B*T, HV, V]: v, or do
 // for the dh scan) into the stage at base (rows past the sequence end zero-filled); nothing when
 // go is false. Branch-free (fixed trip counts, predicated copies): the scans issue it while a
 // wgmma is in flight, and a branch there makes ptxas wait for the wgmma first.
-template <typename WT, int K, int BV, int NT>
+template <typename WT, int K, int BV, int NT, int C = kChunk>
 __device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const KdaProblem& p, const SeqInfo& seq,
                                                  int cc, int hv, int v0, bool go = true) {
-  using S = ScanStage<WT, K, BV>;
-  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
-  const int rows = min(kChunk, seq.len - cc * kChunk);
-  constexpr int BV8 = BV / 8, N = kChunk * BV8;
+  using S = ScanStage<WT, K, BV, C>;
+  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * C;
+  const int rows = min(C, seq.len - cc * C);
+  constexpr int BV8 = BV / 8, N = C * BV8;
 #pragma unroll
   for (int it = 0; it < (N + NT - 1) / NT; ++it) {
     const int i = static_cast<int>(threadIdx.x) + it * NT;
@@ -190,15 +197,15 @@ __device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const 
 // zero-filled); nothing when go is false. with_q = false skips qg and Aqk (the backward's re-scan
 // computes no output); values = false the value tile (the split forward's virtual columns, whose
 // tile stays zero). Branch-free, as scan_load_values.
-template <typename WT, int K, int BV, int NT>
+template <typename WT, int K, int BV, int NT, int C = kChunk>
 __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>& src, const KdaProblem& p,
                                                 const SeqInfo& seq, int cc, int hv, int v0, bool with_q,
                                                 bool go = true, bool values = true) {
-  using S = ScanStage<WT, K, BV>;
+  using S = ScanStage<WT, K, BV, C>;
   const int tid = threadIdx.x, HV = p.HV;
-  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * kChunk;
-  const int rows = min(kChunk, seq.len - cc * kChunk);
-  constexpr int KV8 = K / 8, NK = kChunk * KV8, NA = kChunk * 8;
+  const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * C;
+  const int rows = min(C, seq.len - cc * C);
+  constexpr int KV8 = K / 8, NK = C * KV8, NA = C * (C / 8);
 #pragma unroll
   for (int it = 0; it < (NK + NT - 1) / NT; ++it) {
     const int i = tid + it * NT;
@@ -215,17 +222,17 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
 #pragma unroll
   for (int it = 0; it < (NA + NT - 1) / NT; ++it) {
     const int i = tid + it * NT;
-    const int r = i / 8, c8 = (i % 8) * 8;
+    const int r = i / (C / 8), c8 = (i % (C / 8)) * 8;
     // above the diagonal: never read
     const bool in = go && (NA % NT == 0 || i < NA) && (c8 >> 4) <= (r >> 4);
     const bool ok = r < rows;
-    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * kChunk + c8;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * HV + hv) * C + c8;
     const int nb = ok ? 16 : 0;
     const int so = r * S::AP + c8;
     cp_async16_if(base + S::kAqk + so, src.Aqk + off, nb, in && with_q);
     cp_async16_if(base + S::kAkk + so, src.Akk + off, nb, in);
   }
-  scan_load_values<WT, K, BV, NT>(base, src.val, p, seq, cc, hv, v0, go && values);
+  scan_load_values<WT, K, BV, NT, C>(base, src.val, p, seq, cc, hv, v0, go && values);
   float* dec = reinterpret_cast<float*>(base + S::kDec);
   const float* gdec = src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K;
   static_assert(K / 4 <= NT, "one exp2(G) piece per thread");
@@ -327,12 +334,12 @@ __device__ __forceinline__ void decay_state(float (&sT)[K / 8][4], const float* 
 // the lane of the neighbouring pair of pairs (g ^ 2, lane distance 8), whose other 8-value half it
 // takes. So a warp's store covers the 32 bytes of each of 8 tokens: whole sectors. Rows >= rows are
 // past the sequence end and not stored.
-template <typename WT>
-__device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[8][4], int64_t tok0, int rows,
+template <typename WT, int NJ = kChunk / 8>
+__device__ __forceinline__ void store_token_tile(WT* out, const float (&acc)[NJ][4], int64_t tok0, int rows,
                                                  int HV, int hv, int V, int cols0, int g, int t) {
   const bool odd = g & 1, hi = g & 2;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < NJ; ++j) {
     uint32_t pk[2];  // values cols0 + 8 hh + (g & ~1) + {0, 1} of token tok
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {

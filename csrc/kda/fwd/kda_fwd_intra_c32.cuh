@@ -21,9 +21,15 @@
 // merge steps from three growing ones to two of the smallest, w's k-steps from 20 to 12; the gate
 // pass, the diagonal blocks and the qg / kg / kexp work stay as they are per token.
 // Fixed-length problems only (a varlen chunk map of 32-token chunks does not exist).
+//
+// Beside it, kda_fwd_scan_c32_kernel: the forward scan (kda_fwd_scan.cuh's fwd_scan_cta at C = 32:
+// product A's N and product D's K are the chunk's 32 tokens, B and C two 16-token blocks) over that
+// workspace, so that the emulator checks o and the final state of a whole 32-token forward and the
+// GPU times it beside the 64-token one. No streaming, no split, no saved states.
 #pragma once
 
 #include "kda/fwd/kda_fwd_intra.cuh"
+#include "kda/fwd/kda_fwd_scan.cuh"
 
 namespace kernel_fun::kda {
 
@@ -108,6 +114,19 @@ template <typename WT, int K>
 inline LaunchShape intra_c32_launch(const KdaFwdParams& p) {
   return {dim3(static_cast<unsigned>(p.B * c32_chunks(p)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
           sizeof(IntraSmem<WT, K, kC32>)};
+}
+
+// The scan over the 32-token workspace: one CTA per (V-slice, value head, sequence), o and the final
+// state (p.scan_pass 0, no chunk flags, no h_states / h_ckpt).
+template <typename WT, int K, int BV>
+__global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_c32_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  fwd_scan_cta<WT, K, BV, true, false, kC32>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+}
+
+template <typename WT, int K, int BV>
+inline LaunchShape scan_c32_launch(const KdaProblem& p) {
+  return scan_grid(p, p.V / BV, dev::scan_threads<BV>(), dev::ScanStage<WT, K, BV, kC32>::kBytes);
 }
 
 }  // namespace kernel_fun::kda

@@ -47,11 +47,15 @@ namespace kernel_fun::kda {
 // same stores ahead of A, behind a runtime branch, cost the training forward's scan +15% per step
 // at B1 T32768 H32, 2026-12-04). kStates = false: no per-chunk states (h_states) whatever p says (the
 // split forward's pass 1, where that dead store's address registers spilled the loop).
-template <typename WT, int K, int BV, bool kWithO, bool kCkpt, bool kStates = true, typename BesideA>
-__device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV>& pl,
-                                              const dev::ScanOperands<WT, K, BV>& op, int c, float (&hT)[K / 8][4],
+// C: tokens per chunk (kChunk; 32 for the experimental short-chunk forward): the tokens are the N of
+// product A and the K of product D, the blocks of B and C.
+template <typename WT, int K, int BV, bool kWithO, bool kCkpt, bool kStates = true, int C = kChunk,
+          typename BesideA>
+__device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV, C>& pl,
+                                              const dev::ScanOperands<WT, K, BV, C>& op, int c, float (&hT)[K / 8][4],
                                               BesideA&& beside_a) {
-  using S = dev::ScanStage<WT, K, BV>;
+  using S = dev::ScanStage<WT, K, BV, C>;
+  constexpr int NJ = C / 8, NB = C / 16;  // 8-token n-tiles, 16-token blocks
   constexpr int AP = S::AP, VP = S::VP;
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
   const int HV = p.HV, V = p.V;
@@ -65,7 +69,7 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   // warpgroup's 64 value rows at once, B = the swizzled w / qg tiles, K-major)
   if (kStates && hst)  // the state read by chunk c (fla's h), in the output dtype
     dev::store_state<WT, K>(hst, (static_cast<int64_t>(seq.chunk0 + c) * HV + hv) * K * V, hT, p, col0, t);
-  float whT[8][4], oT[8][4];
+  float whT[NJ][4], oT[NJ][4];
   {
     uint32_t ha[K / 16][4];  // hT packed to WT: live until the wait (wgmma reads A asynchronously)
 #pragma unroll
@@ -82,8 +86,8 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
     // itself is no operand of A, its packed copy ha is): the re-scan's checkpoint, then the caller's
     // work. Branch-free (predicated stores): a branch here makes ptxas wait for A at the branch.
     dev::wgmma_fence();
-    dev::wgmma_state_tile_t<WT, K>(whT, ha, sW, false);
-    if constexpr (kWithO) dev::wgmma_state_tile_t<WT, K>(oT, ha, sQg, false);
+    dev::wgmma_state_tile_t<WT, K, C>(whT, ha, sW, false);
+    if constexpr (kWithO) dev::wgmma_state_tile_t<WT, K, C>(oT, ha, sQg, false);
     dev::wgmma_commit();
     if constexpr (kCkpt) store_ckpt(p.h_ckpt != nullptr);
     beside_a();
@@ -95,26 +99,26 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 
   // ---------------- B: v'T = vT @ Akk^T - WHT   (Akk[i][j] = 0 for j > i: blocks jj <= pp)
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) whT[j][e] = -whT[j][e];
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
+  for (int jj = 0; jj < NB; ++jj) {
     // A[m = v][k = token j]: transposed loads of the [token][v] tile; matrix m = tokens
     // 16 jj + (m >> 1) 8, values vw + (m & 1) 8
     uint32_t a[4];
     dev::ldsm_a_t(a, sV, VP, 16 * jj, vw);
 #pragma unroll
-    for (int pp = jj; pp < 4; ++pp) {
+    for (int pp = jj; pp < NB; ++pp) {
       uint32_t b[4];
       dev::ldsm_b(b, sAkk, AP, 16 * pp, 16 * jj);
       dev::mma_16x16<WT>(whT[2 * pp], whT[2 * pp + 1], a, b);
     }
   }
   // v'T as A fragments over the token dimension (rounded to WT)
-  uint32_t va[4][4];
+  uint32_t va[NB][4];
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
+  for (int jj = 0; jj < NB; ++jj) dev::pack_a<WT>(va[jj], whT[2 * jj], whT[2 * jj + 1]);
 
   // ---------------- D: hT = hT * exp2(G)[k] + v'T @ kg   (wgmma, B = the swizzled kg tile, MN-major),
   // in flight while C runs: hT and va belong to it until the wait
@@ -122,24 +126,24 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
   dev::fence_regs(hT);
   dev::fence_regs(va);
   dev::wgmma_fence();
-  dev::wgmma_tokens_tile<WT, K>(hT, va, sKg);
+  dev::wgmma_tokens_tile<WT, K, C>(hT, va, sKg);
   dev::wgmma_commit();
 
   // ---------------- C: OT += v'T @ Aqk^T -> o   (v'T packed again from whT: the same values as va)
   if constexpr (kWithO) {
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+    for (int jj = 0; jj < NB; ++jj) {
       uint32_t a[4];
       dev::pack_a<WT>(a, whT[2 * jj], whT[2 * jj + 1]);
 #pragma unroll
-      for (int pp = jj; pp < 4; ++pp) {
+      for (int pp = jj; pp < NB; ++pp) {
         uint32_t b[4];
         dev::ldsm_b(b, sAqk, AP, 16 * pp, 16 * jj);
         dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, b);
       }
     }
-    dev::store_token_tile<WT>(o, oT, seq.bos + static_cast<int64_t>(c) * kChunk, min(kChunk, seq.len - c * kChunk),
-                              HV, hv, V, v0 + vw, g, t);
+    dev::store_token_tile<WT, NJ>(o, oT, seq.bos + static_cast<int64_t>(c) * C, min(C, seq.len - c * C), HV, hv, V,
+                                  v0 + vw, g, t);
   }
 
   dev::wgmma_wait<0>();
@@ -150,14 +154,14 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 // One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
 // body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel. kWithO = (p.o set),
 // kCkpt = (p.h_ckpt set).
-template <typename WT, int K, int BV, bool kWithO, bool kCkpt>
+template <typename WT, int K, int BV, bool kWithO, bool kCkpt, int C = kChunk>
 __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
-  using S = dev::ScanStage<WT, K, BV>;
+  using S = dev::ScanStage<WT, K, BV, C>;
   constexpr int NT = dev::scan_threads<BV>();
   constexpr int NK = K / 8;  // n-tiles of the state (8 state rows k each)
   static_assert(BV == 64 || BV == 128, "BV in {64, 128}");
 
-  const dev::ScanPlace<K, BV> pl(p, b);
+  const dev::ScanPlace<K, BV, C> pl(p, b);
   const int t = pl.t, hv = pl.hv, v0 = pl.v0, col0 = pl.col0, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
 
@@ -180,7 +184,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
 
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
   auto load_chunk = [&](int cc, int st, bool go) {
-    dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, kWithO, go);
+    dev::scan_load_chunk<WT, K, BV, NT, C>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, kWithO, go);
   };
   // chunk cc's flag (pass 1): published by the intra CTA of (global chunk, value head)
   auto flag = [&](int cc) { return p.chunk_ready + static_cast<int64_t>(seq.chunk0 + cc) * p.HV + hv; };
@@ -220,7 +224,8 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
     if (p.scan_pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
     // chunk c + 1 into stage st ^ 1 (free since the barrier), issued while product A of chunk c is in
     // flight (ahead of A, its address and copy instructions sat on every step's critical path)
-    fwd_scan_step<WT, K, BV, kWithO, kCkpt>(p, pl, dev::ScanOperands<WT, K, BV>(sm + st * S::kStageElems), c, hT, [&] {
+    fwd_scan_step<WT, K, BV, kWithO, kCkpt, true, C>(p, pl, dev::ScanOperands<WT, K, BV, C>(sm + st * S::kStageElems), c,
+                                                   hT, [&] {
       load_chunk(c + 1, st ^ 1, c + 1 < nchunks && !stopped);
       dev::cp_async_commit();
     });
