@@ -753,3 +753,18 @@ def test_forward_on_32_token_chunks_matches_fp64_reference(name, bv, emu, ref):
     bad = {key: err for key, (r, got) in {"o": (o_ref, o), "ht": (ht_ref, ht)}.items()
            if not (err := rel_rms(r, got)) <= TOL}
     assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
+
+
+def test_forward_sequence_takes_the_32_token_chunks(emu):
+    """forward_sequence's branch for KdaProblem::fwd_chunk = 32 (what csrc/api sets where
+    KERNEL_FUN_KDA_FWD_CHUNK=32 opts in) runs the 32-token intra and scan: bitwise those stages run by
+    hand, and not the 64-token forward's bits; a varlen call is refused by name."""
+    inputs, kw = make_case(**dict(C32_CASES["K128-T100"], h0=True, V=128))
+    o_seq, ht_seq, _, _ = emu.forward_stages(*inputs, **kw, bv=128, fwd_chunk=32)
+    o_c32, ht_c32, _ = emu.forward_c32(*inputs, **kw, bv=128)
+    o_64, _, _, _ = emu.forward_stages(*inputs, **kw, bv=128)
+    assert torch.equal(_bits(o_seq), _bits(o_c32)) and torch.equal(ht_seq, ht_c32)
+    assert not torch.equal(_bits(o_seq), _bits(o_64))
+    inputs, kw = make_case(T=64, K=128, V=128, gate="bounded", cu=[0, 20, 64])
+    with pytest.raises(RuntimeError, match="fixed-length, unsplit calls without states"):
+        emu.forward_stages(*inputs, **kw, fwd_chunk=32)

@@ -847,3 +847,43 @@ def test_split_is_the_models_choice_by_default_and_serves_training(monkeypatch):
     assert len(split) == len(whole) == 8  # o, ht, dq, dk, dv, dg, dbeta, dh0
     for i, (a, b) in enumerate(zip(split, whole)):
         assert rel_rms(b.double(), a) < (5e-3 if i < 2 else STAGE_TOL), i
+
+
+# ------------------------------------------------------------------------------------------------
+# the experimental 32-token forward (csrc/kda/fwd/kda_fwd_intra_c32.cuh), opt-in
+C32_CASES = {
+    "T1000": dict(B=2, T=1000, h0=True),
+    "T8192": dict(B=1, T=8192, H=1),
+    "K128-V256": dict(T=300, V=256, h0=True),
+    "GVA-2-4": dict(T=333, H=2, HV=4, h0=True),
+    "bounded": dict(T=500, gate="bounded", h0=True),
+    "bounded-noalog": dict(T=500, gate="bounded_noalog"),
+    "extreme-1000": dict(T=700, gate="precomputed", extreme=0.5, h0=True),
+    "bounded-weak": dict(T=300, gate="bounded_weak", h0=True),
+    "large-qk": dict(T=300, qk_scale=1e5, h0=True),
+}
+
+
+@pytest.mark.parametrize("name", list(C32_CASES))
+def test_forward_on_32_token_chunks_through_chunk_kda(name, monkeypatch):
+    """KERNEL_FUN_KDA_FWD_CHUNK=32: chunk_kda without autograd runs the 32-token forward (counted as
+    kda_fwd_c32, on top of kda_fwd) and matches the fp64 reference; with autograd (the forward keeps
+    its factors for a backward at 64 tokens) it does not run."""
+    from kernel_fun import _ext
+    from kernel_fun.kda import chunk_kda
+
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_CHUNK", "32")
+    inputs, kw = make_case(**C32_CASES[name])
+    call = {n: x for n, x in kw.items() if x is not None}
+    before = _ext.op_calls()
+    with torch.no_grad():
+        o, ht = chunk_kda(*inputs, **call)
+    after = _ext.op_calls()
+    assert after["kda_fwd_c32"] - before.get("kda_fwd_c32", 0) == 1
+    o_ref, ht_ref = reference(inputs, kw)
+    assert torch.isfinite(o).all() and rel_rms(o_ref, o) <= KDA_TOL["o"], f"o rel-RMS {rel_rms(o_ref, o):.3e}"
+    if kw.get("output_final_state"):
+        assert rel_rms(ht_ref, ht) <= KDA_TOL["ht"], f"ht rel-RMS {rel_rms(ht_ref, ht):.3e}"
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    chunk_kda(*leaves, **call)
+    assert _ext.op_calls()["kda_fwd_c32"] == after["kda_fwd_c32"]

@@ -6,7 +6,9 @@
 
 namespace kernel_fun::api {
 
-enum class OpId : int { kCconvFwd, kCconvBwd, kCconvUpdate, kKdaFwd, kKdaBwd, kCount };
+// kKdaFwdC32: the forwards that ran the experimental 32-token chunks (KERNEL_FUN_KDA_FWD_CHUNK=32), also
+// counted as kKdaFwd.
+enum class OpId : int { kCconvFwd, kCconvBwd, kCconvUpdate, kKdaFwd, kKdaBwd, kKdaFwdC32, kCount };
 
 void count_call(OpId id);
 

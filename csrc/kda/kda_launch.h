@@ -63,6 +63,15 @@ void kda_split_final(const KdaFwdParams& p, bool reverse, cudaStream_t stream);
 bool kda_fwd_fused_wanted(const KdaFwdParams& p);
 void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 
+// The experimental short-chunk forward (fwd/kda_fwd_intra_c32.cuh): the chunk size a call's forward
+// runs (KdaProblem::fwd_chunk; csrc/api decides once, before sizing the workspace): 32 where
+// KERNEL_FUN_KDA_FWD_CHUNK=32 opts in and the call allows it (a forward that saves nothing for a
+// backward: no factors, no per-chunk states; fixed length, not split, not the recurrence; bf16, K = 128,
+// the one instantiation), else kChunk. Its two stages: the 32-token intra, then the scan over it.
+int kda_fwd_chunk_choice(const KdaFwdParams& p);
+void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream);
+void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream);
+
 // The fp32 token recurrence (recur/). kda_recurrent_choice: whether a call of p runs it, decided once
 // per call by csrc/api (KdaProblem::recurrent), the forward and its backward alike from the options
 // (KdaOptions::recurrent, the front's KERNEL_FUN_KDA_RECURRENT): kda_policy.h's recurrent_default, or
@@ -101,6 +110,8 @@ struct StreamStages {
   void recurrent_forward(const KdaFwdParams& p) { kda_recur_fwd(p, stream); }
   void recurrent_backward(const KdaBwdParams& p) { kda_recur_bwd(p, stream); }
   bool fused(const KdaFwdParams& p) { return kda_fwd_fused_wanted(p); }
+  void intra_c32(const KdaFwdParams& p) { kda_fwd_intra_c32(p, stream); }
+  void scan_c32(const KdaFwdParams& p) { kda_fwd_scan_c32(p, stream); }
   void fused_forward(const KdaFwdParams& p) { kda_fwd_fused(p, stream); }
   void streamed_forward(const KdaFwdParams& p) { kda_fwd_streamed(p, stream); }
   void split_map(const KdaFwdParams& p) { kda_split_map(p, stream); }

@@ -97,6 +97,11 @@ struct KdaProblem {
   // sequence. Decided once per call by csrc/api (kda_split_choose, with KdaFwdParams::split_bv), before
   // the workspace is sized (kda::workspace holds the pieces' states).
   int split_chunks = 0;
+  // The forward's tokens per chunk: kChunk, or 32 for the experimental short-chunk forward
+  // (fwd/kda_fwd_intra_c32.cuh; opt-in, KERNEL_FUN_KDA_FWD_CHUNK=32, where the forward saves nothing for a
+  // backward: kda_fwd_chunk_choice). Decided once per call by csrc/api, before the workspace is sized
+  // (gdecay holds one row per chunk of this size).
+  int fwd_chunk = kChunk;
   // The split forward's derived problem (fwd/kda_fwd_split.h's split_pieces): the sequences' count,
   // whose pieces are this problem's N sequences; 0 in every other problem.
   int split_seqs = 0;
@@ -295,7 +300,9 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
       b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, kChunk}, wt});
       b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
     }
-    if (!workspace_given) b.push_back({WorkBuffer::kGdecay, "gdecay", {C, HV, K}, f32});
+    // the short-chunk forward's exp2(G) rows: one per chunk of its size (fixed length only)
+    const int64_t Cg = !backward && p.fwd_chunk != kChunk ? int64_t{p.B} * ((p.T + p.fwd_chunk - 1) / p.fwd_chunk) : C;
+    if (!workspace_given) b.push_back({WorkBuffer::kGdecay, "gdecay", {Cg, HV, K}, f32});
   }
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)
   b.push_back({WorkBuffer::kChunkOffsets, "chunk_offsets", {2 * int64_t{p.N} + 1}, f32, true});

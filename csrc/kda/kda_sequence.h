@@ -4,7 +4,8 @@
 // that runs the same kernels under kf_emu. A stage added, dropped or reordered here changes both,
 // so the emulator cannot test a sequence the GPU does not run. Host code; no CUDA runtime calls.
 //
-// Stages provides: chunk_map, recurrent_forward, fused (bool) and fused_forward, streamed_forward, intra, scan
+// Stages provides: chunk_map, recurrent_forward, fused (bool) and fused_forward, intra_c32 and scan_c32,
+// streamed_forward, intra, scan
 // (Fwd / Bwd params), split_map, scan_local, dh_local, split_chain and split_final (with a reverse flag),
 // recurrent_backward, prep, pair_scans (bool), scans, dh_scan, grads, group_sums, gate_params.
 #pragma once
@@ -45,6 +46,11 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
   }
   if (s.fused(p)) {  // intra and scan in one kernel (fwd/kda_fwd_fused.cuh), where it is chosen
     s.fused_forward(p);
+    return;
+  }
+  if (p.fwd_chunk != kChunk) {  // the experimental 32-token forward, where csrc/api chose it
+    s.intra_c32(p);
+    s.scan_c32(p);
     return;
   }
   if (p.split_chunks > 0) {  // few long chains: the scan in pieces (csrc/api's decision, before the

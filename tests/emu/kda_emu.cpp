@@ -121,6 +121,8 @@ struct KdaEmuArgs {
   int64_t split_chunks;   // forward: the split forward's piece length in chunks (fwd/kda_fwd_split.cuh), or 0
   int32_t* split_map;     // the split forward's buffers (kda_problem.h's SplitLayout), or null
   float* split_state;
+  int64_t fwd_chunk;      // forward: 32 runs the experimental 32-token forward (KdaProblem::fwd_chunk;
+                          // csrc/api's kda_fwd_chunk_choice on the GPU), else the 64-token chunks
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -212,6 +214,9 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.split_chunks = p.recurrent ? 0 : static_cast<int>(a.split_chunks);
   p.split_map = a.split_map;
   p.split_state = a.split_state;
+  p.fwd_chunk = a.fwd_chunk == kda::kC32 ? kda::kC32 : kda::kChunk;
+  if (p.fwd_chunk != kda::kChunk && (p.cu_seqlens || p.recurrent || p.split_chunks || p.h_states || p.h_ckpt))
+    throw std::invalid_argument("kda_emu: the 32-token forward takes fixed-length, unsplit calls without states");
   return p;
 }
 
@@ -296,6 +301,12 @@ struct EmuStages {
     kda::for_each_recur_bwd_pass<K>(p, [&](auto kern, const kda::LaunchShape& s) { launch(s, kern, p); });
   }
   bool fused(const kda::KdaFwdParams&) { return use_fused; }
+  void intra_c32(const kda::KdaFwdParams& p) {
+    launch(kda::intra_c32_launch<WT, K>(p), kda::intra_c32_kernel_for<WT, K>(p), p);
+  }
+  void scan_c32(const kda::KdaFwdParams& p) {
+    launch(kda::scan_c32_launch<WT, K, BV>(p), kda::kda_fwd_scan_c32_kernel<WT, K, BV>, p);
+  }
   void fused_forward(const kda::KdaFwdParams& p) {
     launch(kda::fwd_fused_launch<WT, K, BV>(p), kda::kda_fwd_fused_kernel<WT, K, BV>, p);
   }

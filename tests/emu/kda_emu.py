@@ -43,7 +43,8 @@ _INTS = ("cu_int64", "B", "T", "H", "HV", "K", "V", "N", "max_chunks", "dtype", 
 class KdaEmuArgs(ctypes.Structure):
     """Mirror of KdaEmuArgs in kda_emu.cpp (every field 8 bytes)."""
     _fields_ = ([(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS] +
-                [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p)])
+                [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p),
+                 ("fwd_chunk", ctypes.c_int64)])
 
 
 def lib():
@@ -251,7 +252,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
-                   streamed=False, stream_stop=-1, recurrent=False, save_states=False, split_chunks=0):
+                   streamed=False, stream_stop=-1, recurrent=False, save_states=False, split_chunks=0, fwd_chunk=64):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     recurrent=True: the fp32 token recurrence (csrc/kda/recur/) where every sequence fits in one chunk
     (the chunk kernels' workspace in ws is then left unwritten).
@@ -264,6 +265,9 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published.
     save_states=True: the scan also writes the state before every chunk into ws["h_ckpt"] (a
     training forward's saved states, [max_chunks, HV, V, K], which backward_stages' states reads).
+    fwd_chunk=32: forward_sequence's experimental 32-token forward (KdaProblem::fwd_chunk; ws then holds
+    its workspace in the 64-token buffers' leading elements: Aqk / Akk as [B*T, HV, 32], gdecay one row
+    per 32-token chunk).
     split_chunks=L > 0: the split forward (csrc/kda/fwd/kda_fwd_split.cuh) with pieces of L chunks,
     whatever the launch policy says; ws["split_map"] (int32), ws["split_state"] (fp32) and
     ws["split_layout"] (kda_problem.h's SplitLayout, a dict of SPLIT_LAYOUT)."""
@@ -292,9 +296,12 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         ws["scan_save"] = gz.alloc("scan_save", (N, HV, K, V), torch.float32)
     if save_states:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
+    if fwd_chunk == 32:  # kda_problem.h's workspace(): gdecay one row per 32-token chunk
+        ws["gdecay"] = gz.alloc("gdecay (c32)", (B * (-(-T // 32)), HV, K), torch.float32)
+        f["gdecay"] = _ptr(ws["gdecay"])
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
-                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")))
+                   stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")), fwd_chunk=int(fwd_chunk))
     L = lib()
     _split_buffers(a, gz, ws, split_chunks)
     if L.kda_emu_forward(ctypes.byref(a)):

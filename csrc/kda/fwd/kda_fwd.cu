@@ -224,9 +224,27 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
+int kda_fwd_chunk_choice(const KdaFwdParams& p) {
+  // KERNEL_FUN_KDA_FWD_CHUNK=32 opts in (timing; docs/notes/2026-12-05-cp-v-columns-and-c32-intra.md).
+  const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.cu_seqlens && !p.recurrent && p.split_chunks == 0 &&
+                       p.dtype == DType::kBFloat16 && p.K == 128 && p.V % 64 == 0;
+  return allowed && env_int("KERNEL_FUN_KDA_FWD_CHUNK", kChunk) == kC32 ? kC32 : kChunk;
+}
+
+void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream) {
+  if (p.dtype != DType::kBFloat16 || p.K != 128) throw std::invalid_argument("kda_fwd_intra_c32: bf16, K = 128 only");
+  launch_intra_c32<__nv_bfloat16, 128>(p, stream);
+}
+
+void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream) {
+  if (p.dtype != DType::kBFloat16 || p.K != 128) throw std::invalid_argument("kda_fwd_scan_c32: bf16, K = 128 only");
+  if (kda_fwd_scan_bv(p) == 64) launch_scan_c32<__nv_bfloat16, 128, 64>(p, stream);
+  else launch_scan_c32<__nv_bfloat16, 128, 128>(p, stream);
+}
+
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  if (f.split_chunks > 0) {  // csrc/api split it (kda_split_choose): never streamed as well
+  if (f.split_chunks > 0 || f.fwd_chunk != kChunk) {  // split (kda_split_choose) or short chunks: never streamed
     f.chunk_ready = nullptr;
   } else {
     f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees

@@ -33,8 +33,7 @@
 
 namespace kernel_fun::kda {
 
-constexpr int kC32 = 32;
-constexpr int kIntraC32Threads = 4 * kC32;
+constexpr int kIntraC32Threads = 4 * kC32;  // kC32: kda_fwd_launch.h
 
 template <typename WT, int K, bool kMid, typename Out>
 __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, const Out& out) {
@@ -128,5 +127,17 @@ template <typename WT, int K, int BV>
 inline LaunchShape scan_c32_launch(const KdaProblem& p) {
   return scan_grid(p, p.V / BV, dev::scan_threads<BV>(), dev::ScanStage<WT, K, BV, kC32>::kBytes);
 }
+
+#ifndef KF_EMU
+// The launchers (the one instantiation: fwd/instantiations/kda_fwd_c32_bf16_k128.cu).
+template <typename WT, int K>
+void launch_intra_c32(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch_chunk_kernel(intra_c32_kernel_for<WT, K>(p), intra_c32_launch<WT, K>(p), p, stream);
+}
+template <typename WT, int K, int BV>
+void launch_scan_c32(const KdaFwdParams& p, cudaStream_t stream) {
+  dev::launch(kda_fwd_scan_c32_kernel<WT, K, BV>, scan_c32_launch<WT, K, BV>(p), p, stream);
+}
+#endif
 
 }  // namespace kernel_fun::kda

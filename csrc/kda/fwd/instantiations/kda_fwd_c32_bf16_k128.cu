@@ -1,0 +1,9 @@
+// The experimental 32-token forward (kda_fwd_intra_c32.cuh) for bf16, K=128: its intra in both P2
+// forms and its scan at V-slice 64 and 128. Opt-in (KERNEL_FUN_KDA_FWD_CHUNK=32, kda_fwd_chunk_choice).
+#include "kda/fwd/kda_fwd_intra_c32.cuh"
+
+namespace kernel_fun::kda {
+template void launch_intra_c32<__nv_bfloat16, 128>(const KdaFwdParams& p, cudaStream_t stream);
+template void launch_scan_c32<__nv_bfloat16, 128, 64>(const KdaFwdParams& p, cudaStream_t stream);
+template void launch_scan_c32<__nv_bfloat16, 128, 128>(const KdaFwdParams& p, cudaStream_t stream);
+}
