@@ -1,13 +1,13 @@
-// kda_fwd_intra_c32: an EXPERIMENT, not on any runtime path. The forward intra's phases
+// kda_fwd_intra_c32: an EXPERIMENT, opt-in only (KERNEL_FUN_KDA_FWD_CHUNK=32: kda_fwd.cu's
+// kda_fwd_chunk_choice, for forwards that save nothing for a backward). The forward intra's phases
 // (kda_fwd_intra.cuh) on 32-token chunks instead of 64, in both of its P2 forms (kMid: bounded gates,
 // the midpoint diagonal blocks; else the one-sided SIMT tiles and fp16 tile pairs of any gate), to
-// measure what the chunk size saves per token
-// (docs/notes/2026-12-05-chunk-size.md). The scan and the backward still run 64-token chunks, so
-// nothing consumes this kernel's workspace yet: the emulator checks it against the fp64 reference at
-// chunk_size = 32 (tests/test_emu_kda_fwd.py), and the GPU would time it beside the 64-token kernel.
+// measure what the chunk size saves per token (docs/notes/2026-12-05-chunk-size.md). The backward
+// still runs 64-token chunks. The emulator checks it against the fp64 reference at chunk_size = 32
+// (tests/test_emu_kda_fwd.py); scripts/dev/intra_c32_bench.cu times it beside the 64-token kernel.
 //
 // One CTA of 128 threads (four per token, as the 64-token kernel's 256) per (32-token chunk, value
-// head), ~56 KB of shared memory at K = 128: four CTAs per SM. Per chunk, "|" = barrier:
+// head), ~47 KB of shared memory at K = 128: four CTAs per SM. Per chunk, "|" = barrier:
 //   P0 + P1  q / k copies, gate + block-local cumsum, beta, row factors            |  block offsets |
 //   P2       kMid: warps 0-1 the two diagonal 16 x 16 blocks at their midpoints, warp 2 the one
 //            block below the diagonal (row block 1, column block 0); otherwise warp 0 the SIMT 4 x 4
