@@ -11,7 +11,7 @@ import importlib.util
 spec = importlib.util.spec_from_file_location("kf_setup", "setup.py")
 setup = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(setup)
-print("\n".join(setup.compile_flags(["90a"])[1] + ["-Icsrc", "-I" + setup._cutlass_include()]))')
+print("\n".join(setup.compile_flags(["90a"])[1] + ["-Icsrc"]))')  # no CUTLASS: the kernels do not use it
 nvcc "${flags[@]}" -Xptxas -v scripts/dev/intra_c32_bench.cu -o "$out/intra_c32_bench" 2>&1 |
   grep -E "Compiling entry|registers|spill" | grep -B1 -A1 "intra" | grep -v "^--" | sed 's/^ptxas info    : //' || true
 "$out/intra_c32_bench"
