@@ -703,6 +703,9 @@ C32_CASES = {
     "unbounded-K64-B2-gva-fp16": dict(B=2, T=70, H=1, HV=2, dtype=torch.float16),
     "extreme-1000-K128": dict(T=96, K=128, gate="precomputed", extreme=0.5),
     "weak-decay-K128": dict(T=64, K=128, gate="precomputed_weak"),
+    # varlen through the chunk map at 32 tokens: an empty and a one-token document, a 33-token one
+    "varlen-bounded-K128": dict(T=200, K=128, gate="bounded", cu=[0, 0, 1, 34, 100, 200]),
+    "varlen-unbounded-gva": dict(T=150, H=1, HV=2, cu=[0, 31, 32, 150], cu_dtype=torch.int64),
 }
 
 
@@ -715,32 +718,35 @@ def test_intra_on_32_token_chunks_matches_fp64_reference(name, emu, ref):
     B, T, _, K = inputs[0].shape
     ws = emu.intra_c32(*inputs, **kw)
     rk = {n: kw[n] for n in ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                             "allow_neg_eigval", "lower_bound") if kw.get(n) is not None}
+                             "allow_neg_eigval", "lower_bound", "cu_seqlens") if kw.get(n) is not None}
     rk.update({n: kw[n].double() for n in ("A_log", "dt_bias") if kw.get(n) is not None})
     _, _, st = ref.chunk_kda_reference(*(x.double() for x in inputs), **rk, chunk_size=32, return_stages=True)
     flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
-    rows = [min(c0 + 32, T) - 1 + b * T for b in range(B) for c0 in range(0, T, 32)]
+    segs = [(b * T, b * T + T) for b in range(B)] if kw.get("cu_seqlens") is None else \
+        list(zip(kw["cu_seqlens"].tolist()[:-1], kw["cu_seqlens"].tolist()[1:]))
+    rows = [min(c0 + 32, e) - 1 for s, e in segs for c0 in range(s, e, 32)]
     checks = {
         "qg": (flat(st["qg"]) * (kw.get("scale") or K ** -0.5), ws["qg"]),
         "kg": (flat(st["kg"]), ws["kg"]),
         "w": (flat(st["w"]), ws["w"]),
         "Aqk": (flat(st["Aqk"]), ws["Aqk"]),
         "Akk": (flat(st["Akk"]), ws["Akk"]),
-        "exp2(G)": (as_stored_fp32(torch.exp2(flat(st["g2"])[rows])), ws["gdecay"]),
+        "exp2(G)": (as_stored_fp32(torch.exp2(flat(st["g2"])[rows])), ws["gdecay"][: len(rows)]),
     }
     bad = {key: err for key, (r, got) in checks.items() if not (err := rel_rms(r, got)) <= TOL}
     assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
 
 
 def test_intra_on_32_token_chunks_refuses_what_it_does_not_serve(emu):
-    inputs, kw = make_case(T=40, cu=[0, 10, 40])
-    with pytest.raises(RuntimeError, match="fixed-length problems only"):
-        emu.intra_c32(*inputs, **kw)
+    inputs, kw = make_case(T=40, K=128, gate="bounded")
+    with pytest.raises(RuntimeError, match="unsplit calls without states"):
+        emu.forward_stages(*inputs, **kw, fwd_chunk=32, return_intermediate_states=True)
 
 
 @pytest.mark.parametrize("name,bv", [("K128-T100", 64), ("K128-T100", 128), ("K64-B2-gva", 64),
                                      ("unbounded-K128-T100", 128), ("extreme-1000-K128", 64),
-                                     ("bounded-weak-K64", 64)])
+                                     ("bounded-weak-K64", 64), ("varlen-bounded-K128", 128),
+                                     ("varlen-unbounded-gva", 64)])
 def test_forward_on_32_token_chunks_matches_fp64_reference(name, bv, emu, ref):
     """The experimental 32-token forward (the 32-token intra, then the scan at C = 32:
     kda_fwd_scan_c32_kernel) with an initial state: o and the final state against the fp64 reference
@@ -758,13 +764,16 @@ def test_forward_on_32_token_chunks_matches_fp64_reference(name, bv, emu, ref):
 def test_forward_sequence_takes_the_32_token_chunks(emu):
     """forward_sequence's branch for KdaProblem::fwd_chunk = 32 (what csrc/api sets where
     KERNEL_FUN_KDA_FWD_CHUNK=32 opts in) runs the 32-token intra and scan: bitwise those stages run by
-    hand, and not the 64-token forward's bits; a varlen call is refused by name."""
+    hand, and not the 64-token forward's bits, with fixed lengths and with cu_seqlens (the chunk map
+    at 32 tokens)."""
     inputs, kw = make_case(**dict(C32_CASES["K128-T100"], h0=True, V=128))
     o_seq, ht_seq, _, _ = emu.forward_stages(*inputs, **kw, bv=128, fwd_chunk=32)
     o_c32, ht_c32, _ = emu.forward_c32(*inputs, **kw, bv=128)
     o_64, _, _, _ = emu.forward_stages(*inputs, **kw, bv=128)
     assert torch.equal(_bits(o_seq), _bits(o_c32)) and torch.equal(ht_seq, ht_c32)
     assert not torch.equal(_bits(o_seq), _bits(o_64))
-    inputs, kw = make_case(T=64, K=128, V=128, gate="bounded", cu=[0, 20, 64])
-    with pytest.raises(RuntimeError, match="fixed-length, unsplit calls without states"):
-        emu.forward_stages(*inputs, **kw, fwd_chunk=32)
+    inputs, kw = make_case(**dict(C32_CASES["varlen-bounded-K128"], h0=True, V=128))
+    o_seq, ht_seq, _, ws = emu.forward_stages(*inputs, **kw, bv=128, fwd_chunk=32)
+    o_c32, ht_c32, _ = emu.forward_c32(*inputs, **kw, bv=128)
+    assert torch.equal(_bits(o_seq), _bits(o_c32)) and torch.equal(ht_seq, ht_c32)
+    assert ws["chunk_offsets"].tolist()[:6] == [0, 0, 1, 3, 6, 10]  # per document ceil(len / 32)

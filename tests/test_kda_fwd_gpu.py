@@ -861,6 +861,9 @@ C32_CASES = {
     "extreme-1000": dict(T=700, gate="precomputed", extreme=0.5, h0=True),
     "bounded-weak": dict(T=300, gate="bounded_weak", h0=True),
     "large-qk": dict(T=300, qk_scale=1e5, h0=True),
+    "varlen-onetoken": dict(T=200, cu=[0, 1, 64, 65, 200], h0=True),
+    "varlen-empty-int64": dict(T=300, cu=[0, 0, 100, 100, 300], cu_dtype=torch.int64, h0=True),
+    "varlen-fla-bounded": dict(T=2000, H=2, HV=4, cu=[0, 15, 100, 300, 1200, 2000], gate="bounded", h0=True),
 }
 
 

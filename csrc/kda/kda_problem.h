@@ -301,7 +301,9 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
       b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
     }
     // the short-chunk forward's exp2(G) rows: one per chunk of its size (fixed length only)
-    const int64_t Cg = !backward && p.fwd_chunk != kChunk ? int64_t{p.B} * ((p.T + p.fwd_chunk - 1) / p.fwd_chunk) : C;
+    const int64_t Cg = backward || p.fwd_chunk == kChunk ? C
+                       : p.cu_seqlens ? int64_t{p.T} / p.fwd_chunk + p.N
+                                      : int64_t{p.B} * ((p.T + p.fwd_chunk - 1) / p.fwd_chunk);
     if (!workspace_given) b.push_back({WorkBuffer::kGdecay, "gdecay", {Cg, HV, K}, f32});
   }
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)

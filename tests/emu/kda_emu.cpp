@@ -215,8 +215,8 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.split_map = a.split_map;
   p.split_state = a.split_state;
   p.fwd_chunk = a.fwd_chunk == kda::kC32 ? kda::kC32 : kda::kChunk;
-  if (p.fwd_chunk != kda::kChunk && (p.cu_seqlens || p.recurrent || p.split_chunks || p.h_states || p.h_ckpt))
-    throw std::invalid_argument("kda_emu: the 32-token forward takes fixed-length, unsplit calls without states");
+  if (p.fwd_chunk != kda::kChunk && (p.recurrent || p.split_chunks || p.h_states || p.h_ckpt))
+    throw std::invalid_argument("kda_emu: the 32-token forward takes unsplit calls without states");
   return p;
 }
 
@@ -278,7 +278,7 @@ void chunk_map(const kda::KdaProblem& p, bool cu_int64) {
   for (int n = 0; n < p.N; ++n) {
     const int64_t len = cu_int64 ? static_cast<const int64_t*>(p.cu_seqlens)[n + 1] - static_cast<const int64_t*>(p.cu_seqlens)[n]
                                  : static_cast<const int32_t*>(p.cu_seqlens)[n + 1] - static_cast<const int32_t*>(p.cu_seqlens)[n];
-    nc[n] = static_cast<int>((len + kda::kChunk - 1) / kda::kChunk);
+    nc[n] = static_cast<int>((len + p.fwd_chunk - 1) / p.fwd_chunk);  // the call's chunk size (kda_chunk_map)
     p.chunk_offsets[n + 1] = p.chunk_offsets[n] + nc[n];
   }
   int* order = p.chunk_offsets + p.N + 1;
@@ -458,10 +458,12 @@ void intra_stage_check(const KdaEmuArgs& a, void* from_intra, void* from_load, i
 }
 
 // The experimental 32-token intra (fwd/kda_fwd_intra_c32.cuh) alone, into the args' workspace
-// pointers (w, qg, kg, Aqk, Akk, M, gdecay at 32-token chunks): fixed length.
+// pointers (w, qg, kg, Aqk, Akk, M, gdecay at 32-token chunks; varlen: the chunk map at 32 first).
 void intra_c32(const KdaEmuArgs& a) {
-  const kda::KdaBwdParams p = make_params(a);
-  if (p.cu_seqlens) throw std::invalid_argument("the 32-token intra takes fixed-length problems only");
+  KdaEmuArgs b = a;
+  b.fwd_chunk = kda::kC32;  // the varlen chunk map at 32 tokens
+  const kda::KdaBwdParams p = make_params(b);
+  chunk_map(p, a.cu_int64 != 0);
   kda::dispatch_wt_k(p.dtype, p.K, "kda_emu_intra_c32", [&](auto wt, auto k) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value;
@@ -536,7 +538,9 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
 int kda_emu_forward_c32(const KdaEmuArgs* a) {
   return guarded([&] {
     intra_c32(*a);
-    const kda::KdaBwdParams p = make_params(*a);
+    KdaEmuArgs b = *a;
+    b.fwd_chunk = kda::kC32;
+    const kda::KdaBwdParams p = make_params(b);
     kda::dispatch_wt_k(p.dtype, p.K, "kda_emu_forward_c32", [&](auto wt, auto k) {
       using WT = typename decltype(wt)::type;
       constexpr int K = decltype(k)::value;

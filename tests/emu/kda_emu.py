@@ -297,7 +297,8 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     if save_states:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
     if fwd_chunk == 32:  # kda_problem.h's workspace(): gdecay one row per 32-token chunk
-        ws["gdecay"] = gz.alloc("gdecay (c32)", (B * (-(-T // 32)), HV, K), torch.float32)
+        rows = T // 32 + N if cu is not None else B * (-(-T // 32))
+        ws["gdecay"] = gz.alloc("gdecay (c32)", (rows, HV, K), torch.float32)
         f["gdecay"] = _ptr(ws["gdecay"])
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
@@ -338,7 +339,7 @@ def intra_c32(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False, us
               misalign=False, cu_seqlens=None, **_ignored):
     """The experimental 32-token forward intra (csrc/kda/fwd/kda_fwd_intra_c32.cuh) alone: its
     workspace {w, qg, kg: [B*T, HV, K]; Aqk, Akk, M: [B*T, HV, 32]; gdecay: [B * ceil(T / 32), HV, K]
-    fp32}, NaN where never written. Fixed length (cu_seqlens is refused by the kernel's entry)."""
+    fp32}, NaN where never written (gdecay: T // 32 + N rows with cu_seqlens)."""
     return _c32(q, k, v, g, beta, None, False, 0, dict(
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
@@ -362,12 +363,13 @@ def _c32(q, k, v, g, beta, initial_state, output_final_state, bv, kw):
     dt = q.dtype
     ws = {n: gz.alloc(n + " (c32)", (B * T, HV, K), dt) for n in ("w", "qg", "kg")}
     ws.update({n: gz.alloc(n + " (c32)", (B * T, HV, 32), dt) for n in ("Aqk", "Akk", "M")})
-    ws["gdecay"] = gz.alloc("gdecay (c32)", (B * (-(-T // 32)), HV, K), torch.float32)
+    rows = T // 32 + f["N"] if kw.get("cu_seqlens") is not None else B * (-(-T // 32))
+    ws["gdecay"] = gz.alloc("gdecay (c32)", (rows, HV, K), torch.float32)
     f.update({n: _ptr(t) for n, t in ws.items()})
     o = ht = None
     if bv:
         o = gz.alloc("o", (B, T, HV, V), dt)
-        ht = gz.alloc("ht", (B, HV, K, V), torch.float32) if output_final_state else None
+        ht = gz.alloc("ht", (f["N"], HV, K, V), torch.float32) if output_final_state else None
         f.update(o=_ptr(o), ht=_ptr(ht))
     a = KdaEmuArgs(**f, bv=int(bv))
     fn = lib().kda_emu_forward_c32 if bv else lib().kda_emu_intra_c32

@@ -29,13 +29,15 @@ constexpr int kMapThreads = 1024;
 constexpr int kOrderItems = kMaxOrderedSequences / kMapThreads;
 static_assert(kOrderItems * kMapThreads == kMaxOrderedSequences, "whole items per thread");
 
+template <int C>
 __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
-  return static_cast<int>((dev::load_cu(p, n + 1) - dev::load_cu(p, n) + kChunk - 1) / kChunk);
+  return static_cast<int>((dev::load_cu(p, n + 1) - dev::load_cu(p, n) + C - 1) / C);
 }
 
 // The varlen chunk map, one CTA, so no host round trip is ever needed (cu_seqlens stays on the
-// device, int32 or int64). chunk_offsets holds 2N + 1 ints:
-//   [0, N]      chunk_offsets[n] = sum_{m < n} ceil(len_m / 64): the first global chunk of sequence n;
+// device, int32 or int64). C: tokens per chunk (64; 32 for the experimental 32-token forward).
+// chunk_offsets holds 2N + 1 ints:
+//   [0, N]      chunk_offsets[n] = sum_{m < n} ceil(len_m / C): the first global chunk of sequence n;
 //   [N+1, 2N]   the sequences by chunk count, longest first (ties in index order), for the scans'
 //               grid (dev::scan_sequence): a schedule only, no result depends on it.
 //
@@ -43,11 +45,12 @@ __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
 // shuffles (cub's warp scan, and a rank found by counting), in a fraction of the CTA-wide scan's
 // and radix sort's time (which serve the rest); the map sits on the forward's and the backward's
 // critical path, ahead of everything.
+template <int C>
 __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaProblem p) {
   if (p.N <= 32) {
     if (threadIdx.x >= 32) return;
     const int n = threadIdx.x;
-    const int nc = n < p.N ? seq_len_chunks(p, n) : 0;
+    const int nc = n < p.N ? seq_len_chunks<C>(p, n) : 0;
     __shared__ typename cub::WarpScan<int>::TempStorage warp_scan;  // shuffles only on sm_90
     int excl, total;
     cub::WarpScan<int>(warp_scan).ExclusiveSum(nc, excl, total);  // the padding lanes add 0
@@ -74,7 +77,7 @@ __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaPro
   __syncthreads();
   for (int base = 0; base < p.N; base += kMapThreads) {
     const int n = base + threadIdx.x;
-    const int nc = n < p.N ? seq_len_chunks(p, n) : 0;
+    const int nc = n < p.N ? seq_len_chunks<C>(p, n) : 0;
     int excl, total;
     Scan(tmp.scan).ExclusiveSum(nc, excl, total);
     const int c0 = carry;
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaPro
   int val[kOrderItems];
   for (int i = 0; i < kOrderItems; ++i) {
     const int n = threadIdx.x * kOrderItems + i;
-    key[i] = n < p.N ? static_cast<unsigned>(seq_len_chunks(p, n)) + 1u : 0u;
+    key[i] = n < p.N ? static_cast<unsigned>(seq_len_chunks<C>(p, n)) + 1u : 0u;
     val[i] = n;
   }
   const int end_bit = 32 - __clz(static_cast<unsigned>(carry) + 1u);
@@ -114,7 +117,8 @@ __global__ void __launch_bounds__(kMapThreads) kda_chunk_map_kernel(const KdaPro
 
 void kda_chunk_map(const KdaProblem& p, cudaStream_t stream) {
   if (!p.cu_seqlens) return;
-  kda_chunk_map_kernel<<<1, kMapThreads, 0, stream>>>(p);
+  if (p.fwd_chunk == kC32) kda_chunk_map_kernel<kC32><<<1, kMapThreads, 0, stream>>>(p);
+  else kda_chunk_map_kernel<kChunk><<<1, kMapThreads, 0, stream>>>(p);
   KF_CHECK_LAUNCH();
 }
 
@@ -226,7 +230,7 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 int kda_fwd_chunk_choice(const KdaFwdParams& p) {
   // KERNEL_FUN_KDA_FWD_CHUNK=32 opts in (timing; docs/notes/2026-12-05-cp-v-columns-and-c32-intra.md).
-  const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.cu_seqlens && !p.recurrent && p.split_chunks == 0 &&
+  const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.recurrent && p.split_chunks == 0 &&
                        p.dtype == DType::kBFloat16 && p.K == 128 && p.V % 64 == 0;
   return allowed && env_int("KERNEL_FUN_KDA_FWD_CHUNK", kChunk) == kC32 ? kC32 : kChunk;
 }

@@ -20,7 +20,7 @@
 // Against the 64-token chunk, per 64 tokens: the below-diagonal block pairs fall from 6 to 2, the
 // merge steps from three growing ones to two of the smallest, w's k-steps from 20 to 12; the gate
 // pass, the diagonal blocks and the qg / kg / kexp work stay as they are per token.
-// Fixed-length problems only (a varlen chunk map of 32-token chunks does not exist).
+// Varlen through the chunk map built at 32 tokens (kda_chunk_map with KdaProblem::fwd_chunk = 32).
 //
 // Beside it, kda_fwd_scan_c32_kernel: the forward scan (kda_fwd_scan.cuh's fwd_scan_cta at C = 32:
 // product A's N and product D's K are the chunk's 32 tokens, B and C two 16-token blocks) over that
@@ -83,20 +83,21 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   }
 }
 
-// The chunk count of a sequence at 32 tokens, and the sequence of a fixed-length problem as the
-// 32-token grid sees it (chunk0 counts 32-token chunks: the row of gdecay).
+// The chunks of a fixed-length sequence at 32 tokens, and the grid's bound on all chunks: with
+// cu_seqlens T / 32 + N (the tail CTAs find nothing, dev::chunk_of), else B of them per sequence row.
 __host__ __device__ inline int c32_chunks(const KdaProblem& p) { return (p.T + kC32 - 1) / kC32; }
+__host__ __device__ inline int c32_max_chunks(const KdaProblem& p) {
+  return p.cu_seqlens ? p.T / kC32 + p.N : p.B * c32_chunks(p);
+}
 
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  const int nts = c32_chunks(p);
-  const int n = blockIdx.x / nts, ch = blockIdx.x % nts, hv = blockIdx.y;
-  dev::SeqInfo seq;
-  seq.bos = static_cast<int64_t>(n) * p.T;
-  seq.len = p.T;
-  seq.chunk0 = n * nts;
-  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv,
+  int n, ch;
+  if (!dev::chunk_of<kC32>(p, blockIdx.x, n, ch)) return;  // a varlen grid's idle tail
+  dev::SeqInfo seq = dev::seq_info(p, n);
+  if (!p.cu_seqlens) seq.chunk0 = n * c32_chunks(p);  // (seq_info counts 64-token chunks there)
+  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, blockIdx.y,
                                 dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk_c32<WT, K, kMid>(c, IntraToWorkspace<WT, K, kC32>{});
 }
@@ -108,10 +109,10 @@ auto intra_c32_kernel_for(const KdaFwdParams& p) {
 }
 
 // The launch: one CTA per (32-token chunk, value head); the workspace is [B*T, HV, 32] for Aqk and
-// Akk (and M), [B*T, HV, K] for w, qg, kg, [B * c32_chunks, HV, K] for gdecay.
+// Akk (and M), [B*T, HV, K] for w, qg, kg, [c32_max_chunks, HV, K] for gdecay.
 template <typename WT, int K>
 inline LaunchShape intra_c32_launch(const KdaFwdParams& p) {
-  return {dim3(static_cast<unsigned>(p.B * c32_chunks(p)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
+  return {dim3(static_cast<unsigned>(c32_max_chunks(p)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
           sizeof(IntraSmem<WT, K, kC32>)};
 }
 
