@@ -24,7 +24,7 @@ python3 scripts/cp_rank_times.py --case long_b1_t128k --world 2 --stages --out "
 step "the 32-token forward beside the 64-token one (torch-free harness)"
 bash scripts/dev/intra_c32_bench.sh "$out"
 step "the bench's forward rows at 64 and 32 tokens per chunk (KERNEL_FUN_KDA_FWD_CHUNK)"
-for c in bounded_b16 prod8192 long_b1_t32k bounded_b1; do
+for c in bounded_b16 prod8192 varlen long_b1_t32k bounded_b1; do
   for n in 64 32; do
     echo "-- $c, chunk $n"
     KERNEL_FUN_KDA_FWD_CHUNK=$n python3 -m kernel_fun.bench --family kda --case "$c" --pass fwd --no-fla \

@@ -83,7 +83,7 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   }
 }
 
-// The chunks of a fixed-length sequence at 32 tokens, and the grid's bound on all chunks: with
+// The chunks of each sequence of a fixed-length batch at 32 tokens, and the grid's bound on all chunks: with
 // cu_seqlens T / 32 + N (the tail CTAs find nothing, dev::chunk_of), else B of them per sequence row.
 __host__ __device__ inline int c32_chunks(const KdaProblem& p) { return (p.T + kC32 - 1) / kC32; }
 __host__ __device__ inline int c32_max_chunks(const KdaProblem& p) {
