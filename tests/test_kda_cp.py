@@ -243,3 +243,22 @@ def test_zero_columns_and_row_copies_in_16_bit(V, K):
     dst = torch.empty(1, 5, 3, K, dtype=torch.bfloat16)
     _copy_rows(dst, d[..., V:])
     assert torch.equal(dst, d[..., V:])
+
+
+def test_crossing_engine_choice_and_validation_on_cpu():
+    """The front's engine for the document that began on an earlier rank: on CPU tensors the call
+    engine (the reference underneath), after the ordinary argument checks of the rank's slice, which
+    name the argument (a rank holding only the crossing document has no other call to check them)."""
+    import kernel_fun.kda as kda
+    from kernel_fun.kda._cp import CallEngine
+
+    q = torch.randn(1, 8, 1, 16)
+    v = torch.randn(1, 8, 1, 16)
+    g = -torch.rand(1, 8, 1, 16)
+    beta = torch.rand(1, 8, 1)
+    opts = dict(scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False)
+    engine = kda._crossing_engine(None, q, q, v, g, beta, None, opts, {})
+    assert isinstance(engine, CallEngine)
+    with pytest.raises(TypeError, match="beta must be a floating-point tensor"):
+        kda._crossing_engine(None, q, q, v, g, beta.to(torch.int32), None, opts, {})
