@@ -871,11 +871,13 @@ C32_CASES = {
 def test_forward_on_32_token_chunks_through_chunk_kda(name, monkeypatch):
     """KERNEL_FUN_KDA_FWD_CHUNK=32: chunk_kda without autograd runs the 32-token forward (counted as
     kda_fwd_c32, on top of kda_fwd) and matches the fp64 reference; with autograd (the forward keeps
-    its factors for a backward at 64 tokens) it does not run."""
+    its factors for a backward at 64 tokens) it does not run. The split scans are off: a split call
+    keeps 64-token chunks (B1 T8192 H1 splits by default: the H100, 2026-12-05)."""
     from kernel_fun import _ext
     from kernel_fun.kda import chunk_kda
 
     monkeypatch.setenv("KERNEL_FUN_KDA_FWD_CHUNK", "32")
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "0")
     inputs, kw = make_case(**C32_CASES[name])
     call = {n: x for n, x in kw.items() if x is not None}
     before = _ext.op_calls()
