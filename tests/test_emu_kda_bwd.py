@@ -353,6 +353,22 @@ def test_split_backward_matches_fp64_reference_and_unsplit(name, states, emu):
             assert rel_rms(t.double(), grads[key]) < 5e-3, key
 
 
+def test_split_dh_chain_column_blocks_give_the_same_bits(emu):
+    """The reverse chain at every column block (split_chain_cols): the same gradients bit for bit."""
+    inputs, kw = make_case(B=2, T=330, K=128, V=128, gate="precomputed_weak", h0=True)
+    do, dht = _do_dht(inputs, kw, 5)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, bv=64)
+    saved = (ws["Aqk"], ws["Akk"], ws["M"])
+    runs = {c: emu.backward_stages(*inputs, do, dht, **kw, saved=saved, bv=64, split_chunks=1, chain_cols=c)
+            for c in (8, 16, 32)}
+    ref, _ = kda_bwd_reference(inputs, kw, do, dht)
+    assert rel_rms(ref["dh0"], runs[8][0]["dh0"].reshape(ref["dh0"].shape)) <= KDA_TOL["dh0"]
+    for c in (16, 32):
+        assert_bitwise_same(runs[8][0], runs[c][0], f"chain columns {c}")
+        # bit patterns: the split buffer's unwritten tail is NaN-guarded
+        assert torch.equal(runs[8][1]["split_state"].view(torch.int32), runs[c][1]["split_state"].view(torch.int32)), c
+
+
 def test_split_backward_in_batch_slices_is_bitwise_the_whole_batch(emu):
     """The split scans per batch slice (each slice's own pieces' map, in the one split buffer reused
     slice after slice) give exactly the gradients of the split backward over the whole batch."""

@@ -678,6 +678,34 @@ def test_split_forward_deterministic(emu):
     assert torch.equal(_bits(a[3]["split_state"]), _bits(b[3]["split_state"]))
 
 
+@pytest.mark.parametrize("K,V,vfirst", [(64, 64, False), (128, 128, True)])
+def test_split_chain_column_blocks_give_the_same_bits(K, V, vfirst, emu, ref):
+    """The chain kernel's column block (8, 16 or 32 value columns per CTA, split_chain_cols) spreads
+    the work differently and changes no result bit: every sum runs over j in the same order. Two
+    sequences of six one-chunk pieces (five chain steps each) from h0, both state layouts, both K;
+    each width's states also match the fp64 reference (a width whose kernel were wrong fails there,
+    not only in the comparison)."""
+    inputs, kw = make_case(B=2, T=330, K=K, V=V, gate="precomputed_weak", h0=True, state_v_first=vfirst)
+    kw["output_final_state"] = True
+    runs = {c: emu.forward_stages(*inputs, **kw, bv=64, split_chunks=1, chain_cols=c) for c in (8, 16, 32)}
+    o_ref, ht_ref = kda_reference(inputs, kw, ref=ref)[:2]
+    for c, (o, ht, _, ws) in runs.items():
+        assert rel_rms(o_ref, o) <= TOL and rel_rms(ht_ref, ht) <= TOL, c
+        assert torch.equal(_bits(o), _bits(runs[8][0])) and torch.equal(ht, runs[8][1]), c
+        assert torch.equal(_bits(ws["split_state"]), _bits(runs[8][3]["split_state"])), c
+    with pytest.raises(RuntimeError, match="the column block must be 8, 16 or 32, got 12"):
+        emu.forward_stages(*inputs, **kw, bv=64, split_chunks=1, chain_cols=12)
+
+
+def test_split_chain_column_rule(emu):
+    """split_chain_cols: the narrowest block whose grid (V / cols x HV x N CTAs) fits the SMs."""
+    assert emu.split_chain_cols(1, 32768, 8, 8, 128, 128) == 8     # long_b1_t32k_h8: 128 CTAs on 132 SMs
+    assert emu.split_chain_cols(1, 8192, 16, 16, 128, 128) == 16   # bounded_b1: 128 CTAs
+    assert emu.split_chain_cols(1, 32768, 32, 32, 128, 128) == 32  # long_b1_t32k: 128 CTAs
+    assert emu.split_chain_cols(4, 8192, 32, 32, 128, 256) == 32   # more than fit: the widest
+    assert emu.split_chain_cols(1, 32768, 8, 8, 128, 128, sms=78) == 16  # a smaller device
+
+
 def test_split_choice_model(emu):
     """kda_policy.h's fwd_split_choice: it splits few long chains (B1 T32768 with 8 heads: 16 scan
     chains on 132 SMs), not where its modelled gain is within the stale streamed model's error

@@ -594,6 +594,7 @@ SPLIT_CASES = {
     "gva-vfirst-fp16-L3": dict(T=1500, H=1, HV=2, dtype=torch.float16, gate="precomputed_weak", state_v_first=True,
                                h0=True, L=3),
     "B2-K64-V64-unbounded-L1": dict(B=2, T=700, K=64, V=64, h0=True, L=1),
+    "H20-chain32-L2": dict(T=1000, H=20, gate="precomputed_weak", h0=True, L=2),  # the chain's 32 columns
 }
 
 

@@ -776,6 +776,10 @@ SPLIT_CASES = {
     "K64-V64-L1-no-ht": dict(T=1000, K=64, V=64, gate="precomputed_weak", final=False, L=1, bv=64),
     "extreme-1000-L2": dict(T=1000, gate="precomputed", extreme=0.5, h0=True, L=2, bv=64),
     "B2-T16384-H4-model-L": dict(B=2, T=16384, H=4, gate="bounded_weak", h0=True, L=0, bv=0),
+    # the chain kernel's wider column blocks (split_chain_cols on 132 SMs; the cases above take 8):
+    # 12 heads -> 16 columns (96 CTAs), 20 heads -> 32 columns (80 CTAs)
+    "H12-chain16-L2": dict(T=1000, H=12, gate="precomputed_weak", h0=True, L=2, bv=64),
+    "H20-chain32-vfirst-L2": dict(T=1000, H=20, gate="precomputed_weak", h0=True, state_v_first=True, L=2, bv=64),
 }
 
 

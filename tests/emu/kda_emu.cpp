@@ -123,6 +123,8 @@ struct KdaEmuArgs {
   float* split_state;
   int64_t fwd_chunk;      // forward: 32 runs the experimental 32-token forward (KdaProblem::fwd_chunk;
                           // csrc/api's kda_fwd_chunk_choice on the GPU), else the 64-token chunks
+  int64_t chain_cols;     // the split chain's column block (8, 16 or 32), or 0: kda_fwd_split.cuh's
+                          // split_chain_cols for kPolicySMs SMs (the width changes no result bit)
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -345,9 +347,11 @@ struct EmuStages {
   void dh_local(const kda::KdaBwdParams& p) {
     launch(kda::dh_scan_local_launch<WT, K, BV>(p), kda::kda_bwd_dh_scan_local_kernel<WT, K, BV>, p);
   }
+  int chain_cols = 0;  // the split chain's column block (KdaEmuArgs::chain_cols), 0: the launcher's rule
   void split_chain(const kda::KdaFwdParams& p, bool reverse) {
-    launch(kda::split_chain_launch(p), reverse ? kda::kda_split_chain_kernel<true> : kda::kda_split_chain_kernel<false>,
-           p);
+    const kda::SplitChainLaunch c =
+        kda::split_chain_launch(p, reverse, chain_cols ? chain_cols : kda::split_chain_cols(p, kda::kPolicySMs));
+    launch(c.shape, c.kernel, p);
   }
   void split_final(const kda::KdaFwdParams& p, bool reverse) {
     launch(kda::split_final_launch(p), reverse ? kda::kda_split_final_kernel<true> : kda::kda_split_final_kernel<false>,
@@ -389,6 +393,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
     EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused, a.stream_stop};
     stages.dh_bv = a.bv ? BV : kda::dh_scan_bv(p, BV);
+    stages.chain_cols = static_cast<int>(a.chain_cols);
     if (!bwd) return kda::forward_sequence(p, stages);
     kda::KdaBwdParams r = p;  // the re-scan writes states only
     r.o = nullptr;
@@ -531,6 +536,12 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   bv_cost[1] = c.cost;
   bv_cost[2] = c.cost_other;
   return c.chunks;
+}
+
+// fwd/kda_fwd_split.cuh's split_chain_cols for a fixed-length problem on a device of `sms` SMs: the
+// chain kernel's column block.
+int kda_emu_split_chain_cols(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms) {
+  return kda::split_chain_cols(fixed_problem(B, T, H, HV, K, V), static_cast<int>(sms));
 }
 
 // The experimental 32-token forward: the intra above, then kda_fwd_scan_c32_kernel at a.bv (64 or 128;

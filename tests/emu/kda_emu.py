@@ -44,7 +44,7 @@ class KdaEmuArgs(ctypes.Structure):
     """Mirror of KdaEmuArgs in kda_emu.cpp (every field 8 bytes)."""
     _fields_ = ([(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS] +
                 [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p),
-                 ("fwd_chunk", ctypes.c_int64)])
+                 ("fwd_chunk", ctypes.c_int64), ("chain_cols", ctypes.c_int64)])
 
 
 def lib():
@@ -78,6 +78,8 @@ def lib():
         L.kda_emu_split_layout.restype = ctypes.c_int
         L.kda_emu_split_choice.argtypes = [ctypes.c_int64] * 7 + [vp]
         L.kda_emu_split_choice.restype = ctypes.c_int
+        L.kda_emu_split_chain_cols.argtypes = [ctypes.c_int64] * 7
+        L.kda_emu_split_chain_cols.restype = ctypes.c_int
         L.kda_emu_fused_forward.argtypes = [ctypes.POINTER(KdaEmuArgs)]
         L.kda_emu_fused_forward.restype = ctypes.c_int
         L.kda_emu_intra_stage_check.argtypes = [ctypes.POINTER(KdaEmuArgs), vp, vp, vp]
@@ -108,6 +110,12 @@ def split_choice(B, T, H, HV, K, V, sms=132):
     out = (ctypes.c_double * 3)()
     chunks = lib().kda_emu_split_choice(B, T, H, HV, K, V, sms, ctypes.cast(out, ctypes.c_void_p))
     return chunks, int(out[0]), out[1], out[2]
+
+
+def split_chain_cols(B, T, H, HV, K, V, sms=132):
+    """fwd/kda_fwd_split.cuh's split_chain_cols for a fixed-length problem: the split chain kernel's
+    column block (8, 16 or 32)."""
+    return lib().kda_emu_split_chain_cols(B, T, H, HV, K, V, sms)
 
 
 SPLIT_LAYOUT = ("NP", "map_ints", "state_floats", "cu", "seq_piece0", "piece_seq", "piece_flags", "init", "final")
@@ -233,12 +241,14 @@ def _setup(q, k, v, g, beta, opts, initial_state, cu_seqlens, A_log, dt_bias, mi
     return gz, ws, fields, (cu, enc)
 
 
-def _split_buffers(a, gz, ws, split_chunks):
+def _split_buffers(a, gz, ws, split_chunks, chain_cols=0):
     """The split scans' two buffers (kda_problem.h's SplitLayout) for args a, guarded, into ws (with
-    ws["split_layout"]) and a; nothing when split_chunks is 0."""
+    ws["split_layout"]) and a; nothing when split_chunks is 0. chain_cols: the chain kernel's column
+    block (8, 16 or 32; 0: the launcher's rule, split_chain_cols for 132 SMs)."""
     if not split_chunks:
         return
     a.split_chunks = int(split_chunks)
+    a.chain_cols = int(chain_cols)
     lay = (ctypes.c_int64 * len(SPLIT_LAYOUT))()
     if lib().kda_emu_split_layout(ctypes.byref(a), ctypes.cast(lay, ctypes.c_void_p)):
         raise RuntimeError(lib().kda_emu_last_error().decode())
@@ -252,7 +262,8 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
-                   streamed=False, stream_stop=-1, recurrent=False, save_states=False, split_chunks=0, fwd_chunk=64):
+                   streamed=False, stream_stop=-1, recurrent=False, save_states=False, split_chunks=0,
+                   chain_cols=0, fwd_chunk=64):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     recurrent=True: the fp32 token recurrence (csrc/kda/recur/) where every sequence fits in one chunk
     (the chunk kernels' workspace in ws is then left unwritten).
@@ -270,7 +281,8 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     per 32-token chunk).
     split_chunks=L > 0: the split forward (csrc/kda/fwd/kda_fwd_split.cuh) with pieces of L chunks,
     whatever the launch policy says; ws["split_map"] (int32), ws["split_state"] (fp32) and
-    ws["split_layout"] (kda_problem.h's SplitLayout, a dict of SPLIT_LAYOUT)."""
+    ws["split_layout"] (kda_problem.h's SplitLayout, a dict of SPLIT_LAYOUT); chain_cols forces the
+    chain kernel's column block (8, 16 or 32; 0: the launcher's rule)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -304,7 +316,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
                    stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")), fwd_chunk=int(fwd_chunk))
     L = lib()
-    _split_buffers(a, gz, ws, split_chunks)
+    _split_buffers(a, gz, ws, split_chunks, chain_cols)
     if L.kda_emu_forward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()
@@ -456,7 +468,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
-                    recurrent=False, states=None, workspace=None, split_chunks=0, **_ignored):
+                    recurrent=False, states=None, workspace=None, split_chunks=0, chain_cols=0,
+                    **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -470,7 +483,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     no re-scan; st["h_ckpt"] is then a copy of them. workspace: the forward's {w, qg, kg, gdecay}
     (forward_stages' ws), beside saved: no kda_bwd_prep; st's are then copies of them.
     split_chunks=L > 0: the split scans (the re-scan and the dh scan in pieces of L chunks), whatever
-    the launch policy says; st["split_map"], st["split_state"], st["split_layout"] as forward_stages'."""
+    the launch policy says; st["split_map"], st["split_state"], st["split_layout"] and chain_cols as
+    forward_stages'."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -500,7 +514,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                    slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance),
                    saved_states=int(states is not None), saved_workspace=int(workspace is not None))
     L = lib()
-    _split_buffers(a, gz, ws, split_chunks)
+    _split_buffers(a, gz, ws, split_chunks, chain_cols)
     if L.kda_emu_backward(ctypes.byref(a)):
         raise RuntimeError(L.kda_emu_last_error().decode())
     gz.check()

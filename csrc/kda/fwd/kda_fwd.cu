@@ -208,7 +208,8 @@ void kda_fwd_scan_local(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 void kda_split_chain(const KdaFwdParams& p, bool reverse, cudaStream_t stream) {
-  dev::launch(reverse ? kda_split_chain_kernel<true> : kda_split_chain_kernel<false>, split_chain_launch(p), p, stream);
+  const SplitChainLaunch c = split_chain_launch(p, reverse, split_chain_cols(p, num_sms()));
+  dev::launch(c.kernel, c.shape, p, stream);
 }
 
 void kda_split_final(const KdaFwdParams& p, bool reverse, cudaStream_t stream) {
