@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# The probe of the next device call (scripts/dev/experiments/README.md, "The next call"), as one file so
-# that the call's command line stays short: the split-chain patches (ab_alt, ab_alt2), the cp rank
-# times, the 32-token forward beside the 64-token one, FlashKDA's stages. Each step goes on if one
+# The thirtieth session's device probe, as one file so that a call's command line stays short: the cp
+# rank times, the 32-token forward beside the 64-token one, FlashKDA's stages. Each step goes on if one
 # before it fails; results land in $OUT (the device's output folder).
-#   KF_PREBUILT=1 ... KF_PROBE='bash scripts/dev/next_call_probe.sh [c32|chain|all]' bash scripts/gpu_run.sh $OUT
+#   KF_PREBUILT=1 ... KF_PROBE='bash scripts/dev/next_call_probe.sh [c32|rows|all]' bash scripts/gpu_run.sh $OUT
 # c32: the cp rank times, the 32-token forward (harness, bench rows); rows: those bench rows alone;
-# chain: the split-chain patches and FlashKDA's stages (carry ab_alt, ab_alt2, .flashkda); all
-# (default): c32 and chain, in that order.
+# all (default): c32, then FlashKDA's stages (carry .flashkda).
 set -u
 out=${OUT:-/tmp/next-call}
 part=${1:-all}
@@ -30,17 +28,6 @@ for c in bounded_b16 prod8192 varlen long_b1_t32k bounded_b1; do
   done
 done
 fi
-[ "$part" = c32 ] || [ "$part" = rows ] && exit 0
-
-step "ab_alt2's split GPU tests"
-if bash scripts/use_prebuilt.sh ab_alt2; then
-  (cd ab_alt2 && PYTHONPATH=$PWD/src python3 -m pytest -q -m gpu -k split -p no:cacheprovider \
-     tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py 2>&1 | tail -3)
-fi
-step "ab_probe: this tree, ab_alt, ab_alt2"
-bash scripts/ab_probe.sh ab_alt,ab_alt2 long_b1_t32k_h8 bounded_b1
-step "the rebuilt chain's sweep (ab_alt)"
-bash scripts/use_prebuilt.sh ab_alt && (cd ab_alt && PYTHONPATH=$PWD/src \
-  bash scripts/dev/split_sweep.sh "long_b1_t32k_h8:16,32,64 bounded_b1:16,32")
-step "our forward's kernels beside FlashKDA's"
+[ "$part" = all ] || exit 0
+step "our forward's kernels beside FlashKDA's (carry .flashkda, KF_FLASHKDA=1)"
 python3 scripts/kda_stage_times.py --pass fwd --flashkda bounded_b16 long_b1_t32k bounded_b1
