@@ -910,15 +910,40 @@ __device__ __forceinline__ void intra_merge_step(const IntraCtx<WT, K, C>& c, in
 }
 
 // ---------------------------------------------------------------- the phase sequence of one chunk
-// (the file's header has the phases and the smem plan; "|" there = __syncthreads here). All 256
-// threads of the CTA; the outputs go to `out` (the workspace, or a scan stage).
-template <typename WT, int K, typename Out, bool kMid = false>
-__device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out& out) {
+// The parts every chunk size runs alike (intra_chunk here, intra_chunk_c32 in kda_fwd_intra_c32.cuh),
+// with the phase clocks at kda_phases.py's slots: P0 + P1 and the block offsets (slots 0-2); after
+// P2, the qg / kg queue, then the diagonal inverses beside kexp / Aqk / exp2(G) (slots 3-4); the end.
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_gate_phases(const IntraCtx<WT, K, C>& c) {
   c.stamp(0);
   intra_load_gate(c);      // P0 + P1                                      |
   c.stamp(1);
   intra_block_offsets(c);  // block offsets                                 |
   c.stamp(2);
+}
+template <typename WT, int K, int C, typename Out>
+__device__ __forceinline__ void intra_queue_and_diagonal(const IntraCtx<WT, K, C>& c, const Out& out) {
+  intra_store_gated(c, out);  // P4a, first part: qg, kg from a shared queue
+  __syncthreads();
+  c.stamp(3);
+  if (c.tid < intra_diag_threads<C>()) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
+  else intra_kexp_aqk_gdecay(c, out);
+  __syncthreads();
+  c.stamp(4);
+}
+template <typename WT, int K, int C>
+__device__ __forceinline__ void intra_stamp_end(const IntraCtx<WT, K, C>& c) {
+  if (c.clk) {  // profiling only (clk is uniform over the CTA): the end of the slowest warp
+    __syncthreads();
+    c.stamp(6);
+  }
+}
+
+// The 64-token chunk (the file's header has the phases and the smem plan; "|" there = __syncthreads
+// here). All 256 threads of the CTA; the outputs go to `out` (the workspace, or a scan stage).
+template <typename WT, int K, typename Out, bool kMid = false>
+__device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out& out) {
+  intra_gate_phases(c);
   if constexpr (kMid) {
     // P2 by physical warp (w and w + 4 share a scheduler): warps 0, 4, 1, 5 the diagonal blocks 0-3 at
     // their midpoints; warp 2 block row 3's column blocks 1-2, warp 7 its block 0; warp 3 block row 2,
@@ -941,13 +966,7 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
     }
     c.stamp_warp_p2(c.p2_role());
   }
-  intra_store_gated(c, out);  // P4a, first part: qg, kg from a shared queue
-  __syncthreads();
-  c.stamp(3);
-  if (c.tid < 64) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
-  else intra_kexp_aqk_gdecay(c, out);
-  __syncthreads();
-  c.stamp(4);
+  intra_queue_and_diagonal(c, out);
   // P3 merge steps; while warps < bi merge row block bi, warps 4-7 already produce w and Akk for
   // row block bi - 1 (final since the previous step), a quarter of K each, instead of waiting at
   // the step's barrier.
@@ -964,10 +983,7 @@ __device__ __forceinline__ void intra_chunk(const IntraCtx<WT, K>& c, const Out&
   // P4b, last row block (all warps)
   intra_w_tile(c, out, 3, c.warp * (K / 8), K / 64);
   intra_store_akk_rows(c, out, 3, 0, kIntraThreads);
-  if (c.clk) {  // profiling only (clk is uniform over the CTA): the end of the slowest warp
-    __syncthreads();
-    c.stamp(6);
-  }
+  intra_stamp_end(c);
 }
 
 // The chunk with the P2 form the options select (dev::block_midpoint_ok), decided at run time: for a

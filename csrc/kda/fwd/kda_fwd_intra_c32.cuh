@@ -38,13 +38,8 @@ constexpr int kIntraC32Threads = 4 * kC32;  // kC32: kda_fwd_launch.h
 template <typename WT, int K, bool kMid, typename Out>
 __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, const Out& out) {
   static_assert(IntraCtx<WT, K, kC32>::NTH == kIntraC32Threads, "four threads per token");
-  // phase clocks at the 64-token kernel's slots (intra_chunk): 0 start, 1 after P0 + P1, 2 after the
-  // block offsets, 3 after P2 and the queue, 4 after P3, 5 after the merge, 6 the end
-  c.stamp(0);
-  intra_load_gate(c);      // P0 + P1                                      |
-  c.stamp(1);
-  intra_block_offsets(c);  // block offsets                                 |
-  c.stamp(2);
+  // phase clocks at the 64-token kernel's slots (intra_chunk; 5: after the merge)
+  intra_gate_phases(c);
   // P2, about two fp16 products per warp: a diagonal block's tf32 product is about two, the block
   // below the diagonal two (its q and its k rows), a tile pair two, the SIMT tiles of two blocks what
   // one of the 64-token kernel's two SIMT warps does; with kMid warp 3 goes to the queue at once
@@ -57,13 +52,7 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
     else intra_diag_tile_pair(c, 2 * c.warp - 1, 2 * c.warp - 2);  // block w - 1: tiles 2 blk + 1, 2 blk
   }
   c.stamp_warp_p2(c.warp);
-  intra_store_gated(c, out);  // qg, kg from the shared queue
-  __syncthreads();
-  c.stamp(3);
-  if (c.tid < intra_diag_threads<kC32>()) intra_diag_inverse(c);  // P3 diagonal || P4a, second part
-  else intra_kexp_aqk_gdecay(c, out);
-  __syncthreads();
-  c.stamp(4);
+  intra_queue_and_diagonal(c, out);
   // the one merge step (row block 1) on warp 0, while warps 1-3 produce w and Akk of row block 0
   // (final since the diagonal inverse): w by quarters of K (warp 3 takes two)
   if (c.warp == 0) {
@@ -77,10 +66,7 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   // P4b, row block 1 (all warps)
   intra_w_tile(c, out, 1, c.warp * (K / 4), K / 32);
   intra_store_akk_rows(c, out, 1, 0, kIntraC32Threads);
-  if (c.clk) {  // profiling only (clk is uniform over the CTA): the end of the slowest warp
-    __syncthreads();
-    c.stamp(6);
-  }
+  intra_stamp_end(c);
 }
 
 // The chunks of each sequence of a fixed-length batch at 32 tokens, and the grid's bound on all chunks: with
