@@ -107,6 +107,13 @@ struct KdaProblem {
   int split_seqs = 0;
 };
 
+// The per-chunk grids' bound on a problem's chunks at C tokens per chunk: B * ceil(T / C), or T / C + N
+// with cu_seqlens (each sequence adds at most one partial chunk). KdaProblem::max_chunks is this at
+// kChunk (csrc/api); the experimental 32-token forward sizes its grid and gdecay by it at 32.
+__host__ __device__ inline int64_t chunk_bound(const KdaProblem& p, int C) {
+  return p.cu_seqlens ? int64_t{p.T} / C + p.N : int64_t{p.B} * ((p.T + C - 1) / C);
+}
+
 // Forward: the two kernels' outputs and the workspace between them (dtype WT unless noted;
 // token-indexed rows, so sequences never mix).
 struct KdaFwdParams : KdaProblem {
@@ -301,9 +308,7 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
       b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
     }
     // the short-chunk forward's exp2(G) rows: one per chunk of its size (fixed length only)
-    const int64_t Cg = backward || p.fwd_chunk == kChunk ? C
-                       : p.cu_seqlens ? int64_t{p.T} / p.fwd_chunk + p.N
-                                      : int64_t{p.B} * ((p.T + p.fwd_chunk - 1) / p.fwd_chunk);
+    const int64_t Cg = backward || p.fwd_chunk == kChunk ? C : chunk_bound(p, p.fwd_chunk);
     if (!workspace_given) b.push_back({WorkBuffer::kGdecay, "gdecay", {Cg, HV, K}, f32});
   }
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)

@@ -168,7 +168,7 @@ int main() {
     p.dt_bias = alloc_fill<float>(static_cast<size_t>(H) * K, 6, 0.5f);
     KdaFwdParams p64 = p, p32 = p;
     p64.max_chunks = cs.B * ((cs.T + 63) / 64);
-    p32.max_chunks = cs.B * c32_chunks(p);
+    p32.max_chunks = static_cast<int>(chunk_bound(p, kC32));
     for (KdaFwdParams* q : {&p64, &p32}) {
       const int C = q == &p64 ? 64 : 32;
       q->w = alloc<WT>(BT * H * K);

@@ -143,8 +143,7 @@ __device__ __forceinline__ ScanBlock scan_block(const KdaProblem& p) {
 // Where a scan thread works: its CTA's item (V-slice b.vs, value head b.hv, sequence b.n), its
 // warp's 16 value columns (vw within the slice) and its fragment coordinates. A state fragment
 // sT[j][e] holds value column col0 + 8 (e >> 1), state row 8 j + 2 t + (e & 1).
-// C: tokens per chunk; at C != kChunk (the experimental 32-token forward) seq.chunk0 counts chunks of C
-// tokens.
+// C: tokens per chunk (seq.chunk0 counts chunks of C tokens).
 template <int K, int BV, int C = kChunk>
 struct ScanPlace {
   int lane, warp, g, t;
@@ -154,13 +153,9 @@ struct ScanPlace {
   int64_t sbase;  // the sequence's [K, V] state in h0 / ht / dht / dh0
   __device__ __forceinline__ ScanPlace(const KdaProblem& p, const ScanBlock& b)
       : lane(threadIdx.x & 31), warp(threadIdx.x >> 5), g(lane >> 2), t(lane & 3),
-        hv(b.hv), v0(b.vs * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info(p, b.n)),
+        hv(b.hv), v0(b.vs * BV), vw(16 * warp), col0(v0 + vw + g), seq(seq_info<C>(p, b.n)),
         nchunks((seq.len + C - 1) / C),
-        sbase(state_base<K>(p, b.n, b.hv)) {
-    if constexpr (C != kChunk) {  // fixed length (varlen: the chunk map was built at C)
-      if (!p.cu_seqlens) seq.chunk0 = b.n * ((p.T + C - 1) / C);
-    }
-  }
+        sbase(state_base<K>(p, b.n, b.hv)) {}
 };
 
 // The operands of one landed stage (base = the stage's first element).

@@ -17,12 +17,14 @@ __device__ __forceinline__ int64_t load_cu(const KdaProblem& p, int i) {
 }
 
 // Token range [bos, bos + len) of sequence n in the flattened [B*T] token axis, and its first
-// global chunk index (the row of gdecay and of the per-chunk checkpoints).
+// global chunk index (the row of gdecay and of the per-chunk checkpoints) at C tokens per chunk (with
+// cu_seqlens the chunk map was built at the call's size: kda_chunk_map).
 struct SeqInfo {
   int64_t bos;
   int len;
   int chunk0;
 };
+template <int C = kChunk>
 __device__ __forceinline__ SeqInfo seq_info(const KdaProblem& p, int n) {
   SeqInfo s;
   if (p.cu_seqlens) {
@@ -32,7 +34,7 @@ __device__ __forceinline__ SeqInfo seq_info(const KdaProblem& p, int n) {
   } else {
     s.bos = static_cast<int64_t>(n) * p.T;
     s.len = p.T;
-    s.chunk0 = n * ((p.T + kChunk - 1) / kChunk);
+    s.chunk0 = n * ((p.T + C - 1) / C);
   }
   return s;
 }

@@ -69,20 +69,12 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   intra_stamp_end(c);
 }
 
-// The chunks of each sequence of a fixed-length batch at 32 tokens, and the grid's bound on all chunks: with
-// cu_seqlens T / 32 + N (the tail CTAs find nothing, dev::chunk_of), else B of them per sequence row.
-__host__ __device__ inline int c32_chunks(const KdaProblem& p) { return (p.T + kC32 - 1) / kC32; }
-__host__ __device__ inline int c32_max_chunks(const KdaProblem& p) {
-  return p.cu_seqlens ? p.T / kC32 + p.N : p.B * c32_chunks(p);
-}
-
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
   int n, ch;
   if (!dev::chunk_of<kC32>(p, blockIdx.x, n, ch)) return;  // a varlen grid's idle tail
-  dev::SeqInfo seq = dev::seq_info(p, n);
-  if (!p.cu_seqlens) seq.chunk0 = n * c32_chunks(p);  // (seq_info counts 64-token chunks there)
+  const dev::SeqInfo seq = dev::seq_info<kC32>(p, n);
   const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, blockIdx.y,
                                 dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk_c32<WT, K, kMid>(c, IntraToWorkspace<WT, K, kC32>{});
@@ -95,10 +87,11 @@ auto intra_c32_kernel_for(const KdaFwdParams& p) {
 }
 
 // The launch: one CTA per (32-token chunk, value head); the workspace is [B*T, HV, 32] for Aqk and
-// Akk (and M), [B*T, HV, K] for w, qg, kg, [c32_max_chunks, HV, K] for gdecay.
+// Akk (and M), [B*T, HV, K] for w, qg, kg, [chunk_bound(p, 32), HV, K] for gdecay (with cu_seqlens the
+// grid's tail CTAs find nothing: dev::chunk_of).
 template <typename WT, int K>
 inline LaunchShape intra_c32_launch(const KdaFwdParams& p) {
-  return {dim3(static_cast<unsigned>(c32_max_chunks(p)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
+  return {dim3(static_cast<unsigned>(chunk_bound(p, kC32)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
           sizeof(IntraSmem<WT, K, kC32>)};
 }
 
