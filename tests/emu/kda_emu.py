@@ -309,8 +309,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     if save_states:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
     if fwd_chunk == 32:  # kda_problem.h's workspace(): gdecay one row per 32-token chunk
-        rows = T // 32 + N if cu is not None else B * (-(-T // 32))
-        ws["gdecay"] = gz.alloc("gdecay (c32)", (rows, HV, K), torch.float32)
+        ws["gdecay"] = gz.alloc("gdecay (c32)", (_c32_chunk_bound(B, T, N, cu is not None), HV, K), torch.float32)
         f["gdecay"] = _ptr(ws["gdecay"])
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
@@ -346,6 +345,11 @@ def forward_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     return o, ht, ws
 
 
+def _c32_chunk_bound(B, T, N, varlen):
+    """kda_problem.h's chunk_bound at 32 tokens: gdecay's rows in the 32-token forward."""
+    return T // 32 + N if varlen else B * (-(-T // 32))
+
+
 def intra_c32(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, A_log=None, dt_bias=None,
               misalign=False, cu_seqlens=None, **_ignored):
@@ -375,7 +379,7 @@ def _c32(q, k, v, g, beta, initial_state, output_final_state, bv, kw):
     dt = q.dtype
     ws = {n: gz.alloc(n + " (c32)", (B * T, HV, K), dt) for n in ("w", "qg", "kg")}
     ws.update({n: gz.alloc(n + " (c32)", (B * T, HV, 32), dt) for n in ("Aqk", "Akk", "M")})
-    rows = T // 32 + f["N"] if kw.get("cu_seqlens") is not None else B * (-(-T // 32))
+    rows = _c32_chunk_bound(B, T, f["N"], kw.get("cu_seqlens") is not None)
     ws["gdecay"] = gz.alloc("gdecay (c32)", (rows, HV, K), torch.float32)
     f.update({n: _ptr(t) for n, t in ws.items()})
     o = ht = None
