@@ -719,6 +719,24 @@ def test_split_choice_model(emu):
     assert emu.split_choice(1, 32768, 8, 8, 64, 64)[1] == 64  # K = 64: the virtual columns are one 64-slice
 
 
+def test_short_chunk_policy(emu):
+    """kda_policy.h's fwd_short_chunks_pay: the 32-token forward wherever the 64-token one would run
+    its two kernels one after the other (neither streamed nor split), however many chains; the bench
+    cases as the stream model decides them on 132 SMs."""
+    for shape in [(16, 8192, 16, 16, 128, 128),   # bounded_b16
+                  (16, 8192, 16, 16, 128, 256),   # prod8192
+                  (4, 4096, 16, 16, 128, 128),    # small: 64 chains, not streamed
+                  (8, 8192, 8, 16, 128, 128)]:    # gva: 128 chains
+        assert emu.stream_choice(*shape)[0] == 0 and emu.split_choice(*shape)[0] == 0
+        assert emu.short_chunks(*shape)
+    # the streamed cases keep 64-token chunks; so does a split call
+    for shape in [(1, 8192, 16, 16, 128, 128), (1, 32768, 32, 32, 128, 128)]:
+        assert emu.stream_choice(*shape)[0] != 0
+        assert not emu.short_chunks(*shape, streams=True)
+    assert not emu.short_chunks(1, 32768, 8, 8, 128, 128, split_chunks=emu.split_choice(1, 32768, 8, 8, 128, 128)[0])
+    assert emu.short_chunks(1, 32768, 8, 8, 128, 128)  # ... which is what decides it
+
+
 C32_CASES = {
     "K128-T100": dict(T=100, K=128, gate="bounded"),  # chunks of 32, 32, 32 and 4 tokens
     "K64-B2-gva": dict(B=2, T=70, H=1, HV=2, K=64, gate="bounded"),

@@ -871,6 +871,35 @@ C32_CASES = {
 }
 
 
+def test_short_chunk_policy_through_chunk_kda(monkeypatch):
+    """Without KERNEL_FUN_KDA_FWD_CHUNK, a forward without autograd that would run the 64-token
+    forward's two kernels one after the other runs the 32-token chunks instead (kda_policy.h's
+    fwd_short_chunks_pay; counted as kda_fwd_c32) and matches the fp64 reference; a streamed or a
+    split call keeps 64-token chunks, and so does KERNEL_FUN_KDA_FWD_CHUNK=64."""
+    from kernel_fun import _ext
+    from kernel_fun.kda import chunk_kda
+
+    inputs, kw = make_case(B=2, T=256, H=4, gate="bounded", h0=True)
+    call = {n: x for n, x in kw.items() if x is not None}
+    o_ref, ht_ref = reference(inputs, kw)
+
+    def c32_runs(**env):
+        for name in ("KERNEL_FUN_KDA_FWD_CHUNK", "KERNEL_FUN_KDA_FWD_STREAMED", "KERNEL_FUN_KDA_SPLIT"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(f"KERNEL_FUN_KDA_{name}", value)
+        before = _ext.op_calls().get("kda_fwd_c32", 0)
+        with torch.no_grad():
+            o, ht = chunk_kda(*inputs, **call)
+        assert rel_rms(o_ref, o) <= KDA_TOL["o"] and rel_rms(ht_ref, ht) <= KDA_TOL["ht"], env
+        return _ext.op_calls()["kda_fwd_c32"] - before
+
+    assert c32_runs(FWD_STREAMED="0", SPLIT="0") == 1
+    assert c32_runs(FWD_STREAMED="0", SPLIT="0", FWD_CHUNK="64") == 0
+    assert c32_runs(FWD_STREAMED="1", SPLIT="0") == 0  # 8 chains: streamed wherever forced to
+    assert c32_runs(FWD_STREAMED="0", SPLIT="1") == 0  # 4 chunks: split wherever forced to
+
+
 @pytest.mark.parametrize("name", list(C32_CASES))
 def test_forward_on_32_token_chunks_through_chunk_kda(name, monkeypatch):
     """KERNEL_FUN_KDA_FWD_CHUNK=32: chunk_kda without autograd runs the 32-token forward (counted as

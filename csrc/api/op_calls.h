@@ -6,8 +6,7 @@
 
 namespace kernel_fun::api {
 
-// kKdaFwdC32: the forwards that ran the experimental 32-token chunks (KERNEL_FUN_KDA_FWD_CHUNK=32), also
-// counted as kKdaFwd.
+// kKdaFwdC32: the forwards that ran the 32-token chunks (kda_fwd_chunk_choice), also counted as kKdaFwd.
 enum class OpId : int { kCconvFwd, kCconvBwd, kCconvUpdate, kKdaFwd, kKdaBwd, kKdaFwdC32, kCount };
 
 void count_call(OpId id);

@@ -195,6 +195,21 @@ inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
   return best;
 }
 
+// The short-chunk forward (fwd/kda_fwd_intra_c32.cuh: 32 tokens per chunk), for a forward that saves
+// nothing for a backward (kda_fwd.cu's kda_fwd_chunk_choice says which calls may run it). Its intra
+// does the 64-token intra's work in 0.80-0.86x the time (the in-chunk products are quadratic in the
+// chunk size; 4 CTAs per SM); its scan takes twice the steps per chain, each cheaper than a 64-token
+// step. Against the 64-token forward's two kernels one after the other it won on every bench case
+// (the H100, 2026-12-05, scripts/fwd_chunk_ab.py: 0.89-0.95x where the chains fill the GPU or nearly,
+// gva 0.91 and small 0.95 at 128 and 64 chains, and even with few long chains: bounded_b1 0.92,
+// long_b1_t32k 0.96), but not against the streamed forward (the intra beside the chains: bounded_b1
+// 0.398 -> 0.452 ms, long_b1_t32k 1.70 -> 2.25) and it cannot split. So: wherever the 64-token
+// forward would run its two kernels one after the other, neither streamed (`streams`, the launcher's
+// decision) nor split (p.split_chunks, kda_split_choose's).
+inline bool fwd_short_chunks_pay(const KdaProblem& p, bool streams) {
+  return !streams && p.split_chunks == 0 && p.N > 0 && p.V % 64 == 0;
+}
+
 // Whether the backward runs its re-scan and its dh scan as ONE launch (bwd/kda_bwd_scans.cuh):
 // when the CTAs of both fit in one wave, the launch takes the longer scan's time instead of the sum
 // of both (B = 1 and few heads: long_b1_t32k pairs 64 + 64 CTAs on 132 SMs). With more CTAs than

@@ -97,9 +97,9 @@ struct KdaProblem {
   // sequence. Decided once per call by csrc/api (kda_split_choose, with KdaFwdParams::split_bv), before
   // the workspace is sized (kda::workspace holds the pieces' states).
   int split_chunks = 0;
-  // The forward's tokens per chunk: kChunk, or 32 for the experimental short-chunk forward
-  // (fwd/kda_fwd_intra_c32.cuh; opt-in, KERNEL_FUN_KDA_FWD_CHUNK=32, where the forward saves nothing for a
-  // backward: kda_fwd_chunk_choice). Decided once per call by csrc/api, before the workspace is sized
+  // The forward's tokens per chunk: kChunk, or 32 for the short-chunk forward (fwd/kda_fwd_intra_c32.cuh;
+  // where the forward saves nothing for a backward and kda_policy.h's fwd_short_chunks_pay says it
+  // pays: kda_fwd_chunk_choice). Decided once per call by csrc/api, before the workspace is sized
   // (gdecay holds one row per chunk of this size).
   int fwd_chunk = kChunk;
   // The split forward's derived problem (fwd/kda_fwd_split.h's split_pieces): the sequences' count,
@@ -109,7 +109,7 @@ struct KdaProblem {
 
 // The per-chunk grids' bound on a problem's chunks at C tokens per chunk: B * ceil(T / C), or T / C + N
 // with cu_seqlens (each sequence adds at most one partial chunk). KdaProblem::max_chunks is this at
-// kChunk (csrc/api); the experimental 32-token forward sizes its grid and gdecay by it at 32.
+// kChunk (csrc/api); the 32-token forward sizes its grid and gdecay by it at 32.
 __host__ __device__ inline int64_t chunk_bound(const KdaProblem& p, int C) {
   return p.cu_seqlens ? int64_t{p.T} / C + p.N : int64_t{p.B} * ((p.T + C - 1) / C);
 }

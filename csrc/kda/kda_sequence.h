@@ -48,7 +48,7 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
     s.fused_forward(p);
     return;
   }
-  if (p.fwd_chunk != kChunk) {  // the experimental 32-token forward, where csrc/api chose it
+  if (p.fwd_chunk != kChunk) {  // the 32-token forward, where csrc/api chose it
     s.intra_c32(p);
     s.scan_c32(p);
     return;

@@ -538,6 +538,16 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   return c.chunks;
 }
 
+// kda_policy.h's short-chunk choice for a fixed-length problem, given the launcher's streaming
+// decision (`streams`) and the split's piece length (`split_chunks`, 0: none): 1 where the 32-token
+// forward pays.
+int kda_emu_short_chunks(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t streams,
+                         int64_t split_chunks) {
+  kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
+  p.split_chunks = static_cast<int>(split_chunks);
+  return kda::fwd_short_chunks_pay(p, streams != 0) ? 1 : 0;
+}
+
 // fwd/kda_fwd_split.cuh's split_chain_cols for a fixed-length problem on a device of `sms` SMs: the
 // chain kernel's column block.
 int kda_emu_split_chain_cols(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms) {

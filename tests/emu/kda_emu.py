@@ -79,6 +79,8 @@ def lib():
         L.kda_emu_split_choice.argtypes = [ctypes.c_int64] * 7 + [vp]
         L.kda_emu_split_choice.restype = ctypes.c_int
         L.kda_emu_split_chain_cols.argtypes = [ctypes.c_int64] * 7
+        L.kda_emu_short_chunks.argtypes = [ctypes.c_int64] * 8
+        L.kda_emu_short_chunks.restype = ctypes.c_int
         L.kda_emu_split_chain_cols.restype = ctypes.c_int
         L.kda_emu_fused_forward.argtypes = [ctypes.POINTER(KdaEmuArgs)]
         L.kda_emu_fused_forward.restype = ctypes.c_int
@@ -116,6 +118,12 @@ def split_chain_cols(B, T, H, HV, K, V, sms=132):
     """fwd/kda_fwd_split.cuh's split_chain_cols for a fixed-length problem: the split chain kernel's
     column block (8, 16 or 32)."""
     return lib().kda_emu_split_chain_cols(B, T, H, HV, K, V, sms)
+
+
+def short_chunks(B, T, H, HV, K, V, streams=False, split_chunks=0):
+    """kda_policy.h's fwd_short_chunks_pay for a fixed-length problem: whether a forward that saves
+    nothing runs the 32-token chunks, given the launcher's streaming and split decisions."""
+    return bool(lib().kda_emu_short_chunks(B, T, H, HV, K, V, int(streams), split_chunks))
 
 
 SPLIT_LAYOUT = ("NP", "map_ints", "state_floats", "cu", "seq_piece0", "piece_seq", "piece_flags", "init", "final")

@@ -23,7 +23,7 @@ namespace kernel_fun::kda::dev {
 // are padded rows for ldmatrix (mma.sync products); sDec [K] fp32 = exp2(G). Stages are 1024-byte
 // multiples from a 1024-byte aligned base (the swizzle atoms' alignment). Two stages: chunk c+1 is
 // filled by cp.async while chunk c computes; the one CTA-wide barrier per chunk hands it over.
-// C: tokens per chunk (kChunk; 32 for the experimental short-chunk forward, whose tiles are [32][K],
+// C: tokens per chunk (kChunk; 32 for the short-chunk forward, whose tiles are [32][K],
 // still whole 1024-byte swizzle atoms).
 template <typename WT, int K, int BV, int C = kChunk>
 struct ScanStage {

@@ -96,7 +96,7 @@ struct ChunkPlace {
   int hv, h, HV;
   int64_t tok0;
   int len, gchunk;
-  // chunk: the tokens per chunk (kChunk; 32 for the experimental short-chunk intra, whose seq.chunk0
+  // chunk: the tokens per chunk (kChunk; 32 for the short-chunk intra, whose seq.chunk0
   // then counts chunks of that size).
   __device__ __forceinline__ ChunkPlace(const KdaProblem& p, const SeqInfo& seq, int c, int hv_, int chunk = kChunk) {
     tid = threadIdx.x;

@@ -35,7 +35,7 @@ __device__ __forceinline__ int seq_len_chunks(const KdaProblem& p, int n) {
 }
 
 // The varlen chunk map, one CTA, so no host round trip is ever needed (cu_seqlens stays on the
-// device, int32 or int64). C: tokens per chunk (64; 32 for the experimental 32-token forward).
+// device, int32 or int64). C: tokens per chunk (64; 32 for the 32-token forward).
 // chunk_offsets holds 2N + 1 ints:
 //   [0, N]      chunk_offsets[n] = sum_{m < n} ceil(len_m / C): the first global chunk of sequence n;
 //   [N+1, 2N]   the sequences by chunk count, longest first (ties in index order), for the scans'
@@ -140,13 +140,17 @@ int kda_fwd_scan_bv(const KdaFwdParams& p) {
   return forced ? forced : scan_choice(p).bv;
 }
 
-int kda_fwd_stream_bv(const KdaFwdParams& p) {
-  // KERNEL_FUN_KDA_FWD_STREAMED: unset or 2 the model decides (kda_policy.h's fwd_stream_choice); 0
-  // never streams; 1 streams wherever the overlap is possible (the width KERNEL_FUN_KDA_SCAN_BV if set
-  // and possible, else the model's, else the widest): A/B timing and tests. The default since the
-  // H200 timed it (2026-12-03, twelfth session: docs/notes/2026-12-03-streamed-forward.md).
+namespace {
+
+// The streamed forward's width for p's shape, whether or not its buffers are there (kda_fwd_stream_bv
+// checks them; kda_fwd_chunk_choice asks before they are allocated).
+// KERNEL_FUN_KDA_FWD_STREAMED: unset or 2 the model decides (kda_policy.h's fwd_stream_choice); 0
+// never streams; 1 streams wherever the overlap is possible (the width KERNEL_FUN_KDA_SCAN_BV if set
+// and possible, else the model's, else the widest): A/B timing and tests. The default since the
+// H200 timed it (2026-12-03, twelfth session: docs/notes/2026-12-03-streamed-forward.md).
+int stream_bv_for(const KdaFwdParams& p) {
   const int mode = env_int("KERNEL_FUN_KDA_FWD_STREAMED", 2);
-  if (mode <= 0 || mode > 2 || !p.chunk_ready || !p.scan_save) return 0;
+  if (mode <= 0 || mode > 2) return 0;
   const int sms = num_sms();
   const int model = fwd_stream_choice(p, sms).bv;
   if (mode == 2) return model;
@@ -156,6 +160,12 @@ int kda_fwd_stream_bv(const KdaFwdParams& p) {
   for (int bv : {128, 64})
     if (fwd_stream_safe(p, bv, sms)) return bv;
   return 0;
+}
+
+}  // namespace
+
+int kda_fwd_stream_bv(const KdaFwdParams& p) {
+  return p.chunk_ready && p.scan_save ? stream_bv_for(p) : 0;
 }
 
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
@@ -230,10 +240,16 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 int kda_fwd_chunk_choice(const KdaFwdParams& p) {
-  // KERNEL_FUN_KDA_FWD_CHUNK=32 opts in (timing; docs/notes/2026-12-05-cp-v-columns-and-c32-intra.md).
+  // the fused forward (opt-in, KERNEL_FUN_KDA_FWD_FUSED=1) reads a chunk map of 64-token chunks
   const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.recurrent && p.split_chunks == 0 &&
-                       p.dtype == DType::kBFloat16 && p.K == 128 && p.V % 64 == 0;
-  return allowed && env_int("KERNEL_FUN_KDA_FWD_CHUNK", kChunk) == kC32 ? kC32 : kChunk;
+                       p.dtype == DType::kBFloat16 && p.K == 128 && p.V % 64 == 0 && !kda_fwd_fused_wanted(p);
+  if (!allowed) return kChunk;
+  // KERNEL_FUN_KDA_FWD_CHUNK: 64 never takes the short chunks, 32 takes them wherever allowed (A/B
+  // timing and tests); unset (or anything else) the policy, kda_policy.h's fwd_short_chunks_pay.
+  const int forced = env_int("KERNEL_FUN_KDA_FWD_CHUNK", 0);
+  if (forced == kChunk || forced == kC32) return forced;
+  const bool streams = fwd_stream_possible(p) && stream_bv_for(p) != 0;
+  return fwd_short_chunks_pay(p, streams) ? kC32 : kChunk;
 }
 
 void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream) {

@@ -71,7 +71,7 @@ constexpr int kIntraThreads = 256;
 
 // The shared memory plan above as one typed struct (nothing in it is constructed: it is a view of
 // the dynamic shared memory). Every member's size is a multiple of 16 bytes, so each starts 16-byte
-// aligned and the layout has no padding. C: the tokens per chunk (kChunk; 32 for the experimental
+// aligned and the layout has no padding. C: the tokens per chunk (kChunk; 32 for the
 // short-chunk kernel, docs/notes/2026-12-05-chunk-size.md), C / 16 row blocks.
 template <typename WT, int K, int C = kChunk>
 struct IntraSmem {

@@ -1,8 +1,9 @@
-// kda_fwd_intra_c32: an EXPERIMENT, opt-in only (KERNEL_FUN_KDA_FWD_CHUNK=32: kda_fwd.cu's
-// kda_fwd_chunk_choice, for forwards that save nothing for a backward). The forward intra's phases
+// kda_fwd_intra_c32: the short-chunk forward, for forwards that save nothing for a backward, where
+// kda_policy.h's fwd_short_chunks_pay says it pays (kda_fwd.cu's kda_fwd_chunk_choice;
+// KERNEL_FUN_KDA_FWD_CHUNK=64 / 32 forces it off / on where allowed). The forward intra's phases
 // (kda_fwd_intra.cuh) on 32-token chunks instead of 64, in both of its P2 forms (kMid: bounded gates,
 // the midpoint diagonal blocks; else the one-sided SIMT tiles and fp16 tile pairs of any gate), to
-// measure what the chunk size saves per token (docs/notes/2026-12-05-chunk-size.md). The backward
+// save what the chunk size costs per token (docs/notes/2026-12-05-chunk-size.md). The backward
 // still runs 64-token chunks. The emulator checks it against the fp64 reference at chunk_size = 32
 // (tests/test_emu_kda_fwd.py); scripts/dev/intra_c32_bench.cu times it beside the 64-token kernel.
 //
@@ -24,8 +25,7 @@
 //
 // Beside it, kda_fwd_scan_c32_kernel: the forward scan (kda_fwd_scan.cuh's fwd_scan_cta at C = 32:
 // product A's N and product D's K are the chunk's 32 tokens, B and C two 16-token blocks) over that
-// workspace, so that the emulator checks o and the final state of a whole 32-token forward and the
-// GPU times it beside the 64-token one. No streaming, no split, no saved states.
+// workspace. No streaming, no split, no saved states.
 #pragma once
 
 #include "kda/fwd/kda_fwd_intra.cuh"

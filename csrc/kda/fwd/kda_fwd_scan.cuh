@@ -47,7 +47,7 @@ namespace kernel_fun::kda {
 // same stores ahead of A, behind a runtime branch, cost the training forward's scan +15% per step
 // at B1 T32768 H32, 2026-12-04). kStates = false: no per-chunk states (h_states) whatever p says (the
 // split forward's pass 1, where that dead store's address registers spilled the loop).
-// C: tokens per chunk (kChunk; 32 for the experimental short-chunk forward): the tokens are the N of
+// C: tokens per chunk (kChunk; 32 for the short-chunk forward): the tokens are the N of
 // product A and the K of product D, the blocks of B and C.
 template <typename WT, int K, int BV, bool kWithO, bool kCkpt, bool kStates = true, int C = kChunk,
           typename BesideA>

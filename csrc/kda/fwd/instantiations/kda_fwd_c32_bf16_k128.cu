@@ -1,5 +1,5 @@
-// The experimental 32-token forward (kda_fwd_intra_c32.cuh) for bf16, K=128: its intra in both P2
-// forms and its scan at V-slice 64 and 128. Opt-in (KERNEL_FUN_KDA_FWD_CHUNK=32, kda_fwd_chunk_choice).
+// The 32-token forward (kda_fwd_intra_c32.cuh) for bf16, K=128: its intra in both P2 forms and its
+// scan at V-slice 64 and 128. Where kda_fwd_chunk_choice takes it (kda_policy.h's fwd_short_chunks_pay).
 #include "kda/fwd/kda_fwd_intra_c32.cuh"
 
 namespace kernel_fun::kda {

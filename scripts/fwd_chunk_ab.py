@@ -1,0 +1,90 @@
+"""The forward without autograd at 64 and at 32 tokens per chunk, and as the launch policy picks
+(kda_policy.h's fwd_short_chunks_pay), on the benchmark's cases, in one process: for each case the
+modes take turns over --rounds rounds (CUDA-event medians of --iters calls, L2 flushed before each),
+and each mode's best-round median is kept. Which chunk size the policy ran is read from the op
+counters (kda_fwd_c32). The numbers behind the policy: docs/notes/2026-12-05-short-chunk-policy.md.
+
+    PYTHONPATH=src python3 scripts/fwd_chunk_ab.py [--rounds 3] [--iters 20] [--out FILE.json] [CASE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kernel_fun import _ext
+from kernel_fun.bench.cases import KdaCase, select
+from kernel_fun.bench.run import make_inputs, time_calls
+from kernel_fun.kda import chunk_kda
+
+CASES = ["bounded_b16", "bounded_b8_h32", "prod8192", "k3_h32", "gva", "small", "varlen", "bounded_b1",
+         "long_b1_t32k", "long_b1_t32k_h8"]
+# mode -> the environment it runs under (None: unset, the policy)
+MODES = {
+    "64": {"KERNEL_FUN_KDA_FWD_CHUNK": "64"},
+    "32": {"KERNEL_FUN_KDA_FWD_CHUNK": "32"},
+    "policy": {"KERNEL_FUN_KDA_FWD_CHUNK": None},
+    "64-unstreamed": {"KERNEL_FUN_KDA_FWD_CHUNK": "64", "KERNEL_FUN_KDA_FWD_STREAMED": "0",
+                      "KERNEL_FUN_KDA_SPLIT": "0"},
+}
+KNOBS = ("KERNEL_FUN_KDA_FWD_CHUNK", "KERNEL_FUN_KDA_FWD_STREAMED", "KERNEL_FUN_KDA_SPLIT")
+
+
+def _set(env: dict) -> None:
+    for name in KNOBS:
+        os.environ.pop(name, None)
+    for name, value in env.items():
+        if value is not None:
+            os.environ[name] = value
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fwd_chunk_ab.py needs a GPU")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    names = args.cases or CASES
+    rows = []
+    print(f"{torch.cuda.get_device_name()}  ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)")
+    print(f"{'case':16s} " + " ".join(f"{m:>14s}" for m in MODES) + "   policy ran   32/64")
+    for case in select("kda", names):
+        if not isinstance(case, KdaCase):
+            continue
+        inputs = make_inputs(case, torch, "cuda", 0)
+        call_args, call_kw = inputs["args"], dict(inputs["kwargs"])
+
+        def step():
+            with torch.no_grad():
+                chunk_kda(*call_args, **call_kw)
+
+        best = {m: float("inf") for m in MODES}
+        ran = None
+        for _ in range(args.rounds):
+            for mode, env in MODES.items():
+                _set(env)
+                before = _ext.op_calls().get("kda_fwd_c32", 0)
+                res = time_calls(torch, step, warmup=3, iters=args.iters, flush=flush)
+                if mode == "policy":
+                    ran = 32 if _ext.op_calls().get("kda_fwd_c32", 0) > before else 64
+                best[mode] = min(best[mode], res["ms"])
+        _set({})
+        row = {"case": case.name, "ms": best, "policy_chunk": ran, "device": torch.cuda.get_device_name()}
+        rows.append(row)
+        print(f"{case.name:16s} " + " ".join(f"{best[m]:14.3f}" for m in MODES) +
+              f"   {ran:>10d}   {best['32'] / best['64']:.3f}", flush=True)
+        del inputs, call_args, call_kw
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
