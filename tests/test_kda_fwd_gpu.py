@@ -568,6 +568,7 @@ def test_fused_forward_opt_in_is_bitwise_the_two_kernels(monkeypatch, name):
 
     inputs, kw = make_case(**FUSED_CASES[name])
     call = {n: x for n, x in kw.items() if x is not None}
+    monkeypatch.setenv("KERNEL_FUN_KDA_FWD_CHUNK", "64")  # the two kernels at 64 tokens, not the policy's 32
     with torch.no_grad(), our_launches(kda_fwd=1):
         o2, ht2 = chunk_kda(*inputs, **call)
     monkeypatch.setenv("KERNEL_FUN_KDA_FWD_FUSED", "1")
