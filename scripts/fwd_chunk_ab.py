@@ -4,7 +4,9 @@ modes take turns over --rounds rounds (CUDA-event medians of --iters calls, L2 f
 and each mode's best-round median is kept. Which chunk size the policy ran is read from the op
 counters (kda_fwd_c32). The numbers behind the policy: docs/notes/2026-12-05-short-chunk-policy.md.
 
-    PYTHONPATH=src python3 scripts/fwd_chunk_ab.py [--rounds 3] [--iters 20] [--out FILE.json] [CASE ...]
+    PYTHONPATH=src python3 scripts/fwd_chunk_ab.py [--rounds 3] [--iters 20] [--fp16] [--out FILE.json] [CASE ...]
+
+--fp16 runs the cases with fp16 q, k, v, g, beta (the bench's are bf16).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("cases", nargs="*")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--fp16", action="store_true", help="fp16 inputs instead of the bench's bf16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -59,6 +62,8 @@ def main() -> None:
             continue
         inputs = make_inputs(case, torch, "cuda", 0)
         call_args, call_kw = inputs["args"], dict(inputs["kwargs"])
+        if args.fp16:
+            call_args = tuple(x.half() for x in call_args)
 
         def step():
             with torch.no_grad():
@@ -75,9 +80,10 @@ def main() -> None:
                     ran = 32 if _ext.op_calls().get("kda_fwd_c32", 0) > before else 64
                 best[mode] = min(best[mode], res["ms"])
         _set({})
-        row = {"case": case.name, "ms": best, "policy_chunk": ran, "device": torch.cuda.get_device_name()}
+        row = {"case": case.name, "dtype": "fp16" if args.fp16 else "bf16", "ms": best, "policy_chunk": ran,
+               "device": torch.cuda.get_device_name()}
         rows.append(row)
-        print(f"{case.name:16s} " + " ".join(f"{best[m]:14.3f}" for m in MODES) +
+        print(f"{case.name + (' fp16' if args.fp16 else ''):16s} " + " ".join(f"{best[m]:14.3f}" for m in MODES) +
               f"   {ran:>10d}   {best['32'] / best['64']:.3f}", flush=True)
         del inputs, call_args, call_kw
         torch.cuda.empty_cache()

@@ -789,7 +789,7 @@ def test_intra_on_32_token_chunks_refuses_what_it_does_not_serve(emu):
         emu.forward_stages(*inputs, **kw, fwd_chunk=32, return_intermediate_states=True)
 
 
-@pytest.mark.parametrize("name,bv", [("K128-T100", 64), ("K128-T100", 128), ("K64-B2-gva", 64),
+@pytest.mark.parametrize("name,bv", [("K128-T100", 64), ("K128-T100", 128), ("K64-B2-gva", 64), ("K128-fp16-h8", 128),
                                      ("unbounded-K128-T100", 128), ("extreme-1000-K128", 64),
                                      ("bounded-weak-K64", 64), ("varlen-bounded-K128", 128),
                                      ("varlen-unbounded-gva", 64)])

@@ -869,6 +869,8 @@ C32_CASES = {
     "varlen-onetoken": dict(T=200, cu=[0, 1, 64, 65, 200], h0=True),
     "varlen-empty-int64": dict(T=300, cu=[0, 0, 100, 100, 300], cu_dtype=torch.int64, h0=True),
     "varlen-fla-bounded": dict(T=2000, H=2, HV=4, cu=[0, 15, 100, 300, 1200, 2000], gate="bounded", h0=True),
+    "fp16": dict(T=500, dtype=torch.float16, h0=True),
+    "fp16-bounded-varlen": dict(T=700, cu=[0, 33, 400, 700], gate="bounded", dtype=torch.float16, h0=True),
 }
 
 

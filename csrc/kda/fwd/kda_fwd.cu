@@ -242,7 +242,7 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 int kda_fwd_chunk_choice(const KdaFwdParams& p) {
   // the fused forward (opt-in, KERNEL_FUN_KDA_FWD_FUSED=1) reads a chunk map of 64-token chunks
   const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.recurrent && p.split_chunks == 0 &&
-                       p.dtype == DType::kBFloat16 && p.K == 128 && p.V % 64 == 0 && !kda_fwd_fused_wanted(p);
+                       p.K == 128 && p.V % 64 == 0 && !kda_fwd_fused_wanted(p);
   if (!allowed) return kChunk;
   // KERNEL_FUN_KDA_FWD_CHUNK: 64 never takes the short chunks, 32 takes them wherever allowed (A/B
   // timing and tests); unset (or anything else) the policy, kda_policy.h's fwd_short_chunks_pay.
@@ -253,14 +253,18 @@ int kda_fwd_chunk_choice(const KdaFwdParams& p) {
 }
 
 void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream) {
-  if (p.dtype != DType::kBFloat16 || p.K != 128) throw std::invalid_argument("kda_fwd_intra_c32: bf16, K = 128 only");
-  launch_intra_c32<__nv_bfloat16, 128>(p, stream);
+  if (p.K != 128) throw std::invalid_argument("kda_fwd_intra_c32: K = 128 only");
+  dispatch_wt(p.dtype, "kda_fwd_intra_c32", [&](auto wt) { launch_intra_c32<typename decltype(wt)::type, 128>(p, stream); });
 }
 
 void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream) {
-  if (p.dtype != DType::kBFloat16 || p.K != 128) throw std::invalid_argument("kda_fwd_scan_c32: bf16, K = 128 only");
-  if (kda_fwd_scan_bv(p) == 64) launch_scan_c32<__nv_bfloat16, 128, 64>(p, stream);
-  else launch_scan_c32<__nv_bfloat16, 128, 128>(p, stream);
+  if (p.K != 128) throw std::invalid_argument("kda_fwd_scan_c32: K = 128 only");
+  const int bv = kda_fwd_scan_bv(p);
+  dispatch_wt(p.dtype, "kda_fwd_scan_c32", [&](auto wt) {
+    using WT = typename decltype(wt)::type;
+    if (bv == 64) launch_scan_c32<WT, 128, 64>(p, stream);
+    else launch_scan_c32<WT, 128, 128>(p, stream);
+  });
 }
 
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
