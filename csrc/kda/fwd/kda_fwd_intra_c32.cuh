@@ -109,7 +109,7 @@ inline LaunchShape scan_c32_launch(const KdaProblem& p) {
 }
 
 #ifndef KF_EMU
-// The launchers (the one instantiation: fwd/instantiations/kda_fwd_c32_bf16_k128.cu).
+// The launchers (instantiated for bf16 and fp16 at K = 128: fwd/instantiations/kda_fwd_c32_*.cu).
 template <typename WT, int K>
 void launch_intra_c32(const KdaFwdParams& p, cudaStream_t stream) {
   dev::launch_chunk_kernel(intra_c32_kernel_for<WT, K>(p), intra_c32_launch<WT, K>(p), p, stream);
