@@ -207,7 +207,7 @@ inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
 // forward would run its two kernels one after the other, neither streamed (`streams`, the launcher's
 // decision) nor split (p.split_chunks, kda_split_choose's).
 inline bool fwd_short_chunks_pay(const KdaProblem& p, bool streams) {
-  return !streams && p.split_chunks == 0 && p.N > 0 && p.V % 64 == 0;
+  return !streams && p.split_chunks == 0;
 }
 
 // Whether the backward runs its re-scan and its dh scan as ONE launch (bwd/kda_bwd_scans.cuh):

@@ -303,12 +303,13 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kKg, "kg", {rows, HV, K}, wt});
   }
   if (chunked) {
+    // the short-chunk forward's factors are [rows, HV, 32] and its exp2(G) one row per 32-token chunk
+    const int fc = backward ? kChunk : p.fwd_chunk;
     if (!saved_factors) {
-      b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, kChunk}, wt});
-      b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, kChunk}, wt});
+      b.push_back({WorkBuffer::kAqk, "Aqk", {rows, HV, fc}, wt});
+      b.push_back({WorkBuffer::kAkk, "Akk", {rows, HV, fc}, wt});
     }
-    // the short-chunk forward's exp2(G) rows: one per chunk of its size (fixed length only)
-    const int64_t Cg = backward || p.fwd_chunk == kChunk ? C : chunk_bound(p, p.fwd_chunk);
+    const int64_t Cg = fc == kChunk ? C : chunk_bound(p, fc);
     if (!workspace_given) b.push_back({WorkBuffer::kGdecay, "gdecay", {Cg, HV, K}, f32});
   }
   // the N + 1 chunk offsets, then the N sequences longest first (kda_chunk_map, dev::scan_sequence)

@@ -284,9 +284,9 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published.
     save_states=True: the scan also writes the state before every chunk into ws["h_ckpt"] (a
     training forward's saved states, [max_chunks, HV, V, K], which backward_stages' states reads).
-    fwd_chunk=32: forward_sequence's experimental 32-token forward (KdaProblem::fwd_chunk; ws then holds
-    its workspace in the 64-token buffers' leading elements: Aqk / Akk as [B*T, HV, 32], gdecay one row
-    per 32-token chunk).
+    fwd_chunk=32: forward_sequence's 32-token forward (KdaProblem::fwd_chunk; ws then holds its
+    workspace as kda_problem.h's workspace() sizes it: Aqk / Akk [B*T, HV, 32], gdecay one row per
+    32-token chunk).
     split_chunks=L > 0: the split forward (csrc/kda/fwd/kda_fwd_split.cuh) with pieces of L chunks,
     whatever the launch policy says; ws["split_map"] (int32), ws["split_state"] (fp32) and
     ws["split_layout"] (kda_problem.h's SplitLayout, a dict of SPLIT_LAYOUT); chain_cols forces the
@@ -316,9 +316,10 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
         ws["scan_save"] = gz.alloc("scan_save", (N, HV, K, V), torch.float32)
     if save_states:
         ws["h_ckpt"] = gz.alloc("h_ckpt", (f["max_chunks"], HV, V, K), q.dtype)
-    if fwd_chunk == 32:  # kda_problem.h's workspace(): gdecay one row per 32-token chunk
+    if fwd_chunk == 32:  # kda_problem.h's workspace(): Aqk, Akk [B*T, HV, 32], gdecay one row per 32-token chunk
         ws["gdecay"] = gz.alloc("gdecay (c32)", (_c32_chunk_bound(B, T, N, cu is not None), HV, K), torch.float32)
-        f["gdecay"] = _ptr(ws["gdecay"])
+        ws.update({n: gz.alloc(n + " (c32)", (B * T, HV, 32), q.dtype) for n in ("Aqk", "Akk")})
+        f.update({n: _ptr(ws[n]) for n in ("gdecay", "Aqk", "Akk")})
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
                    stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")), fwd_chunk=int(fwd_chunk))

@@ -68,7 +68,7 @@ __device__ __forceinline__ int seq_chunks(const KdaProblem& p, int n) {
 }
 
 // The (sequence n, chunk c within it) of global chunk x; false when x is past the last chunk (the
-// varlen grid is sized by an upper bound, T / 64 + N, so its tail CTAs have nothing to do). C: tokens
+// varlen grid is sized by an upper bound, T / C + N (chunk_bound), so its tail CTAs have nothing to do). C: tokens
 // per chunk (the varlen map, chunk_offsets, is built at the call's size: kda_chunk_map).
 template <int C = kChunk>
 __device__ __forceinline__ bool chunk_of(const KdaProblem& p, int x, int& n, int& c) {
