@@ -395,8 +395,8 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
   kda::kda_split_choose(p);
   raise_if(states_check(p, q, h_ckpt, false));
   raise_if(workspace_check(p, q, w, qg, kg, gdecay));
-  // the 32-token forward where nothing is saved and the policy says it pays (decided here: gdecay's
-  // rows), never for the stage op, which returns the 64-token kernels' workspace
+  // the 32-token forward where nothing is saved and the policy says it pays (decided here: it sizes
+  // Aqk, Akk and gdecay), never for the stage op, which returns the 64-token kernels' workspace
   if (!stages) p.fwd_chunk = kda::kda_fwd_chunk_choice(p);
   if (p.fwd_chunk != kda::kChunk) count_call(OpId::kKdaFwdC32);
   std::vector<Tensor> ws = alloc_workspace(q, p, false);
