@@ -30,6 +30,8 @@ MODES = {
     "policy": {"KERNEL_FUN_KDA_FWD_CHUNK": None},
     "64-unstreamed": {"KERNEL_FUN_KDA_FWD_CHUNK": "64", "KERNEL_FUN_KDA_FWD_STREAMED": "0",
                       "KERNEL_FUN_KDA_SPLIT": "0"},
+    "32-unstreamed": {"KERNEL_FUN_KDA_FWD_CHUNK": "32", "KERNEL_FUN_KDA_FWD_STREAMED": "0",
+                      "KERNEL_FUN_KDA_SPLIT": "0"},
 }
 KNOBS = ("KERNEL_FUN_KDA_FWD_CHUNK", "KERNEL_FUN_KDA_FWD_STREAMED", "KERNEL_FUN_KDA_SPLIT")
 
@@ -49,6 +51,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--fp16", action="store_true", help="fp16 inputs instead of the bench's bf16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mem", action="store_true",
+                    help="also each mode's peak allocated memory over one call, beyond the inputs (MiB)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fwd_chunk_ab.py needs a GPU")
@@ -70,7 +74,18 @@ def main() -> None:
                 chunk_kda(*call_args, **call_kw)
 
         best = {m: float("inf") for m in MODES}
+        peak = {}
         ran = None
+        if args.mem:
+            for mode, env in MODES.items():
+                _set(env)
+                step()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peak[mode] = (torch.cuda.max_memory_allocated() - base) / 2**20
         for _ in range(args.rounds):
             for mode, env in MODES.items():
                 _set(env)
@@ -82,9 +97,13 @@ def main() -> None:
         _set({})
         row = {"case": case.name, "dtype": "fp16" if args.fp16 else "bf16", "ms": best, "policy_chunk": ran,
                "device": torch.cuda.get_device_name()}
+        if peak:
+            row["peak_mib"] = peak
         rows.append(row)
         print(f"{case.name + (' fp16' if args.fp16 else ''):16s} " + " ".join(f"{best[m]:14.3f}" for m in MODES) +
               f"   {ran:>10d}   {best['32'] / best['64']:.3f}", flush=True)
+        if peak:
+            print(f"{'  peak MiB':16s} " + " ".join(f"{peak[m]:14.1f}" for m in MODES), flush=True)
         del inputs, call_args, call_kw
         torch.cuda.empty_cache()
     if args.out:

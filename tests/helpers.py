@@ -70,6 +70,10 @@ def assert_bitwise_same(ref: dict, got: dict, what: str = "") -> None:
             assert torch.equal(t, got[key]), (what, key)
 
 
+# op_calls counters that describe how a kda_fwd op ran (csrc/api/op_calls.h), not ops of their own
+HOW_KDA_FWD_RAN = ("kda_fwd_c32", "kda_fwd_streamed")
+
+
 @contextlib.contextmanager
 def our_launches(**want: int):
     """The block runs inside kernel_fun.strict() (a fallback to fla raises) and must launch exactly
@@ -81,7 +85,9 @@ def our_launches(**want: int):
 
     with kernel_fun.strict(), count_kernel_ops() as counts:
         yield counts
-    assert dict(counts) == want, f"our kernel ops launched {dict(counts)}, expected {want}"
+    # kda_fwd_c32 / kda_fwd_streamed say how a kda_fwd ran (it counts too): compared only when named
+    got = {k: n for k, n in counts.items() if k in want or k not in HOW_KDA_FWD_RAN}
+    assert got == want, f"our kernel ops launched {dict(counts)}, expected {want}"
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:
@@ -108,13 +114,14 @@ def chunk_map_want(cu: list[int]) -> list[int]:
 
 
 
-def check_stream_flags(ready: torch.Tensor, B: int, T: int, HV: int, V: int, resume: int | None = None) -> None:
-    """chunk_ready after a streamed forward (kda_problem.h's stream_flag_count): one flag per (chunk,
-    value head), every one published; the intra's done counter = its CTA count; one resume chunk per
-    (sequence, head, 64 value columns), where a CTA of 128 columns writes the first of its two: the
-    chunk count where no chain stopped (resume=None), else `resume`; then 3 ints of padding (the
-    scan's 16-byte flag groups)."""
-    nts = -(-T // 64)
+def check_stream_flags(ready: torch.Tensor, B: int, T: int, HV: int, V: int, resume: int | None = None,
+                       chunk: int = 64) -> None:
+    """chunk_ready after a streamed forward (kda_problem.h's stream_flag_count): one flag per (chunk of
+    `chunk` tokens, value head), every one published; the intra's done counter = its CTA count; one
+    resume chunk per (sequence, head, 64 value columns), where a CTA of 128 columns writes the first of
+    its two: the chunk count where no chain stopped (resume=None), else `resume`; then 3 ints of
+    padding (the scan's 16-byte flag groups)."""
+    nts = -(-T // chunk)
     nflags = B * nts * HV
     nslots = B * HV * (V // 64)
     assert ready.numel() == nflags + 1 + nslots + 3, "chunk_ready's layout"

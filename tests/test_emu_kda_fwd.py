@@ -783,6 +783,35 @@ def test_intra_on_32_token_chunks_matches_fp64_reference(name, emu, ref):
     assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
 
 
+STREAMED_C32 = [("B3-T200-V256", stop) for stop in (-1, 0, 1, 3, 9)] + [
+    ("gva-fp16", -1), ("gva-fp16", 2), ("unbounded-V64", -1), ("unbounded-V64", 4)]
+
+
+@pytest.mark.parametrize("name, stop", STREAMED_C32)
+def test_streamed_32_token_forward_is_bitwise_its_two_kernels(emu, ref, name, stop):
+    """The 32-token forward streamed (forward_sequence with fwd_chunk = 32 and the flags: the 32-token
+    scan's pass 1, the 32-token intra beside it on its transposed grid, pass 2): o and the final state
+    bit for bit the 32-token two kernels', whether pass 1 finds every chunk published (-1), none (0)
+    or those before 32-token chunk `stop`; one flag per 32-token chunk and head, each resume chunk
+    where pass 1 stopped; and against the fp64 reference."""
+    conf = {"B3-T200-V256": dict(B=3, T=200, K=128, V=256, gate="bounded", h0=True),
+            "gva-fp16": dict(B=2, T=130, H=2, HV=4, K=128, V=128, gate="bounded", dtype=torch.float16, h0=True),
+            "unbounded-V64": dict(B=2, T=96, K=128, V=64, h0=True)}[name]
+    inputs, kw = make_case(**conf)
+    bv = 64 if conf["V"] == 64 else 128
+    o2, ht2, _, _ = emu.forward_stages(*inputs, **kw, bv=bv, fwd_chunk=32)
+    o1, ht1, _, ws1 = emu.forward_stages(*inputs, **kw, bv=bv, fwd_chunk=32, streamed=True, stream_stop=stop)
+    assert torch.equal(_bits(o1), _bits(o2)), "o differs"
+    assert torch.equal(ht1, ht2), "final state differs"
+    B, T = inputs[0].shape[:2]
+    HV, V = inputs[2].shape[2], inputs[2].shape[3]
+    check_stream_flags(ws1["chunk_ready"], B, T, HV, V, None if stop < 0 else min(stop, -(-T // 32)), chunk=32)
+    o_ref, ht_ref = kda_reference(inputs, kw, ref=ref)
+    bad = {key: err for key, (r, got) in {"o": (o_ref, o1), "ht": (ht_ref, ht1)}.items()
+           if not (err := rel_rms(r, got)) <= TOL}
+    assert not bad, f"off the fp64 reference (rel-RMS > {TOL}): {bad}"
+
+
 def test_intra_on_32_token_chunks_refuses_what_it_does_not_serve(emu):
     inputs, kw = make_case(T=40, K=128, gate="bounded")
     with pytest.raises(RuntimeError, match="unsplit calls without states"):

@@ -903,6 +903,40 @@ def test_short_chunk_policy_through_chunk_kda(monkeypatch):
     assert c32_runs(FWD_STREAMED="0", SPLIT="1") == 0  # 4 chunks: split wherever forced to
 
 
+def test_streamed_32_token_forward_through_chunk_kda(monkeypatch):
+    """KERNEL_FUN_KDA_FWD_CHUNK=32 where the forward streams (KERNEL_FUN_KDA_FWD_STREAMED=1): the
+    32-token scan's pass 1 with the 32-token intra beside it, publishing 32-token chunks (counted as
+    kda_fwd_c32 and kda_fwd_streamed), over 5 calls bit for bit the 32-token two kernels at the same
+    slice width (a flag read before its chunk's rows landed would show in some call), and against the
+    fp64 reference. B1 T16384 H4: 512 chunks x 4 heads against 4 scan CTAs, so the chains wait on the
+    intra."""
+    from kernel_fun import _ext
+    from kernel_fun.kda import chunk_kda
+
+    for name, value in (("FWD_CHUNK", "32"), ("SPLIT", "0"), ("SCAN_BV", "128")):
+        monkeypatch.setenv(f"KERNEL_FUN_KDA_{name}", value)
+    inputs, kw = make_case(T=16384, H=4, V=128, gate="bounded", h0=True)
+    call = {n: x for n, x in kw.items() if x is not None}
+
+    def run(streamed):
+        monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
+        before = _ext.op_calls()
+        with torch.no_grad():
+            o, ht = chunk_kda(*inputs, **call)
+        after = _ext.op_calls()
+        return o, ht, {k: after[k] - before.get(k, 0) for k in ("kda_fwd", "kda_fwd_c32", "kda_fwd_streamed")}
+
+    o2, ht2, ran = run(False)
+    assert ran == {"kda_fwd": 1, "kda_fwd_c32": 1, "kda_fwd_streamed": 0}
+    for _ in range(5):
+        o1, ht1, ran = run(True)
+        assert ran == {"kda_fwd": 1, "kda_fwd_c32": 1, "kda_fwd_streamed": 1}
+        assert torch.equal(o1, o2), "o: streamed != two kernels (32-token chunks)"
+        assert torch.equal(ht1, ht2), "final state: streamed != two kernels (32-token chunks)"
+    o_ref, ht_ref = reference(inputs, kw)
+    assert rel_rms(o_ref, o1) <= KDA_TOL["o"] and rel_rms(ht_ref, ht1) <= KDA_TOL["ht"]
+
+
 @pytest.mark.parametrize("name", list(C32_CASES))
 def test_forward_on_32_token_chunks_through_chunk_kda(name, monkeypatch):
     """KERNEL_FUN_KDA_FWD_CHUNK=32: chunk_kda without autograd runs the 32-token forward (counted as

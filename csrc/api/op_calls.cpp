@@ -12,7 +12,8 @@ namespace kernel_fun::api {
 namespace {
 
 constexpr int kOps = static_cast<int>(OpId::kCount);
-constexpr const char* kNames[kOps] = {"cconv_fwd", "cconv_bwd", "cconv_update", "kda_fwd", "kda_bwd", "kda_fwd_c32"};
+constexpr const char* kNames[kOps] = {"cconv_fwd", "cconv_bwd", "cconv_update", "kda_fwd", "kda_bwd", "kda_fwd_c32",
+                                          "kda_fwd_streamed"};
 std::atomic<long long> g_calls[kOps];
 
 std::string op_calls(Tensor probe) {

@@ -68,8 +68,13 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 // allows it (a forward that saves nothing for a backward: no factors, no per-chunk states; not split,
 // not the recurrence; K = 128, the instantiated width; bf16 unless forced) and kda_policy.h's fwd_short_chunks_pay
 // says it pays (KERNEL_FUN_KDA_FWD_CHUNK=64 / 32: never / wherever allowed), else kChunk. Its two
-// stages: the 32-token intra, then the scan over it.
+// stages: the 32-token intra, then the scan over it; or, where the call streams (kda_fwd_streams), the
+// streamed forward's three launches at 32-token chunks.
 int kda_fwd_chunk_choice(const KdaFwdParams& p);
+// Whether kda_forward streams this call (the scan with the intra beside it, at p.fwd_chunk tokens per
+// chunk): its buffers given (chunk_ready, scan_save), not split, and the stream model or
+// KERNEL_FUN_KDA_FWD_STREAMED says so. kda_forward's decision; csrc/api counts it (kda_fwd_streamed).
+bool kda_fwd_streams(const KdaFwdParams& p);
 void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream);
 

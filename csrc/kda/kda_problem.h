@@ -131,9 +131,10 @@ struct KdaFwdParams : KdaProblem {
   void* h_ckpt = nullptr;    // [max_chunks, HV, V, K] state before each chunk, or null: written by the
                              // backward's re-scan, or by a training forward's scan (saved_states)
   int* chunk_ready = nullptr;  // the streamed forward only (kda_policy.h's fwd_stream_choice), else null:
-                               // [max_chunks * HV] flags, 1 once the intra CTA of (chunk, hv) has written
-                               // its rows; the intra CTAs' done counter; then one resume chunk per scan
-                               // CTA (from stream_progress_offset); zeroed before each streamed forward
+                               // [stream_chunks * HV] flags (chunks at the call's size), 1 once the intra
+                               // CTA of (chunk, hv) has written its rows; the intra CTAs' done counter
+                               // (stream_done_offset); then one resume chunk per scan CTA (from
+                               // stream_progress_offset); zeroed before each streamed forward
   float* scan_save = nullptr;  // the streamed forward: [N, HV, K, V] fp32, the state of each scan chain that
                                // stopped early (its first pass waited too long), for the resume pass
   int scan_pass = 0;           // kda_fwd_scan: 0 ordinary; 1 the streamed first pass (waits for chunk
@@ -204,19 +205,24 @@ struct WorkBuffer {
   bool is_int = false;  // chunk_offsets (int32)
 };
 
+// The chunks the streamed forward publishes, one flag per chunk and value head: every chunk at the
+// call's size (p.fwd_chunk: the 64-token or the 32-token forward streams alike).
+__host__ __device__ inline int64_t stream_chunks(const KdaProblem& p) { return chunk_bound(p, p.fwd_chunk); }
 // The streamed forward (kda_policy.h's fwd_stream_choice) needs few scan chains: at most 256 at the
-// widest slice (no device has more SMs to spare), fixed length, and at most 65535 chunk rows.
+// widest slice (no device has more SMs to spare), fixed length, and at most 65535 chunk rows (the
+// intra's grid y, dev::streamed_chunk) at the call's chunk size.
 inline bool fwd_stream_possible(const KdaProblem& p) {
-  return !p.cu_seqlens && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && p.max_chunks <= 65535 &&
+  return !p.cu_seqlens && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && stream_chunks(p) <= 65535 &&
          static_cast<int64_t>(p.HV) * p.N * (p.V / 128) <= 256 && p.V % 64 == 0;
 }
 // chunk_ready's length: the flags, the intra's done counter, one resume chunk per scan CTA (BV = 64),
 // and 3 ints of padding: the scan reads flags in aligned groups of four (dev::prefetch_flag)
 inline int64_t stream_flag_count(const KdaProblem& p) {
-  return static_cast<int64_t>(p.max_chunks) * p.HV + 1 + static_cast<int64_t>(p.HV) * p.N * (p.V / 64) + 3;
+  return stream_chunks(p) * p.HV + 1 + static_cast<int64_t>(p.HV) * p.N * (p.V / 64) + 3;
 }
-// Where the resume chunks start in chunk_ready.
-__host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return static_cast<int64_t>(p.max_chunks) * p.HV + 1; }
+// Where the intra's done counter sits in chunk_ready (after the flags), and the resume chunks after it.
+__host__ __device__ inline int64_t stream_done_offset(const KdaProblem& p) { return stream_chunks(p) * p.HV; }
+__host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return stream_done_offset(p) + 1; }
 
 // ---- the split forward (fwd/kda_fwd_split.cuh): each sequence's chunks cut into pieces of
 // p.split_chunks chunks (at least one piece per sequence, empty ones included), run as a derived varlen

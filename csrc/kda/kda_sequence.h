@@ -49,8 +49,12 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
     return;
   }
   if (p.fwd_chunk != kChunk) {  // the 32-token forward, where csrc/api chose it
-    s.intra_c32(p);
-    s.scan_c32(p);
+    if (p.chunk_ready) {        // streamed as below, at 32-token chunks
+      s.streamed_forward(p);
+    } else {
+      s.intra_c32(p);
+      s.scan_c32(p);
+    }
     return;
   }
   if (p.split_chunks > 0) {  // few long chains: the scan in pieces (csrc/api's decision, before the

@@ -316,27 +316,30 @@ struct EmuStages {
   // Launches here run one after another, so stop (KdaEmuArgs::stream_stop) picks which chunks pass
   // 1 finds published: all (the intra first), none (pass 1 first), or those before chunk m; pass 2
   // resumes whatever chain stopped. The intra's done counter must equal its CTA count.
+  // At either chunk size (p.fwd_chunk), as kda_fwd_streamed; `stop` counts chunks of that size.
   int64_t stop = -1;
   void streamed_forward(const kda::KdaFwdParams& p) {
-    const int64_t nflags = static_cast<int64_t>(p.max_chunks) * p.HV;
+    const bool c32 = p.fwd_chunk == kda::kC32;
+    const int64_t nflags = kda::stream_done_offset(p);
     std::fill(p.chunk_ready, p.chunk_ready + kda::stream_flag_count(p), 0);
     kda::KdaFwdParams pass = p;
     pass.scan_pass = 1;
-    if (stop == 0) ::scan<WT, K, BV>(pass);
-    ::intra<WT, K>(p);
-    const kda::LaunchShape in = kda::intra_launch<WT, K>(p);
+    auto run_scan = [&] { c32 ? scan_c32(pass) : ::scan<WT, K, BV>(pass); };
+    if (stop == 0) run_scan();
+    c32 ? intra_c32(p) : ::intra<WT, K>(p);
+    const kda::LaunchShape in = c32 ? kda::intra_c32_launch<WT, K>(p) : kda::intra_launch<WT, K>(p);
     if (p.chunk_ready[nflags] != static_cast<int64_t>(in.grid.x) * in.grid.y)
       throw std::runtime_error("streamed forward: the intra's done counter is not its CTA count");
-    const int nts = (p.T + kda::kChunk - 1) / kda::kChunk;
+    const int nts = (p.T + p.fwd_chunk - 1) / p.fwd_chunk;
     auto hide = [&](int v) {  // the flags of chunks >= stop within each sequence
       for (int64_t i = 0; i < nflags; ++i)
         if ((i / p.HV) % nts >= stop) p.chunk_ready[i] = v;
     };
     if (stop > 0) hide(0);
-    if (stop != 0) ::scan<WT, K, BV>(pass);
+    if (stop != 0) run_scan();
     if (stop > 0) hide(1);
     pass.scan_pass = 2;
-    ::scan<WT, K, BV>(pass);
+    run_scan();
   }
   // the split scans' stages (kda_sequence.h's split_scan_passes / split_dh_passes); pass 1 at the
   // emulator's one width, pass 2 as the scans without a split

@@ -281,7 +281,8 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     chunk, the scan's pass 1 waiting for each chunk's flag, pass 2 resuming the chains pass 1
     stopped; ws["chunk_ready"], ws["scan_save"]), whatever the launch policy says. stream_stop: -1
     the intra runs before pass 1 (no chain stops), 0 after it (every chain stops at chunk 0, as
-    under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published.
+    under a tool that serialises launches), m > 0 pass 1 finds only chunks < m published (chunks at
+    the call's size: with fwd_chunk=32 the streamed 32-token forward).
     save_states=True: the scan also writes the state before every chunk into ws["h_ckpt"] (a
     training forward's saved states, [max_chunks, HV, V, K], which backward_stages' states reads).
     fwd_chunk=32: forward_sequence's 32-token forward (KdaProblem::fwd_chunk; ws then holds its
@@ -311,7 +312,9 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
             lead = (1, int(((lens + CHUNK - 1) // CHUNK).sum()))
         h_states = gz.alloc("h_states", (*lead, HV, *((V, K) if state_v_first else (K, V))), q.dtype)
     if streamed:
-        nflags = f["max_chunks"] * HV + 1 + HV * N * (V // 64) + 3  # kda_problem.h's stream_flag_count
+        # kda_problem.h's stream_flag_count: one flag per chunk at the call's size (stream_chunks)
+        chunks = f["max_chunks"] if fwd_chunk != 32 else _c32_chunk_bound(B, T, N, cu is not None)
+        nflags = chunks * HV + 1 + HV * N * (V // 64) + 3
         ws["chunk_ready"] = gz.alloc("chunk_ready", (nflags,), torch.int32, fill=0)
         ws["scan_save"] = gz.alloc("scan_save", (N, HV, K, V), torch.float32)
     if save_states:

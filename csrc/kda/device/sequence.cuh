@@ -139,9 +139,11 @@ __device__ __forceinline__ void wait_previous() {
 
 // The global chunk that row y of the streamed intra grid computes: chunk c = y / N of sequence
 // n = y % N (fixed length only), so that chunk c of every sequence is handed out before any chunk
-// c + 1 and every chain the scan runs gets its next chunk at the same pace.
+// c + 1 and every chain the scan runs gets its next chunk at the same pace. C: tokens per chunk (the
+// 64-token or the 32-token forward's intra).
+template <int C = kChunk>
 __device__ __forceinline__ int streamed_chunk(const KdaProblem& p, int y) {
-  const int nts = (p.T + kChunk - 1) / kChunk;
+  const int nts = (p.T + C - 1) / C;
   return (y % p.N) * nts + y / p.N;
 }
 
@@ -191,7 +193,7 @@ __device__ __forceinline__ bool flag_seen(const int* slot, const int* flag) {
 
 // The intra side, after the CTA's last workspace store (every thread calls it): each thread's
 // stores are made visible at GPU scope before thread 0 sets the chunk's flag (release), and the CTA
-// counts itself done (the counter after the HV x max_chunks flags). The CTA that finds itself last
+// counts itself done (the counter after the flags, stream_done_offset). The CTA that finds itself last
 // waits for the scan (griddepcontrol.wait: the scan is this launch's prerequisite grid), so this
 // kernel never completes before the scan, and the stream's next operation sees both. Only the last
 // CTA waits: the scan it waits for needs nothing more from the intra by then, whereas a wait in
@@ -207,7 +209,7 @@ __device__ __forceinline__ void publish_chunk(const KdaFwdParams& p, int64_t fla
 #else
     asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p.chunk_ready + flag_index), "r"(1) : "memory");
 #endif
-    int* done = p.chunk_ready + static_cast<int64_t>(p.max_chunks) * p.HV;
+    int* done = p.chunk_ready + stream_done_offset(p);
     last = static_cast<unsigned>(atomicAdd(done, 1)) == total - 1;
   }
   __syncthreads();

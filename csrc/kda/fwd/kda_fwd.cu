@@ -181,12 +181,14 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
   // (intra_launch: overlap_previous; its last CTA waits for pass 1, so the stream's next work sees
   // both); pass 2, which finishes any chain pass 1 stopped (none when the two ran at once).
   KF_CUDA_CHECK(cudaMemsetAsync(p.chunk_ready, 0, sizeof(int) * static_cast<size_t>(stream_flag_count(p)), stream));
+  // At either chunk size (p.fwd_chunk: the 32-token forward streams the same way).
+  const bool c32 = p.fwd_chunk == kC32;
   KdaFwdParams pass = p;
   pass.scan_pass = 1;
-  kda_fwd_scan(pass, stream);
-  kda_fwd_intra(p, stream);
+  c32 ? kda_fwd_scan_c32(pass, stream) : kda_fwd_scan(pass, stream);
+  c32 ? kda_fwd_intra_c32(p, stream) : kda_fwd_intra(p, stream);
   pass.scan_pass = 2;
-  kda_fwd_scan(pass, stream);
+  c32 ? kda_fwd_scan_c32(pass, stream) : kda_fwd_scan(pass, stream);
 }
 
 void kda_split_choose(KdaFwdParams& p) {
@@ -245,7 +247,8 @@ int kda_fwd_chunk_choice(const KdaFwdParams& p) {
                        p.K == 128 && p.V % 64 == 0 && !kda_fwd_fused_wanted(p);
   if (!allowed) return kChunk;
   // KERNEL_FUN_KDA_FWD_CHUNK: 64 never takes the short chunks, 32 takes them wherever allowed (A/B
-  // timing and tests); unset (or anything else) the policy, kda_policy.h's fwd_short_chunks_pay.
+  // timing and tests; streamed where the call streams, kda_fwd_streams); unset (or anything else) the
+  // policy, kda_policy.h's fwd_short_chunks_pay.
   const int forced = env_int("KERNEL_FUN_KDA_FWD_CHUNK", 0);
   if (forced == kChunk || forced == kC32) return forced;
   // bf16 only by default: the fp16 instantiation is checked on the emulator and not yet timed on a
@@ -270,14 +273,15 @@ void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
+bool kda_fwd_streams(const KdaFwdParams& p) {
+  return p.split_chunks == 0 && kda_fwd_stream_bv(p) != 0;  // split (kda_split_choose): never streamed
+}
+
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  if (f.split_chunks > 0 || f.fwd_chunk != kChunk) {  // split (kda_split_choose) or short chunks: never streamed
-    f.chunk_ready = nullptr;
-  } else {
-    f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
-    if (f.stream_bv == 0) f.chunk_ready = nullptr;  // kept only where it streams
-  }
+  // the width once: every launch of the call agrees; chunk_ready kept only where it streams
+  f.stream_bv = kda_fwd_streams(f) ? kda_fwd_stream_bv(f) : 0;
+  if (f.stream_bv == 0) f.chunk_ready = nullptr;
   StreamStages stages{stream};
   forward_sequence(f, stages);
 }

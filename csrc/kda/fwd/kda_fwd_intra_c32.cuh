@@ -25,7 +25,9 @@
 //
 // Beside it, kda_fwd_scan_c32_kernel: the forward scan (kda_fwd_scan.cuh's fwd_scan_cta at C = 32:
 // product A's N and product D's K are the chunk's 32 tokens, B and C two 16-token blocks) over that
-// workspace. No streaming, no split, no saved states.
+// workspace. No split, no saved states. Streamed where kda_fwd_chunk_choice takes the short chunks for a
+// forward that streams (kda_fwd.cu's kda_fwd_streamed: the scan's pass 1, this intra beside it at
+// 32-token chunk rows, pass 2), as the 64-token forward.
 #pragma once
 
 #include "kda/fwd/kda_fwd_intra.cuh"
@@ -69,15 +71,23 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   intra_stamp_end(c);
 }
 
+// Grid: (32-token chunk, value head); streamed (p.chunk_ready set: the 64-token kernel's streamed
+// form, kda_fwd_intra.cuh) transposed to (value head, chunk row), every head of a chunk row before the
+// next, each CTA publishing its chunk to the scan beside it.
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
+  const bool streamed = p.chunk_ready != nullptr;
+  const int hv = streamed ? blockIdx.x : blockIdx.y;
+  const int x = streamed ? dev::streamed_chunk<kC32>(p, blockIdx.y) : blockIdx.x;
   int n, ch;
-  if (!dev::chunk_of<kC32>(p, blockIdx.x, n, ch)) return;  // a varlen grid's idle tail
+  // a varlen grid's idle tail; the streamed forward is fixed length only, so each of its CTAs has a
+  // chunk to publish
+  if (!dev::chunk_of<kC32>(p, x, n, ch)) return;
   const dev::SeqInfo seq = dev::seq_info<kC32>(p, n);
-  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, blockIdx.y,
-                                dev::cta_clock_row(p.dbg_intra_clock));
+  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv, dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk_c32<WT, K, kMid>(c, IntraToWorkspace<WT, K, kC32>{});
+  if (streamed) dev::publish_chunk(p, static_cast<int64_t>(x) * p.HV + hv);
 }
 
 // The kernel a problem runs (dev::block_midpoint_ok picks the P2 form, as intra_kernel_for).
@@ -89,14 +99,21 @@ auto intra_c32_kernel_for(const KdaFwdParams& p) {
 // The launch: one CTA per (32-token chunk, value head); the workspace is [B*T, HV, 32] for Aqk and
 // Akk (and M), [B*T, HV, K] for w, qg, kg, [chunk_bound(p, 32), HV, K] for gdecay (with cu_seqlens the
 // grid's tail CTAs find nothing: dev::chunk_of).
+// Streamed: transposed and launched beside the scan's pass 1 (programmatic dependent launch), as
+// intra_launch.
 template <typename WT, int K>
 inline LaunchShape intra_c32_launch(const KdaFwdParams& p) {
-  return {dim3(static_cast<unsigned>(chunk_bound(p, kC32)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
-          sizeof(IntraSmem<WT, K, kC32>)};
+  LaunchShape s{dim3(static_cast<unsigned>(chunk_bound(p, kC32)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
+                sizeof(IntraSmem<WT, K, kC32>)};
+  if (p.chunk_ready) {
+    s.grid = dim3(s.grid.y, s.grid.x);
+    s.overlap_previous = true;
+  }
+  return s;
 }
 
 // The scan over the 32-token workspace: one CTA per (V-slice, value head, sequence), o and the final
-// state (p.scan_pass 0, no chunk flags, no h_states / h_ckpt).
+// state, no h_states / h_ckpt; streamed (p.scan_pass 1 and 2, the chunk flags) as the 64-token scan.
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_c32_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
