@@ -5,7 +5,9 @@
 #   bash scripts/gpu_run.sh [OUTDIR]            # OUTDIR defaults to $OUT, then ./gpu-out
 # Environment:
 #   KF_TESTS     pytest selection passed to -k (default: all GPU tests); "none" skips tests
-#   KF_PYTEST    extra pytest args (e.g. "-x tests/test_cconv_gpu.py")
+#   KF_PYTEST    extra pytest args (e.g. "-x tests/test_cconv_gpu.py"); "-n 3 tests" runs our GPU tests in 3
+#                pytest-xdist workers (carried wheel): 209 s on an H100 on 2026-12-05, where one test ran out
+#                of its 80 GB beside the other workers (the fp64 reference of B2 T16384): use -n 2 there
 #   KF_BENCH     benchmark args, or "all" for every case (default: none, no benchmark: a whole benchmark
 #                with fla does not fit one call on a fresh machine; name the cases and a --budget-s)
 #   KF_NO_BUILD  1 = use a carried src/kernel_fun/_C.abi3.so instead of building here

@@ -5,7 +5,9 @@ peak memory above the inputs. Ours; fla is timed by the benchmark. --flashkda ad
 that FlashKDA serves (its forward: bounded gate, K = V = 128, no GVA) with ITS kernels' times, the
 same way, when flash_kda is importable: how its forward's time splits between its two kernels.
 
-    PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [--pass fwd|fwd+bwd|all] [--flashkda] [CASE ...]
+    PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [--pass fwd|fwd+bwd|all] [--flashkda] [--fp16] [CASE ...]
+
+--fp16 runs the forward with fp16 q, k, v, g, beta (the bench's are bf16); forward only.
 """
 from __future__ import annotations
 
@@ -56,13 +58,18 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--pass", dest="pass_", choices=("fwd", "fwd+bwd", "all"), default="all")
     ap.add_argument("--flashkda", action="store_true", help="also FlashKDA's kernels, where it serves the case")
+    ap.add_argument("--fp16", action="store_true", help="fp16 q, k, v, g, beta; forward only")
     args = ap.parse_args()
+    if args.fp16:
+        args.pass_ = "fwd"
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time")
         return
     passes = ("fwd", "fwd+bwd") if args.pass_ == "all" else (args.pass_,)
     for case in [c for c in select("kda", args.cases or None) if isinstance(c, KdaCase)]:
         inp = make_inputs(case, torch, "cuda", 0)
+        if args.fp16:
+            inp["args"] = tuple(x.detach().half() for x in inp["args"])
         for pass_ in passes:
             grad = pass_ == "fwd+bwd"
             for t in inp["leaves"]:
@@ -77,7 +84,7 @@ def main() -> None:
                         t.grad = None
 
             with torch.set_grad_enabled(grad):
-                _report(case.name, pass_, call, args.iters, "kda_")
+                _report(case.name + (" fp16" if args.fp16 else ""), pass_, call, args.iters, "kda_")
             del do
         if args.flashkda:
             _flashkda_line(case, inp, args.iters)

@@ -66,7 +66,7 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 // The short-chunk forward (fwd/kda_fwd_intra_c32.cuh): the chunk size a call's forward runs
 // (KdaProblem::fwd_chunk; csrc/api decides once, before sizing the workspace): 32 where the call
 // allows it (a forward that saves nothing for a backward: no factors, no per-chunk states; not split,
-// not the recurrence; K = 128, the instantiated width; bf16 unless forced) and kda_policy.h's fwd_short_chunks_pay
+// not the recurrence; K = 128, the instantiated width) and kda_policy.h's fwd_short_chunks_pay
 // says it pays (KERNEL_FUN_KDA_FWD_CHUNK=64 / 32: never / wherever allowed), else kChunk. Its two
 // stages: the 32-token intra, then the scan over it; or, where the call streams (kda_fwd_streams), the
 // streamed forward's three launches at 32-token chunks.

@@ -202,10 +202,14 @@ inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
 // step. Against the 64-token forward's two kernels one after the other it won on every bench case
 // (the H100, 2026-12-05, scripts/fwd_chunk_ab.py: 0.89-0.95x where the chains fill the GPU or nearly,
 // gva 0.91 and small 0.95 at 128 and 64 chains, and even with few long chains: bounded_b1 0.92,
-// long_b1_t32k 0.96), but not against the streamed forward (the intra beside the chains: bounded_b1
-// 0.398 -> 0.452 ms, long_b1_t32k 1.70 -> 2.25) and it cannot split. So: wherever the 64-token
-// forward would run its two kernels one after the other, neither streamed (`streams`, the launcher's
-// decision) nor split (p.split_chunks, kda_split_choose's).
+// long_b1_t32k 0.96), and in fp16 alike (bounded_b16 0.88, gva 0.89, small 0.94, varlen 0.87: the H100,
+// 2026-12-05, 32nd session), but not against the streamed forward (the intra beside the chains:
+// bounded_b1 0.398 -> 0.452 ms, long_b1_t32k 1.70 -> 2.25) and it cannot split. Streamed itself (the
+// 32-token intra beside the 32-token scan, KERNEL_FUN_KDA_FWD_CHUNK=32 where the call streams) it lost
+// too: bounded_b1 0.394 -> 0.600 ms in bf16 (0.392 -> 0.407 in fp16), long_b1_t32k 1.729 -> 2.067
+// (docs/notes/2026-12-05-streamed-c32.md). So: wherever the 64-token forward would run its two
+// kernels one after the other, neither streamed (`streams`, the launcher's decision) nor split
+// (p.split_chunks, kda_split_choose's).
 inline bool fwd_short_chunks_pay(const KdaProblem& p, bool streams) {
   return !streams && p.split_chunks == 0;
 }

@@ -251,9 +251,6 @@ int kda_fwd_chunk_choice(const KdaFwdParams& p) {
   // policy, kda_policy.h's fwd_short_chunks_pay.
   const int forced = env_int("KERNEL_FUN_KDA_FWD_CHUNK", 0);
   if (forced == kChunk || forced == kC32) return forced;
-  // bf16 only by default: the fp16 instantiation is checked on the emulator and not yet timed on a
-  // GPU (scripts/fwd_chunk_ab.py --fp16), so fp16 takes the short chunks only where forced
-  if (p.dtype != DType::kBFloat16) return kChunk;
   const bool streams = fwd_stream_possible(p) && stream_bv_for(p) != 0;
   return fwd_short_chunks_pay(p, streams) ? kC32 : kChunk;
 }
