@@ -1,7 +1,8 @@
 """The KDA kernels under compute-sanitizer: a few small forward + backward calls that between them
 launch every KDA kernel (the two-kernel forward, the opt-in fused forward, the backward from saved
 factors and by recompute, the paired scans, GVA's group sums, the gate-parameter passes, the token
-recurrence of one-chunk problems, the opt-in split scans), in strict
+recurrence of one-chunk problems, the opt-in split scans, the 32-token forward of a call without
+autograd, the streamed forward at 64 and at 32 tokens per chunk), in strict
 mode so that nothing falls back to fla. Run by scripts/sanitize_kda.sh, once per tool; alone it is
 a smoke test.
 
@@ -10,6 +11,7 @@ a smoke test.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
@@ -75,20 +77,42 @@ def run_calls() -> None:
                   dict(T=200, H=2, HV=2, K=128, V=128, gate="bounded", cu=cu)),
                  ("split scans: GVA, K=64 V=128, fp16", dict(T=300, H=1, HV=2, K=64, V=128, gate="unbounded",
                                                              dtype=torch.float16))]
-        keep = {n: os.environ.get(n) for n in ("KERNEL_FUN_KDA_SPLIT", "KERNEL_FUN_KDA_SPLIT_CHUNKS")}
-        os.environ.update(KERNEL_FUN_KDA_SPLIT="1", KERNEL_FUN_KDA_SPLIT_CHUNKS="1")
-        try:
+        with _env(KERNEL_FUN_KDA_SPLIT="1", KERNEL_FUN_KDA_SPLIT_CHUNKS="1"):
             for what, shape in split:
                 args, kw, leaves = _inputs(**shape)
                 _train(args, kw, leaves)
                 print(f"ok: {what}", flush=True)
                 del args, kw, leaves
-        finally:
-            for n, v in keep.items():
-                if v is None:
-                    os.environ.pop(n, None)
-                else:
-                    os.environ[n] = v
+        # the streamed forward (forced): the scan's pass 1 waiting on the intra's chunk flags. Under a
+        # sanitizer the launches run one after the other, so every chain stops after its 2 ms wait
+        # and pass 2 resumes it: the flags, the done counter, the resume slots and scan_save all run.
+        # A training call (64-token chunks), then the forward alone at 64 and at 32 tokens per chunk.
+        shape = dict(T=300, H=2, HV=2, K=128, V=128, gate="bounded")
+        for chunk in ("64", "32"):
+            with _env(KERNEL_FUN_KDA_SPLIT="0", KERNEL_FUN_KDA_FWD_STREAMED="1", KERNEL_FUN_KDA_FWD_CHUNK=chunk):
+                args, kw, leaves = _inputs(**shape)
+                if chunk == "64":
+                    _train(args, kw, leaves)
+                with torch.no_grad():
+                    chunk_kda(*args, **kw)
+                torch.cuda.synchronize()
+                print(f"ok: streamed forward, {chunk}-token chunks", flush=True)
+                del args, kw, leaves
+
+
+@contextlib.contextmanager
+def _env(**values):
+    """The KERNEL_FUN_* switches set for the block, restored after it."""
+    keep = {n: os.environ.get(n) for n in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for n, v in keep.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
 
 
 def _print_live_blocks() -> None:
