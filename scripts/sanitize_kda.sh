@@ -5,13 +5,14 @@
 # run at once, one process each. Prints one summary line per run; the six logs go, one after the
 # other, to OUTDIR/sanitize.log (one file: the device call brings back only a few).
 #   bash scripts/sanitize_kda.sh [OUTDIR]       (on the GPU machine, after the build; PYTHONPATH set)
+#   KF_SANITIZE_FUSED="0"  only the two-kernel forward's round (default "0 1": both rounds)
 set -u
 out="${1:-${OUT:-/tmp}}"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize_kda: no compute-sanitizer"; exit 1; }
 rc=0
 logs=$(mktemp -d)
-for fused in 0 1; do
+for fused in ${KF_SANITIZE_FUSED:-0 1}; do
   pids=()
   for tool in memcheck racecheck synccheck; do
     extra=()
