@@ -877,14 +877,10 @@ C32_CASES = {
 def test_short_chunk_policy_through_chunk_kda(monkeypatch):
     """Without KERNEL_FUN_KDA_FWD_CHUNK, a forward without autograd that would run the 64-token
     forward's two kernels one after the other runs the 32-token chunks instead (kda_policy.h's
-    fwd_short_chunks_pay; counted as kda_fwd_c32) and matches the fp64 reference; a streamed or a
-    split call keeps 64-token chunks, and so does KERNEL_FUN_KDA_FWD_CHUNK=64."""
+    fwd_short_chunks_pay; counted as kda_fwd_c32) and matches the fp64 reference, in bf16 and in fp16;
+    a streamed or a split call keeps 64-token chunks, and so does KERNEL_FUN_KDA_FWD_CHUNK=64."""
     from kernel_fun import _ext
     from kernel_fun.kda import chunk_kda
-
-    inputs, kw = make_case(B=2, T=256, H=4, gate="bounded", h0=True)
-    call = {n: x for n, x in kw.items() if x is not None}
-    o_ref, ht_ref = reference(inputs, kw)
 
     def c32_runs(**env):
         for name in ("KERNEL_FUN_KDA_FWD_CHUNK", "KERNEL_FUN_KDA_FWD_STREAMED", "KERNEL_FUN_KDA_SPLIT"):
@@ -897,7 +893,11 @@ def test_short_chunk_policy_through_chunk_kda(monkeypatch):
         assert rel_rms(o_ref, o) <= KDA_TOL["o"] and rel_rms(ht_ref, ht) <= KDA_TOL["ht"], env
         return _ext.op_calls()["kda_fwd_c32"] - before
 
-    assert c32_runs(FWD_STREAMED="0", SPLIT="0") == 1
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs, kw = make_case(B=2, T=256, H=4, gate="bounded", h0=True, dtype=dtype)
+        call = {n: x for n, x in kw.items() if x is not None}
+        o_ref, ht_ref = reference(inputs, kw)
+        assert c32_runs(FWD_STREAMED="0", SPLIT="0") == 1, dtype
     assert c32_runs(FWD_STREAMED="0", SPLIT="0", FWD_CHUNK="64") == 0
     assert c32_runs(FWD_STREAMED="1", SPLIT="0") == 0  # 8 chains: streamed wherever forced to
     assert c32_runs(FWD_STREAMED="0", SPLIT="1") == 0  # 4 chunks: split wherever forced to
