@@ -479,6 +479,17 @@ def test_stream_choice_model(emu, shape, sms, want):
         assert cost < 0.95 * now
 
 
+def test_stream_rows_are_counted_at_the_calls_chunk_size(emu):
+    """fwd_stream_possible bounds the streamed intra's grid rows (<= 65535) at the call's chunk size
+    (kda_problem.h's stream_chunks): B1 T2560000 H32 has 40000 rows of 64-token chunks, where the
+    model streams, and 80000 of 32-token chunks, where it cannot, so a forced 32-token call there runs
+    its two kernels one after the other (the flags and scan_save sized alike)."""
+    shape = (1, 64 * 40000, 32, 32, 128, 128)
+    assert emu.stream_choice(*shape)[0] != 0
+    assert emu.stream_choice(*shape, fwd_chunk=32)[0] == 0
+    assert emu.stream_choice(1, 32 * 40000, 32, 32, 128, 128, fwd_chunk=32)[0] != 0  # 40000 rows at 32
+
+
 def _bf16_raw(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
 

@@ -505,11 +505,13 @@ int kda_emu_backward(const KdaEmuArgs* a) {
   return guarded([&] { run_any(*a, true); });
 }
 
-// kda_policy.h's streamed-forward choice for a fixed-length problem on a device of `sms` SMs: the
+// kda_policy.h's streamed-forward choice for a fixed-length problem on a device of `sms` SMs, the call
+// chunked at fwd_chunk tokens (KdaProblem::fwd_chunk: the streamed grid's rows are counted at it): the
 // slice width (0: no streaming), the modelled streamed and two-kernel times (us).
 int kda_emu_stream_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t sms,
-                          double* cost) {
-  const kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
+                          double* cost, int64_t fwd_chunk) {
+  kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
+  p.fwd_chunk = fwd_chunk == kda::kC32 ? kda::kC32 : kda::kChunk;
   const kda::StreamChoice c = kda::fwd_stream_choice(p, static_cast<int>(sms));
   cost[0] = c.cost;
   cost[1] = c.cost_now;

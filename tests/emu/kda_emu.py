@@ -72,7 +72,7 @@ def lib():
         L.kf_emu_selftest_bug.argtypes = [ctypes.c_int, vp]
         L.kf_emu_selftest_wgmma.argtypes = [ctypes.c_int, vp, vp, vp, vp]
         L.kf_emu_selftest_warp_ops.argtypes = [vp]
-        L.kda_emu_stream_choice.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_void_p]
+        L.kda_emu_stream_choice.argtypes = [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int64]
         L.kda_emu_stream_choice.restype = ctypes.c_int
         L.kda_emu_split_layout.argtypes = [ctypes.POINTER(KdaEmuArgs), vp]
         L.kda_emu_split_layout.restype = ctypes.c_int
@@ -98,11 +98,11 @@ def lib():
     return _lib
 
 
-def stream_choice(B, T, H, HV, K, V, sms=132):
-    """kda_policy.h's fwd_stream_choice for a fixed-length problem: (slice width or 0, modelled
-    streamed us, modelled two-kernel us)."""
+def stream_choice(B, T, H, HV, K, V, sms=132, fwd_chunk=64):
+    """kda_policy.h's fwd_stream_choice for a fixed-length problem chunked at fwd_chunk tokens: (slice
+    width or 0, modelled streamed us, modelled two-kernel us)."""
     cost = (ctypes.c_double * 2)()
-    bv = lib().kda_emu_stream_choice(B, T, H, HV, K, V, sms, ctypes.cast(cost, ctypes.c_void_p))
+    bv = lib().kda_emu_stream_choice(B, T, H, HV, K, V, sms, ctypes.cast(cost, ctypes.c_void_p), fwd_chunk)
     return bv, cost[0], cost[1]
 
 
