@@ -207,9 +207,9 @@ inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
 // bounded_b1 0.398 -> 0.452 ms, long_b1_t32k 1.70 -> 2.25) and it cannot split. Streamed itself (the
 // 32-token intra beside the 32-token scan, KERNEL_FUN_KDA_FWD_CHUNK=32 where the call streams) it lost
 // too: bounded_b1 0.391 -> 0.412 ms, long_b1_t32k 1.720 -> 2.043, where ~1.3-1.4 was expected from
-// its kernels alone (why is open: docs/notes/2026-12-05-streamed-c32.md). So: wherever the 64-token forward would run its two
-// kernels one after the other, neither streamed (`streams`, the launcher's decision) nor split
-// (p.split_chunks, kda_split_choose's).
+// its kernels alone (why is open: docs/notes/2026-12-05-streamed-c32.md). So: wherever the 64-token
+// forward would run its two kernels one after the other, neither streamed (`streams`, the launcher's
+// decision) nor split (p.split_chunks, kda_split_choose's).
 inline bool fwd_short_chunks_pay(const KdaProblem& p, bool streams) {
   return !streams && p.split_chunks == 0;
 }

@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(
   // chunk to publish
   if (!dev::chunk_of<kC32>(p, x, n, ch)) return;
   const dev::SeqInfo seq = dev::seq_info<kC32>(p, n);
-  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv, dev::cta_clock_row(p.dbg_intra_clock));
+  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv,
+                                dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk_c32<WT, K, kMid>(c, IntraToWorkspace<WT, K, kC32>{});
   if (streamed) dev::publish_chunk(p, static_cast<int64_t>(x) * p.HV + hv);
 }
