@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kernel_fun import _ext
+from kernel_fun.check import count_kernel_ops
 from kernel_fun.bench.cases import KdaCase, select
 from kernel_fun.bench.run import make_inputs, time_calls
 from kernel_fun.kda import chunk_kda
@@ -89,10 +89,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode, env in MODES.items():
                 _set(env)
-                before = _ext.op_calls().get("kda_fwd_c32", 0)
-                res = time_calls(torch, step, warmup=3, iters=args.iters, flush=flush)
+                with count_kernel_ops() as counts:
+                    res = time_calls(torch, step, warmup=3, iters=args.iters, flush=flush)
                 if mode == "policy":
-                    ran = 32 if _ext.op_calls().get("kda_fwd_c32", 0) > before else 64
+                    ran = 32 if counts["kda_fwd_c32"] else 64
                 best[mode] = min(best[mode], res["ms"])
         _set({})
         row = {"case": case.name, "dtype": "fp16" if args.fp16 else "bf16", "ms": best, "policy_chunk": ran,

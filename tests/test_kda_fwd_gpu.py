@@ -879,7 +879,7 @@ def test_short_chunk_policy_through_chunk_kda(monkeypatch):
     forward's two kernels one after the other runs the 32-token chunks instead (kda_policy.h's
     fwd_short_chunks_pay; counted as kda_fwd_c32) and matches the fp64 reference, in bf16 and in fp16;
     a streamed or a split call keeps 64-token chunks, and so does KERNEL_FUN_KDA_FWD_CHUNK=64."""
-    from kernel_fun import _ext
+    from kernel_fun.check import count_kernel_ops
     from kernel_fun.kda import chunk_kda
 
     def c32_runs(**env):
@@ -887,11 +887,11 @@ def test_short_chunk_policy_through_chunk_kda(monkeypatch):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(f"KERNEL_FUN_KDA_{name}", value)
-        before = _ext.op_calls().get("kda_fwd_c32", 0)
-        with torch.no_grad():
+        with torch.no_grad(), count_kernel_ops() as ran:
             o, ht = chunk_kda(*inputs, **call)
         assert rel_rms(o_ref, o) <= KDA_TOL["o"] and rel_rms(ht_ref, ht) <= KDA_TOL["ht"], env
-        return _ext.op_calls()["kda_fwd_c32"] - before
+        assert ran["kda_fwd"] == 1, dict(ran)
+        return ran["kda_fwd_c32"]
 
     for dtype in (torch.bfloat16, torch.float16):
         inputs, kw = make_case(B=2, T=256, H=4, gate="bounded", h0=True, dtype=dtype)
@@ -910,7 +910,7 @@ def test_streamed_32_token_forward_through_chunk_kda(monkeypatch):
     slice width (a flag read before its chunk's rows landed would show in some call), and against the
     fp64 reference. B1 T16384 H4: 512 chunks x 4 heads against 4 scan CTAs, so the chains wait on the
     intra."""
-    from kernel_fun import _ext
+    from kernel_fun.check import count_kernel_ops
     from kernel_fun.kda import chunk_kda
 
     for name, value in (("FWD_CHUNK", "32"), ("SPLIT", "0"), ("SCAN_BV", "128")):
@@ -920,11 +920,9 @@ def test_streamed_32_token_forward_through_chunk_kda(monkeypatch):
 
     def run(streamed):
         monkeypatch.setenv("KERNEL_FUN_KDA_FWD_STREAMED", "1" if streamed else "0")
-        before = _ext.op_calls()
-        with torch.no_grad():
+        with torch.no_grad(), count_kernel_ops() as ran:
             o, ht = chunk_kda(*inputs, **call)
-        after = _ext.op_calls()
-        return o, ht, {k: after[k] - before.get(k, 0) for k in ("kda_fwd", "kda_fwd_c32", "kda_fwd_streamed")}
+        return o, ht, {k: ran[k] for k in ("kda_fwd", "kda_fwd_c32", "kda_fwd_streamed")}
 
     o2, ht2, ran = run(False)
     assert ran == {"kda_fwd": 1, "kda_fwd_c32": 1, "kda_fwd_streamed": 0}

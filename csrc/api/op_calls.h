@@ -7,7 +7,7 @@
 namespace kernel_fun::api {
 
 // kKdaFwdC32: the forwards that ran the 32-token chunks (kda_fwd_chunk_choice), kKdaFwdStreamed those that
-// streamed (kda_fwd_streams, at either chunk size); both also counted as kKdaFwd.
+// streamed (kda_fwd_stream_bv, at either chunk size); both also counted as kKdaFwd.
 enum class OpId : int { kCconvFwd, kCconvBwd, kCconvUpdate, kKdaFwd, kKdaBwd, kKdaFwdC32, kKdaFwdStreamed, kCount };
 
 void count_call(OpId id);

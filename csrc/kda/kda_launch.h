@@ -36,10 +36,11 @@ int kda_scan_bv_override(const KdaProblem& p);
 // kda_scan_bv_override.
 int kda_fwd_scan_bv(const KdaFwdParams& p);
 // The streamed forward (kda_policy.h's fwd_stream_choice): the scan's pass 1, kda_fwd_intra beside
-// it through p.chunk_ready's flags, the scan's pass 2. kda_fwd_stream_bv: its V-slice width for p,
-// or 0 where the forward does not stream: opt-in with KERNEL_FUN_KDA_FWD_STREAMED (1 wherever the
-// overlap is possible, 2 where the model says it pays). kda_forward keeps p.chunk_ready only where
-// it streams.
+// it through p.chunk_ready's flags, the scan's pass 2, at p.fwd_chunk tokens per chunk.
+// kda_fwd_stream_bv: its V-slice width for p, or 0 where the forward does not stream (its buffers
+// missing, the split scans chosen, or KERNEL_FUN_KDA_FWD_STREAMED: unset or 2 where the model says it
+// pays, 1 wherever the overlap is possible, 0 never). kda_forward's one decision (it keeps
+// p.chunk_ready only where it streams); csrc/api counts the streamed calls by it (kda_fwd_streamed).
 int kda_fwd_stream_bv(const KdaFwdParams& p);
 void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream);
 // The split scans (fwd/kda_fwd_split.cuh; kda_policy.h's fwd_split_choice): few long chains, each
@@ -68,13 +69,9 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream);
 // allows it (a forward that saves nothing for a backward: no factors, no per-chunk states; not split,
 // not the recurrence; K = 128, the instantiated width) and kda_policy.h's fwd_short_chunks_pay
 // says it pays (KERNEL_FUN_KDA_FWD_CHUNK=64 / 32: never / wherever allowed), else kChunk. Its two
-// stages: the 32-token intra, then the scan over it; or, where the call streams (kda_fwd_streams), the
-// streamed forward's three launches at 32-token chunks.
+// stages: the 32-token intra, then the scan over it; or, where the call streams (kda_fwd_stream_bv),
+// the streamed forward's three launches at 32-token chunks.
 int kda_fwd_chunk_choice(const KdaFwdParams& p);
-// Whether kda_forward streams this call (the scan with the intra beside it, at p.fwd_chunk tokens per
-// chunk): its buffers given (chunk_ready, scan_save), not split, and the stream model or
-// KERNEL_FUN_KDA_FWD_STREAMED says so. kda_forward's decision; csrc/api counts it (kda_fwd_streamed).
-bool kda_fwd_streams(const KdaFwdParams& p);
 void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream);
 

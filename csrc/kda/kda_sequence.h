@@ -48,23 +48,19 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
     s.fused_forward(p);
     return;
   }
+  if (p.chunk_ready) {  // streamed: the scan with the intra beside it, at either chunk size (the
+    s.streamed_forward(p);  // launcher kept chunk_ready only where it streams, never with a split:
+    return;                 // kda_fwd_stream_bv)
+  }
   if (p.fwd_chunk != kChunk) {  // the 32-token forward, where csrc/api chose it
-    if (p.chunk_ready) {        // streamed as below, at 32-token chunks
-      s.streamed_forward(p);
-    } else {
-      s.intra_c32(p);
-      s.scan_c32(p);
-    }
+    s.intra_c32(p);
+    s.scan_c32(p);
     return;
   }
   if (p.split_chunks > 0) {  // few long chains: the scan in pieces (csrc/api's decision, before the
     s.intra(p);              // workspace was sized)
     s.split_map(p);
     split_scan_passes(p, s);
-    return;
-  }
-  if (p.chunk_ready) {  // streamed: the scan with the intra beside it (the launcher kept chunk_ready
-    s.streamed_forward(p);  // only where it streams; kda_policy.h's fwd_stream_choice)
     return;
   }
   s.intra(p);

@@ -219,6 +219,9 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.fwd_chunk = a.fwd_chunk == kda::kC32 ? kda::kC32 : kda::kChunk;
   if (p.fwd_chunk != kda::kChunk && (p.recurrent || p.split_chunks || p.h_states || p.h_ckpt))
     throw std::invalid_argument("kda_emu: the 32-token forward takes unsplit calls without states");
+  // as kda_fwd_stream_bv: the split forward never streams (forward_sequence takes chunk_ready first)
+  if (p.split_chunks && p.chunk_ready)
+    throw std::invalid_argument("kda_emu: the split forward does not stream");
   return p;
 }
 

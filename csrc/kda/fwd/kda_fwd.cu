@@ -165,7 +165,8 @@ int stream_bv_for(const KdaFwdParams& p) {
 }  // namespace
 
 int kda_fwd_stream_bv(const KdaFwdParams& p) {
-  return p.chunk_ready && p.scan_save ? stream_bv_for(p) : 0;
+  // its buffers given; never with the split scans (kda_split_choose)
+  return p.chunk_ready && p.scan_save && p.split_chunks == 0 ? stream_bv_for(p) : 0;
 }
 
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream) {
@@ -182,13 +183,14 @@ void kda_fwd_streamed(const KdaFwdParams& p, cudaStream_t stream) {
   // both); pass 2, which finishes any chain pass 1 stopped (none when the two ran at once).
   KF_CUDA_CHECK(cudaMemsetAsync(p.chunk_ready, 0, sizeof(int) * static_cast<size_t>(stream_flag_count(p)), stream));
   // At either chunk size (p.fwd_chunk: the 32-token forward streams the same way).
-  const bool c32 = p.fwd_chunk == kC32;
+  auto* scan = p.fwd_chunk == kC32 ? kda_fwd_scan_c32 : kda_fwd_scan;
+  auto* intra = p.fwd_chunk == kC32 ? kda_fwd_intra_c32 : kda_fwd_intra;
   KdaFwdParams pass = p;
   pass.scan_pass = 1;
-  c32 ? kda_fwd_scan_c32(pass, stream) : kda_fwd_scan(pass, stream);
-  c32 ? kda_fwd_intra_c32(p, stream) : kda_fwd_intra(p, stream);
+  scan(pass, stream);
+  intra(p, stream);
   pass.scan_pass = 2;
-  c32 ? kda_fwd_scan_c32(pass, stream) : kda_fwd_scan(pass, stream);
+  scan(pass, stream);
 }
 
 void kda_split_choose(KdaFwdParams& p) {
@@ -247,12 +249,11 @@ int kda_fwd_chunk_choice(const KdaFwdParams& p) {
                        p.K == 128 && p.V % 64 == 0 && !kda_fwd_fused_wanted(p);
   if (!allowed) return kChunk;
   // KERNEL_FUN_KDA_FWD_CHUNK: 64 never takes the short chunks, 32 takes them wherever allowed (A/B
-  // timing and tests; streamed where the call streams, kda_fwd_streams); unset (or anything else) the
+  // timing and tests; streamed where the call streams, kda_fwd_stream_bv); unset (or anything else) the
   // policy, kda_policy.h's fwd_short_chunks_pay.
   const int forced = env_int("KERNEL_FUN_KDA_FWD_CHUNK", 0);
   if (forced == kChunk || forced == kC32) return forced;
-  const bool streams = fwd_stream_possible(p) && stream_bv_for(p) != 0;
-  return fwd_short_chunks_pay(p, streams) ? kC32 : kChunk;
+  return fwd_short_chunks_pay(p, stream_bv_for(p) != 0) ? kC32 : kChunk;
 }
 
 void kda_fwd_intra_c32(const KdaFwdParams& p, cudaStream_t stream) {
@@ -270,15 +271,10 @@ void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
-bool kda_fwd_streams(const KdaFwdParams& p) {
-  return p.split_chunks == 0 && kda_fwd_stream_bv(p) != 0;  // split (kda_split_choose): never streamed
-}
-
 void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
-  // the width once: every launch of the call agrees; chunk_ready kept only where it streams
-  f.stream_bv = kda_fwd_streams(f) ? kda_fwd_stream_bv(f) : 0;
-  if (f.stream_bv == 0) f.chunk_ready = nullptr;
+  f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
+  if (f.stream_bv == 0) f.chunk_ready = nullptr;  // kept only where it streams
   StreamStages stages{stream};
   forward_sequence(f, stages);
 }
