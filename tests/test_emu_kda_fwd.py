@@ -748,6 +748,18 @@ def test_short_chunk_policy(emu):
     assert emu.short_chunks(1, 32768, 8, 8, 128, 128)  # ... which is what decides it
 
 
+def test_scan_width_alone_by_chunk_size(emu):
+    """kda_policy.h's fwd_scan_bv_alone: the 32-token scan at BV = 64 wherever V allows (two of its CTAs
+    share an SM), the 64-token scan at scan_choice's width (one CTA per SM at either width: 128 where
+    the chains fill the GPU, 64 where twice as many still fit one wave)."""
+    for shape, at64 in [((16, 8192, 16, 16, 128, 128), 128),   # bounded_b16
+                        ((16, 8192, 16, 16, 128, 256), 128),   # prod8192
+                        ((8, 8192, 8, 16, 128, 128), 128),     # gva: 128 chains
+                        ((4, 4096, 16, 16, 128, 128), 64)]:    # small: 64 chains
+        assert emu.scan_bv(*shape, fwd_chunk=32) == 64
+        assert emu.scan_bv(*shape, fwd_chunk=64) == at64
+
+
 C32_CASES = {
     "K128-T100": dict(T=100, K=128, gate="bounded"),  # chunks of 32, 32, 32 and 4 tokens
     "K64-B2-gva": dict(B=2, T=70, H=1, HV=2, K=64, gate="bounded"),

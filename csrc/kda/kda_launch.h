@@ -32,8 +32,8 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream);
 void kda_fwd_scan(const KdaFwdParams& p, cudaStream_t stream);
 // KERNEL_FUN_KDA_SCAN_BV (benchmarking) where it names a width p can use (64 or 128 dividing V), else 0.
 int kda_scan_bv_override(const KdaProblem& p);
-// The V-slice width the scan uses for this problem (64 or 128): kda_policy.h's scan_choice, or
-// kda_scan_bv_override.
+// The V-slice width the scan uses for this problem (64 or 128): the streamed or split forward's own,
+// else kda_scan_bv_override, else kda_policy.h's fwd_scan_bv_alone (scan_choice at 64 tokens per chunk).
 int kda_fwd_scan_bv(const KdaFwdParams& p);
 // The streamed forward (kda_policy.h's fwd_stream_choice): the scan's pass 1, kda_fwd_intra beside
 // it through p.chunk_ready's flags, the scan's pass 2, at p.fwd_chunk tokens per chunk.

@@ -17,6 +17,7 @@
 namespace kernel_fun::kda {
 
 constexpr int kChunk = 64;  // BT: tokens per chunk (fla's default chunk_size)
+constexpr int kC32 = 32;    // the short-chunk forward's (fwd/kda_fwd_intra_c32.cuh; KdaProblem::fwd_chunk)
 // The varlen chunk map orders up to this many sequences longest first for the scans' grid
 // (kda_chunk_map, dev::scan_sequence); past it the order is the identity.
 constexpr int kMaxOrderedSequences = 4096;

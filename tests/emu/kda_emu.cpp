@@ -388,7 +388,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   if (a.balance < -1 || a.balance > 3) throw std::invalid_argument("kda_emu: balance must be -1 or 0..3");
   kda::KdaBwdParams p = make_params(a);
   if (bwd && a.balance >= 0) p.balance = static_cast<int>(a.balance);  // the forward's args leave it 0
-  const int bv = a.bv ? static_cast<int>(a.bv) : kda::scan_choice(p).bv;  // 0: the launcher's choice
+  const int bv = a.bv ? static_cast<int>(a.bv) : kda::fwd_scan_bv_alone(p);  // 0: the launcher's choice
   if (bv > 0 && p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
   if (p.split_chunks > 0 && (p.K % bv != 0 || !p.split_map || !p.split_state))
     throw std::invalid_argument("kda_emu: the split forward needs bv dividing K and its two buffers");
@@ -554,6 +554,14 @@ int kda_emu_short_chunks(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
   p.split_chunks = static_cast<int>(split_chunks);
   return kda::fwd_short_chunks_pay(p, streams != 0) ? 1 : 0;
+}
+
+// kda_policy.h's fwd_scan_bv_alone for a fixed-length problem chunked at fwd_chunk tokens: the width
+// of the forward's scan run on its own (neither streamed nor split).
+int kda_emu_scan_bv(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t fwd_chunk) {
+  kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
+  p.fwd_chunk = fwd_chunk == kda::kC32 ? kda::kC32 : kda::kChunk;
+  return kda::fwd_scan_bv_alone(p);
 }
 
 // fwd/kda_fwd_split.cuh's split_chain_cols for a fixed-length problem on a device of `sms` SMs: the

@@ -81,6 +81,8 @@ def lib():
         L.kda_emu_split_chain_cols.argtypes = [ctypes.c_int64] * 7
         L.kda_emu_short_chunks.argtypes = [ctypes.c_int64] * 8
         L.kda_emu_short_chunks.restype = ctypes.c_int
+        L.kda_emu_scan_bv.argtypes = [ctypes.c_int64] * 7
+        L.kda_emu_scan_bv.restype = ctypes.c_int
         L.kda_emu_split_chain_cols.restype = ctypes.c_int
         L.kda_emu_fused_forward.argtypes = [ctypes.POINTER(KdaEmuArgs)]
         L.kda_emu_fused_forward.restype = ctypes.c_int
@@ -124,6 +126,12 @@ def short_chunks(B, T, H, HV, K, V, streams=False, split_chunks=0):
     """kda_policy.h's fwd_short_chunks_pay for a fixed-length problem: whether a forward that saves
     nothing runs the 32-token chunks, given the launcher's streaming and split decisions."""
     return bool(lib().kda_emu_short_chunks(B, T, H, HV, K, V, int(streams), split_chunks))
+
+
+def scan_bv(B, T, H, HV, K, V, fwd_chunk=64):
+    """kda_policy.h's fwd_scan_bv_alone for a fixed-length problem chunked at fwd_chunk tokens: the
+    V-slice width of the forward's scan run on its own (neither streamed nor split)."""
+    return lib().kda_emu_scan_bv(B, T, H, HV, K, V, fwd_chunk)
 
 
 SPLIT_LAYOUT = ("NP", "map_ints", "state_floats", "cu", "seq_piece0", "piece_seq", "piece_flags", "init", "final")

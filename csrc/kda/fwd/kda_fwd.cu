@@ -137,7 +137,7 @@ int kda_fwd_scan_bv(const KdaFwdParams& p) {
   if (p.chunk_ready) return p.stream_bv;  // the streamed forward's width (kda_forward decided it once)
   if (p.split_bv) return p.split_bv;      // the split forward's (likewise)
   const int forced = kda_scan_bv_override(p);
-  return forced ? forced : scan_choice(p).bv;
+  return forced ? forced : fwd_scan_bv_alone(p);
 }
 
 namespace {

@@ -35,7 +35,7 @@
 
 namespace kernel_fun::kda {
 
-constexpr int kIntraC32Threads = 4 * kC32;  // kC32: kda_fwd_launch.h
+constexpr int kIntraC32Threads = 4 * kC32;  // kC32: kda_problem.h
 
 template <typename WT, int K, bool kMid, typename Out>
 __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, const Out& out) {

@@ -21,8 +21,8 @@ void launch_scan_local(const KdaFwdParams& p, cudaStream_t stream);
 template <typename WT, int K, int BV>  // kda_fwd_fused.cuh, version 0; BV = 128 only is instantiated
 void launch_fused(const KdaFwdParams& p, cudaStream_t stream);
 
-// The 32-token forward (kda_fwd_intra_c32.cuh): bf16 and fp16 at K = 128 are instantiated.
-constexpr int kC32 = 32;
+// The 32-token forward (kda_fwd_intra_c32.cuh; kC32 in kda_problem.h): bf16 and fp16 at K = 128 are
+// instantiated.
 template <typename WT, int K>
 void launch_intra_c32(const KdaFwdParams& p, cudaStream_t stream);
 template <typename WT, int K, int BV>
