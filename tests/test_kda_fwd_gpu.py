@@ -637,19 +637,24 @@ def test_streamed_forward_is_bitwise_the_two_kernels(monkeypatch, name):
     """KERNEL_FUN_KDA_FWD_STREAMED=1 (wherever safe): o, the final state, the per-chunk states and
     the saved factors bit for bit as the two kernels one after the other, over 5 calls (a flag read
     before its chunk's rows landed would show as a difference in some call); the flags prove the
-    streamed path ran: every (chunk, head) published once, the done counter = the intra's CTAs."""
+    streamed path ran: every (chunk, head) published once, the done counter = the intra's CTAs. A
+    chain may stop and be resumed in a call where another process held the GPU past its 2 ms wait
+    (pytest-xdist's workers: 2026-12-05, every chain of one call stopped at chunk 0), but in at least
+    one of the 5 calls none stops: the two kernels really overlapped."""
     inputs, kw = make_case(**STREAMED_CASES[name])
     o2, ht2, hs2, ws2 = _stages(inputs, kw, monkeypatch, False)
+    overlapped = []
     for _ in range(5):
         o1, ht1, hs1, ws1 = _stages(inputs, kw, monkeypatch, True)
         B, T = inputs[0].shape[:2]
         HV, V = inputs[2].shape[2], inputs[2].shape[3]
-        check_stream_flags(ws1["chunk_ready"], B, T, HV, V)
+        overlapped.append(check_stream_flags(ws1["chunk_ready"], B, T, HV, V, resume="any"))
         assert torch.equal(o1, o2), "o: streamed != two kernels"
         assert torch.equal(ht1, ht2), "final state: streamed != two kernels"
         assert torch.equal(hs1, hs2), "per-chunk states: streamed != two kernels"
         for key in ("Aqk", "Akk", "M", "w", "qg", "kg", "gdecay"):
             assert torch.equal(ws1[key], ws2[key]), key
+    assert any(overlapped), "every call's chains stopped: pass 1 never saw the intra's flags in time"
     o_ref, ht_ref = reference(inputs, kw)
     assert rel_rms(o_ref, o1) <= KDA_TOL["o"]
 
@@ -663,7 +668,7 @@ def test_streamed_forward_is_the_default_where_the_model_says_and_serves_trainin
     monkeypatch.delenv("KERNEL_FUN_KDA_FWD_STREAMED", raising=False)
     inputs, kw = make_case(T=8192, H=16, V=128, gate="bounded16")
     if torch.cuda.get_device_properties(0).multi_processor_count >= 100:  # the model's H100 / H200 example
-        check_stream_flags(run_ours(inputs, kw)[3]["chunk_ready"], 1, 8192, 16, 128)
+        check_stream_flags(run_ours(inputs, kw)[3]["chunk_ready"], 1, 8192, 16, 128, resume="any")
         small, small_kw = make_case(B=4, T=4096, H=16, V=128)
         ready = run_ours(small, small_kw, poison=True)[3]["chunk_ready"]
         assert bool((ready == -1).all()), "the model streamed 64 chains"
@@ -711,7 +716,7 @@ def test_streamed_forward_under_cuda_graph_replay(monkeypatch):
         want = run_ours(new, kw)
         torch.cuda.synchronize()
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
-        check_stream_flags(out[3]["chunk_ready"], 1, 4096, 4, 128)
+        check_stream_flags(out[3]["chunk_ready"], 1, 4096, 4, 128, resume="any")
 
 
 def test_streamed_forward_under_torch_profiler(monkeypatch):
