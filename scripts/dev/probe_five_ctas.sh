@@ -11,3 +11,8 @@ for r in 1 2; do
 done
 echo "=== HEAD forward"; $A
 echo "=== five CTAs forward"; PYTHONPATH=$PWD/ab_alt2/src:$PYTHONPATH $A
+# the patch's own GPU tests (its kernels: ab_alt2 first on the path), the 32-token ones
+echo "=== five CTAs: GPU tests 32_token / short_chunk / stream"
+PYTHONPATH=$PWD/ab_alt2/src:$PYTHONPATH python3 -c "import kernel_fun, sys; print(kernel_fun.__file__)"
+PYTHONPATH=$PWD/ab_alt2/src:$PYTHONPATH timeout 200 python3 -m pytest -q -m "gpu and not fla" -p no:cacheprovider \
+  -k "32_token or short_chunk or stream" tests/test_kda_fwd_gpu.py 2>&1 | tail -5
