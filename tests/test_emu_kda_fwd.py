@@ -749,7 +749,7 @@ def test_short_chunk_policy(emu):
 
 
 def test_scan_width_alone_by_chunk_size(emu):
-    """kda_policy.h's fwd_scan_bv_alone: the 32-token scan at BV = 64 wherever V allows (two of its CTAs
+    """kda_policy.h's fwd_scan_bv_alone: the 32-token scan at BV = 64 (two of its CTAs
     share an SM), the 64-token scan at scan_choice's width (one CTA per SM at either width: 128 where
     the chains fill the GPU, 64 where twice as many still fit one wave)."""
     for shape, at64 in [((16, 8192, 16, 16, 128, 128), 128),   # bounded_b16

@@ -406,8 +406,7 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
     p.dbg_intra_clock = static_cast<long long*>(ws.back().data_ptr());
   }
   count_call(OpId::kKdaFwd);
-  if (kda::kda_fwd_stream_bv(p) != 0) count_call(OpId::kKdaFwdStreamed);
-  kda::kda_forward(p, current_stream(q));
+  if (kda::kda_forward(p, current_stream(q)) != 0) count_call(OpId::kKdaFwdStreamed);
   return ws;
 }
 

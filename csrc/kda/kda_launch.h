@@ -135,7 +135,9 @@ struct StreamStages {
 
 // The whole forward / backward, in stage order (kda_sequence.h). The backward runs its stages once per batch slice
 // of p.slice_B batches (the size its workspace was allocated for), then kda_bwd_gate_params once.
-void kda_forward(const KdaFwdParams& p, cudaStream_t stream);
+// kda_forward returns the streamed forward's V-slice width, 0 where the call did not stream
+// (kda_fwd_stream_bv, decided once inside it; csrc/api counts the streamed calls by it).
+int kda_forward(const KdaFwdParams& p, cudaStream_t stream);
 void kda_backward(const KdaBwdParams& p, cudaStream_t stream);
 
 }  // namespace kernel_fun::kda

@@ -216,7 +216,7 @@ inline bool fwd_short_chunks_pay(const KdaProblem& p, bool streams) {
 
 // The V-slice width of the forward's scan when it runs on its own (not streamed, not split: those
 // decide theirs). The 64-token scan takes scan_choice's. The 32-token scan (fwd/kda_fwd_scan_c32.cuh)
-// takes 64 wherever V allows: at BV = 64 a CTA holds 71 KB of shared memory (two 35 KB stages) and
+// takes 64 (V is a multiple of 64 wherever the 32-token forward runs: kda_fwd_chunk_choice): at BV = 64 a CTA holds 71 KB of shared memory (two 35 KB stages) and
 // 253 registers x 128 threads, so two chains share an SM and hide each other's per-step barriers,
 // where at BV = 128 (254 x 256 threads) one chain holds a whole SM, as every 64-token scan does. The
 // H100, 2026-12-05 (33rd session, scripts/fwd_chunk_ab.py, KERNEL_FUN_KDA_SCAN_BV=64 against
@@ -224,8 +224,7 @@ inline bool fwd_short_chunks_pay(const KdaProblem& p, bool streams) {
 // 3.963, gva 1.673 -> 1.655, small 0.487 -> 0.486, varlen 0.456 -> 0.441; the 64-token forward at
 // BV = 64 lost (prod8192 4.06 -> 4.81), as scan_choice's model says.
 inline int fwd_scan_bv_alone(const KdaProblem& p) {
-  if (p.fwd_chunk == kC32 && p.V % 64 == 0) return 64;
-  return scan_choice(p).bv;
+  return p.fwd_chunk == kC32 ? 64 : scan_choice(p).bv;
 }
 
 // Whether the backward runs its re-scan and its dh scan as ONE launch (bwd/kda_bwd_scans.cuh):

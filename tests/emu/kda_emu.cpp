@@ -570,8 +570,8 @@ int kda_emu_split_chain_cols(int64_t B, int64_t T, int64_t H, int64_t HV, int64_
   return kda::split_chain_cols(fixed_problem(B, T, H, HV, K, V), static_cast<int>(sms));
 }
 
-// The experimental 32-token forward: the intra above, then kda_fwd_scan_c32_kernel at a.bv (64 or 128;
-// 0: 64) into o and ht.
+// The 32-token forward: the intra above, then kda_fwd_scan_c32_kernel at a.bv (64 or 128; 0: the
+// launcher's width, kda_policy.h's fwd_scan_bv_alone) into o and ht.
 int kda_emu_forward_c32(const KdaEmuArgs* a) {
   return guarded([&] {
     intra_c32(*a);
@@ -582,7 +582,8 @@ int kda_emu_forward_c32(const KdaEmuArgs* a) {
       using WT = typename decltype(wt)::type;
       constexpr int K = decltype(k)::value;
       const auto& fp = static_cast<const kda::KdaFwdParams&>(p);
-      if (a->bv == 128) launch(kda::scan_c32_launch<WT, K, 128>(p), kda::kda_fwd_scan_c32_kernel<WT, K, 128>, fp);
+      if ((a->bv ? a->bv : kda::fwd_scan_bv_alone(p)) == 128)
+        launch(kda::scan_c32_launch<WT, K, 128>(p), kda::kda_fwd_scan_c32_kernel<WT, K, 128>, fp);
       else launch(kda::scan_c32_launch<WT, K, 64>(p), kda::kda_fwd_scan_c32_kernel<WT, K, 64>, fp);
     });
   });

@@ -271,12 +271,13 @@ void kda_fwd_scan_c32(const KdaFwdParams& p, cudaStream_t stream) {
   });
 }
 
-void kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
+int kda_forward(const KdaFwdParams& p, cudaStream_t stream) {
   KdaFwdParams f = p;
   f.stream_bv = kda_fwd_stream_bv(f);            // once: every launch of the call agrees
   if (f.stream_bv == 0) f.chunk_ready = nullptr;  // kept only where it streams
   StreamStages stages{stream};
   forward_sequence(f, stages);
+  return f.stream_bv;
 }
 
 }  // namespace kernel_fun::kda
