@@ -34,6 +34,20 @@ inline LaunchShape chunk_grid(const KdaProblem& p, int threads, size_t smem) {
   return {dim3(static_cast<unsigned>(p.max_chunks), static_cast<unsigned>(p.HV)), threads, smem};
 }
 
+// The forward intra's grid at either chunk size: `rows` chunk rows x value heads, one CTA each; in the
+// streamed forward (p.chunk_ready set) transposed to (value head, chunk row), every head of a chunk row
+// before the next (dev::intra_cell reads it back), and launched beside the scan's pass 1
+// (programmatic dependent launch: the scan's CTAs trigger it at their start).
+inline LaunchShape intra_grid(const KdaFwdParams& p, int64_t rows, int threads, size_t smem) {
+  const unsigned r = static_cast<unsigned>(rows), h = static_cast<unsigned>(p.HV);
+  LaunchShape s{dim3(r, h), threads, smem};
+  if (p.chunk_ready) {
+    s.grid = dim3(h, r);
+    s.overlap_previous = true;
+  }
+  return s;
+}
+
 // The scans' grid (dev::scan_launch): x_items work items per (value head, sequence) row -- V / BV
 // for one scan, twice that for kda_bwd_scans -- with blockIdx (x, y, z) = (item, value head,
 // sequence).

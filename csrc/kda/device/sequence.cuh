@@ -147,6 +147,21 @@ __device__ __forceinline__ int streamed_chunk(const KdaProblem& p, int y) {
   return (y % p.N) * nts + y / p.N;
 }
 
+// The (chunk row, value head) an intra CTA computes, at either chunk size C: the grid's (x, y); in
+// the streamed forward (p.chunk_ready set) its transposed grid (intra_grid in kda_launch_shape.h),
+// value head in x and the chunk row in streamed_chunk<C>'s order in y. A streamed CTA publishes its
+// chunk when done (publish, below).
+struct IntraCell {
+  int x, hv;
+  bool streamed;
+};
+template <int C = kChunk>
+__device__ __forceinline__ IntraCell intra_cell(const KdaFwdParams& p) {
+  const bool streamed = p.chunk_ready != nullptr;
+  return {streamed ? streamed_chunk<C>(p, blockIdx.y) : static_cast<int>(blockIdx.x),
+          static_cast<int>(streamed ? blockIdx.x : blockIdx.y), streamed};
+}
+
 // The scan side (thread 0): whether the intra CTA of (global chunk, value head) has published its
 // workspace rows (its flag in p.chunk_ready is 1); the CTA barrier that follows the call carries
 // the acquire to the threads that then load the rows. It gives up after kStreamWaitNs without the
@@ -214,6 +229,10 @@ __device__ __forceinline__ void publish_chunk(const KdaFwdParams& p, int64_t fla
   }
   __syncthreads();
   if (last) wait_previous();
+}
+// The intra CTA's end in the streamed forward: its chunk's flag (every thread calls it); nothing otherwise.
+__device__ __forceinline__ void publish_cell(const KdaFwdParams& p, const IntraCell& cell) {
+  if (cell.streamed) publish_chunk(p, static_cast<int64_t>(cell.x) * p.HV + cell.hv);
 }
 
 #ifndef KF_EMU

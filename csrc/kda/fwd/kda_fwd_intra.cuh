@@ -1004,30 +1004,22 @@ __device__ __forceinline__ void intra_chunk_any(const IntraCtx<WT, K>& c, const 
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraThreads, 2) kda_fwd_intra_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  const bool streamed = p.chunk_ready != nullptr;
-  const int hv = streamed ? blockIdx.x : blockIdx.y;
-  const int x = streamed ? dev::streamed_chunk(p, blockIdx.y) : blockIdx.x;
+  const dev::IntraCell cell = dev::intra_cell(p);
   int n, ch;
   // a varlen grid's idle tail; the streamed forward is fixed length only, so each of its CTAs has a
   // chunk to publish
-  if (!dev::chunk_of(p, x, n, ch)) return;
-  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, hv,
+  if (!dev::chunk_of(p, cell.x, n, ch)) return;
+  const IntraCtx<WT, K> c(p, reinterpret_cast<char*>(smem_f4), dev::seq_info(p, n), ch, cell.hv,
                           dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk<WT, K, IntraToWorkspace<WT, K>, kMid>(c, IntraToWorkspace<WT, K>{});
-  if (streamed) dev::publish_chunk(p, static_cast<int64_t>(x) * p.HV + hv);
+  dev::publish_cell(p, cell);
 }
 
-// The launch (kda_launch_shape.h): launch_intra's and the emulator's. Streamed: the grid transposed
-// and launched beside the scan (programmatic dependent launch: the scan's CTAs trigger it at their
-// start, kda_fwd_scan.cuh).
+// The launch (kda_launch_shape.h's intra_grid over the global chunks, chunk_grid's rows): launch_intra's
+// and the emulator's.
 template <typename WT, int K>
 inline LaunchShape intra_launch(const KdaFwdParams& p) {
-  LaunchShape s = chunk_grid(p, kIntraThreads, sizeof(IntraSmem<WT, K>));
-  if (p.chunk_ready) {
-    s.grid = dim3(s.grid.y, s.grid.x);
-    s.overlap_previous = true;
-  }
-  return s;
+  return intra_grid(p, p.max_chunks, kIntraThreads, sizeof(IntraSmem<WT, K>));
 }
 
 // The kernel a problem runs (the launcher's and the emulator's one choice).

@@ -71,24 +71,21 @@ __device__ __forceinline__ void intra_chunk_c32(const IntraCtx<WT, K, kC32>& c, 
   intra_stamp_end(c);
 }
 
-// Grid: (32-token chunk, value head); streamed (p.chunk_ready set: the 64-token kernel's streamed
-// form, kda_fwd_intra.cuh) transposed to (value head, chunk row), every head of a chunk row before the
-// next, each CTA publishing its chunk to the scan beside it.
+// Grid: (32-token chunk, value head), or the streamed forward's transposed one, as the 64-token
+// kernel's (dev::intra_cell; each streamed CTA publishes its chunk to the scan beside it).
 template <typename WT, int K, bool kMid>
 __global__ void __launch_bounds__(kIntraC32Threads, 4) kda_fwd_intra_c32_kernel(const KdaFwdParams p) {
   KF_DYN_SMEM(float4, smem_f4);
-  const bool streamed = p.chunk_ready != nullptr;
-  const int hv = streamed ? blockIdx.x : blockIdx.y;
-  const int x = streamed ? dev::streamed_chunk<kC32>(p, blockIdx.y) : blockIdx.x;
+  const dev::IntraCell cell = dev::intra_cell<kC32>(p);
   int n, ch;
   // a varlen grid's idle tail; the streamed forward is fixed length only, so each of its CTAs has a
   // chunk to publish
-  if (!dev::chunk_of<kC32>(p, x, n, ch)) return;
+  if (!dev::chunk_of<kC32>(p, cell.x, n, ch)) return;
   const dev::SeqInfo seq = dev::seq_info<kC32>(p, n);
-  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, hv,
+  const IntraCtx<WT, K, kC32> c(p, reinterpret_cast<char*>(smem_f4), seq, ch, cell.hv,
                                 dev::cta_clock_row(p.dbg_intra_clock));
   intra_chunk_c32<WT, K, kMid>(c, IntraToWorkspace<WT, K, kC32>{});
-  if (streamed) dev::publish_chunk(p, static_cast<int64_t>(x) * p.HV + hv);
+  dev::publish_cell(p, cell);
 }
 
 // The kernel a problem runs (dev::block_midpoint_ok picks the P2 form, as intra_kernel_for).
@@ -100,17 +97,10 @@ auto intra_c32_kernel_for(const KdaFwdParams& p) {
 // The launch: one CTA per (32-token chunk, value head); the workspace is [B*T, HV, 32] for Aqk and
 // Akk (and M), [B*T, HV, K] for w, qg, kg, [chunk_bound(p, 32), HV, K] for gdecay (with cu_seqlens the
 // grid's tail CTAs find nothing: dev::chunk_of).
-// Streamed: transposed and launched beside the scan's pass 1 (programmatic dependent launch), as
-// intra_launch.
+// Streamed: transposed and launched beside the scan's pass 1 (kda_launch_shape.h's intra_grid).
 template <typename WT, int K>
 inline LaunchShape intra_c32_launch(const KdaFwdParams& p) {
-  LaunchShape s{dim3(static_cast<unsigned>(chunk_bound(p, kC32)), static_cast<unsigned>(p.HV)), kIntraC32Threads,
-                sizeof(IntraSmem<WT, K, kC32>)};
-  if (p.chunk_ready) {
-    s.grid = dim3(s.grid.y, s.grid.x);
-    s.overlap_previous = true;
-  }
-  return s;
+  return intra_grid(p, chunk_bound(p, kC32), kIntraC32Threads, sizeof(IntraSmem<WT, K, kC32>));
 }
 
 // The scan over the 32-token workspace: one CTA per (V-slice, value head, sequence), o and the final
