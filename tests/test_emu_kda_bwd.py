@@ -405,6 +405,16 @@ def test_crossing_backward_from_the_extended_calls_factors(case, emu):
     for n in names:
         view = torch.int32 if n == "gdecay" else torch.int16
         assert torch.equal(ws_ext[n].view(view), ws[n].view(view)), n
+    # the same call with the identity columns virtual (KdaProblem::id_cols: no [v | 0], o(0) and Q into
+    # tensors of their own, what KernelEngine runs): bitwise the [v | 0] call's outputs, state and workspace
+    bits = lambda t: t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
+    for bv in [None] + [b for b in (64, 128) if V % b == 0 and K % b == 0]:  # a slice: all real or all virtual
+        o0, ht_id, _, ws_id = emu.forward_stages(*inputs, **dict(kw, initial_state=None), identity_cols=True, bv=bv)
+        assert torch.equal(bits(o0), bits(o_ext[..., :V])), ("o(0)", bv)
+        assert torch.equal(bits(ws_id["o_id"]), bits(o_ext[..., V:])), ("Q", bv)
+        assert torch.equal(bits(ht_id), bits(ht_ext)), ("[E | Phi]", bv)
+        for n in names:
+            assert torch.equal(bits(ws_id[n]), bits(ws_ext[n])), (n, bv)
     Q = o_ext[..., V:].double()
     composed = o_ext[..., :V].double() + torch.einsum("bthk,bhkv->bthv", Q, S_in.double())
     assert rel_rms(o.double(), composed) < KDA_TOL["o"]

@@ -659,6 +659,77 @@ def test_the_backward_takes_its_forwards_path(name, monkeypatch):
         assert torch.equal(a, b), (name, i)
 
 
+@pytest.mark.parametrize("name", ["T1000", "T63", "K64-V192", "GVA-2-8-fp16", "bounded"])
+def test_identity_columns_are_the_zero_padded_call(name):
+    """The raw forward with identity columns (o_id: KdaProblem::id_cols, what KernelEngine runs for
+    the context-parallel document that began on an earlier rank) is bitwise the call over [v | 0]
+    from [0 | I] it replaces: o(0), Q, the final state [E | Phi] and every buffer it keeps for the
+    backward; and o(0) + Q S_in, E + Phi S_in are the ordinary call's from S_in (fp64 recurrence).
+    The identity columns always take the chunk kernels, so the [v | 0] call is kept off the token
+    recurrence for the bitwise part (T63: one-chunk sequences)."""
+    import dataclasses
+
+    from kernel_fun.kda._cp import KernelEngine, _zero_columns
+    from kernel_fun.ref.kda import naive_recurrent_kda
+
+    inputs, kw = make_case(**dict(CASES[name], h0=False))
+    q, k, v, g, beta = inputs
+    B, K, HV, V = q.shape[0], q.shape[-1], v.shape[2], v.shape[3]
+    eng = KernelEngine(options(inputs, kw).encode())
+    part = (q, k, v, g, beta, *eng.gate(kw.get("A_log"), kw.get("dt_bias")))
+    eye = torch.eye(K, device="cuda").expand(B, HV, K, K)
+    init = torch.cat([eye.new_zeros(B, HV, K, V), eye], -1).contiguous()
+    chunked = KernelEngine(dataclasses.replace(options(inputs, kw), recurrent=0).encode())
+    o_ext, ht_ext, kept_ext = chunked.run(part, _zero_columns(v, K), init, True, True)
+    before = _ext.op_calls()
+    o0, Q, ht, kept = eng.run_identity(part, True)
+    assert _ext.op_calls()["kda_fwd"] == before["kda_fwd"] + 1
+    assert o0.is_contiguous() and Q.is_contiguous() and Q.shape == v.shape[:-1] + (K,)
+    bits = lambda t: t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
+    assert torch.equal(bits(o0), bits(o_ext[..., :V])), "o(0)"
+    assert torch.equal(bits(Q), bits(o_ext[..., V:])), "Q"
+    assert torch.equal(bits(ht), bits(ht_ext)), "[E | Phi]"
+    for i, (a, b) in enumerate(zip(kept, kept_ext)):
+        assert torch.equal(bits(a), bits(b)), ("kept", i)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    S_in = 0.3 * torch.randn(B, HV, K, V, device="cuda", generator=gen)
+    rk = {n: kw.get(n) for n in ("scale", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel",
+                                 "allow_neg_eigval", "lower_bound", "use_gate_in_kernel")}
+    rk = {n: x for n, x in rk.items() if x is not None}
+    if kw.get("use_gate_in_kernel"):
+        rk.update({n: kw[n].double() for n in ("A_log", "dt_bias") if kw.get(n) is not None})
+    o_ref, ht_ref = naive_recurrent_kda(*[x.double() for x in inputs], initial_state=S_in.double(),
+                                        output_final_state=True, **rk)
+    o = o0.double() + torch.einsum("bthk,bhkv->bthv", Q.double(), S_in.double())
+    assert rel_rms(o_ref, o) < KDA_TOL["o"]
+    assert rel_rms(ht_ref, ht[..., :V].double() + ht[..., V:].double() @ S_in.double()) < KDA_TOL["ht"]
+
+
+def test_identity_columns_refuse_what_they_do_not_serve():
+    """o_id's checks name the argument: no initial state, its shape and dtype, V + K within 512."""
+    inputs, kw = make_case(**dict(CASES["T130"], h0=False))
+    q, k, v, g, beta = inputs
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    A, D = _kernel().gate_params(options(inputs, kw), kw.get("A_log"), kw.get("dt_bias"))
+    enc = options(inputs, kw).encode()
+
+    def call(o_id, h0=None, vv=v):
+        o = q.new_empty(B, T, HV, vv.shape[-1])
+        _ext.ops().kda_fwd(q, k, vv, g, beta, A, D, h0, None, enc, o, None, None, None, None, None, None, None, None,
+                           None, None, o_id)
+
+    with pytest.raises(ValueError, match="o_id .*initial_state None"):
+        call(q.new_empty(B, T, HV, K), h0=torch.zeros(B, HV, K, V, device="cuda"))
+    with pytest.raises(ValueError, match="o_id"):
+        call(q.new_empty(B, T, HV, K + 8))
+    with pytest.raises(ValueError, match="o_id"):
+        call(q.new_empty(B, T, HV, K, dtype=torch.float32))
+    wide = torch.zeros(B, T, HV, 512, dtype=v.dtype, device="cuda")
+    with pytest.raises(ValueError, match="o_id needs V \\+ K <= 512"):
+        call(q.new_empty(B, T, HV, K), vv=wide)
+
+
 @pytest.mark.parametrize("name", ["T1000", "GVA-2-4", "bounded", "K128-V512"])
 def test_crossing_call_backward_from_the_kept_factors(name):
     """kda/_cp.py's KernelEngine on our raw ops, the context-parallel path's document that began on an

@@ -118,6 +118,8 @@ std::string state_check(const Tensor& t, const Tensor& q, const char* name, cons
 constexpr int64_t kMaxGridYZ = 65535;
 // Token rows are int-indexed in places (B * T * HV stays far below 2^31 for HV <= 2).
 constexpr int64_t kMaxTokens = int64_t{1} << 30;
+// The widest state our kernels take: V value columns (with identity columns, V + K: id_cols_check).
+constexpr int64_t kMaxV = 512;
 
 // Why the kernels cannot run this configuration ("" = they can). Shapes are the contract's.
 std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -130,7 +132,7 @@ std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, co
   if (q.dim() != 4 || v.dim() != 4) return "q and v must be 4-D";
   const int64_t K = q.size(3), V = v.size(3);
   if (K != 64 && K != 128) return "K=" + std::to_string(K) + " (kernels support K in {64, 128})";
-  if (V % 64 != 0 || V > 512 || V == 0)
+  if (V % 64 != 0 || V > kMaxV || V == 0)
     return "V=" + std::to_string(V) + " (kernels support V a multiple of 64 up to 512)";
   if (o.chunk_size != kChunk)
     return "chunk_size=" + std::to_string(o.chunk_size) + " (kernels use 64-token chunks; 32 is not implemented)";
@@ -345,9 +347,30 @@ std::string workspace_check(KdaBwdParams& p, const Tensor& q, const OptT& w, con
 }
 
 // ---------------------------------------------------------------- forward
+// The identity columns (KdaProblem::id_cols) of the context-parallel call of a document that began
+// on an earlier rank (kernel_fun/kda/_cp.py): o_id ([B, T, HV, K] in q's dtype) receives their
+// outputs Q, the state has V + K columns (final_state [N, HV, K, V + K]: [E | Phi]) and o the V real
+// ones. Set before the policies ask anything of p: they see V + K columns and take none of the
+// paths the identity columns do not serve (kda_policy.h's *_possible).
+std::string id_cols_check(KdaFwdParams& p, const Tensor& q, const OptT& o_id, const OptT& initial_state,
+                          const OptT& h_states, const OptT& h_ckpt) {
+  if (!o_id) return "";
+  KDA_REQUIRE(!initial_state, "o_id (the identity columns' outputs) needs initial_state None: the value "
+              "columns start from zero, the identity columns from the identity");
+  KDA_REQUIRE(!h_states && !h_ckpt, "o_id (the identity columns' outputs) takes no per-chunk states (h_states, "
+              "h_ckpt)");
+  KDA_REQUIRE(p.V + p.K <= kMaxV, "o_id needs V + K <= ", kMaxV, " state columns, got V + K = ", p.V + p.K);
+  KDA_TRY(check_tensor(*o_id, q, "o_id", {p.B, p.T, p.HV, p.K}));
+  KDA_TRY(check_dtype(*o_id, q.scalar_type(), "o_id"));
+  p.id_cols = p.K;
+  p.V += p.K;
+  p.o_id = o_id->data_ptr();
+  return "";
+}
+
 std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const OptT& final_state,
                         const OptT& h_states) {
-  KDA_TRY(check_tensor(o, q, "o", {p.B, p.T, p.HV, p.V}));
+  KDA_TRY(check_tensor(o, q, "o", {p.B, p.T, p.HV, p.V - p.id_cols}));
   KDA_TRY(check_dtype(o, q.scalar_type(), "o"));
   if (final_state) KDA_TRY(state_check(*final_state, q, "final_state", p));
   if (h_states) {
@@ -382,9 +405,11 @@ std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const
 std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor& o, const OptT& final_state,
                             const OptT& h_states, const OptT& Aqk, const OptT& Akk, const OptT& M,
                             const OptT& h_ckpt, const OptT& w, const OptT& qg, const OptT& kg, const OptT& gdecay,
-                            bool poison_ws = false, bool profile = false, bool stages = false) {
+                            const OptT& o_id = std::nullopt, bool poison_ws = false, bool profile = false,
+                            bool stages = false) {
   KdaBwdParams p;  // forward fields only; the rest stay null
   raise_if(fill_problem(p, KF_KDA_IN_NAMES, options));
+  raise_if(id_cols_check(p, q, o_id, initial_state, h_states, h_ckpt));
   raise_if(fwd_outputs(p, q, o, final_state, h_states));
   raise_if(factor_check(p, q, Aqk, Akk, M, "(outputs saved for the backward)"));
   // one-chunk problems: the fp32 token recurrence; never for the stage op, which returns the chunk
@@ -428,8 +453,8 @@ std::vector<int64_t> kda_limits(Tensor probe) {
 }
 
 void kda_fwd(KF_KDA_IN, std::string options, Tensor o, OptT final_state, OptT h_states, OptT Aqk, OptT Akk,
-             OptT M, OptT h_ckpt, OptT w, OptT qg, OptT kg, OptT gdecay) {
-  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay);
+             OptT M, OptT h_ckpt, OptT w, OptT qg, OptT kg, OptT gdecay, OptT o_id) {
+  run_fwd(KF_KDA_IN_NAMES, options, o, final_state, h_states, Aqk, Akk, M, h_ckpt, w, qg, kg, gdecay, o_id);
 }
 
 // [o, final_state (or empty), Aqk, Akk, M, w, qg, kg, gdecay, chunk_offsets, chunk_ready, split_map, split_state,
@@ -460,7 +485,7 @@ std::vector<Tensor> kda_fwd_stages(KF_KDA_IN, std::string options, bool output_f
   }
   std::vector<Tensor> ws =
       run_fwd(KF_KDA_IN_NAMES, options, o, ht_opt, h_states, Aqk, Akk, M, std::nullopt, std::nullopt, std::nullopt,
-              std::nullopt, std::nullopt, poison_outputs, profile, /*stages=*/true);
+              std::nullopt, std::nullopt, std::nullopt, poison_outputs, profile, /*stages=*/true);
   std::vector<Tensor> out = {o, ht, Aqk, Akk, M};
   for (auto& t : ws) out.push_back(t);
   return out;
@@ -606,7 +631,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(kernel_fun, m) {
       "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, Tensor(a!) o, Tensor(b!)? final_state, "
       "Tensor(c!)? h_states, Tensor(d!)? Aqk, Tensor(e!)? Akk, Tensor(f!)? M, Tensor(g!)? h_ckpt, Tensor(h!)? w, "
-      "Tensor(i!)? qg, Tensor(j!)? kg, Tensor(k!)? gdecay) -> ()");
+      "Tensor(i!)? qg, Tensor(j!)? kg, Tensor(k!)? gdecay, Tensor(l!)? o_id=None) -> ()");
   m.def(
       "kda_fwd_stages(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? initial_state, Tensor? cu_seqlens, str options, bool output_final_state, Tensor(a!)? h_states, "

@@ -39,7 +39,8 @@ inline ScanChoice scan_choice(const KdaProblem& p) {
   const bool varlen_wide = p.cu_seqlens && p.V % 128 == 0;
   ScanChoice best{64, 0.0};
   for (int bv : {128, 64}) {
-    if (p.V % bv != 0 || (varlen_wide && bv != 128)) continue;
+    // with identity columns a slice is all real or all virtual columns (fwd_scan_cta)
+    if (p.V % bv != 0 || p.id_cols % bv != 0 || (varlen_wide && bv != 128)) continue;
     const int warps = bv / 16;
     const double fill_kb = scan_fill_kb(p.K, bv);
     const double warp_kb = 48.0 * kw + 12.0;  // ldmatrix bytes one warp reads
@@ -128,8 +129,8 @@ inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
 // virtual columns are whole slices).
 constexpr int kSplitMaxSeqs = 64;
 inline bool fwd_split_possible(const KdaProblem& p) {
-  return !p.recurrent && p.N > 0 && p.N <= kSplitMaxSeqs && p.HV > 0 && p.V % 64 == 0 && p.max_chunks >= 4 &&
-         static_cast<long>(p.HV) * p.N * (p.V / 64) <= kPolicySMs;
+  return !p.recurrent && p.id_cols == 0 && p.N > 0 && p.N <= kSplitMaxSeqs && p.HV > 0 && p.V % 64 == 0 &&
+         p.max_chunks >= 4 && static_cast<long>(p.HV) * p.N * (p.V / 64) <= kPolicySMs;
 }
 // The piece length for a wanted one: at least ceil(max_chunks / kSplitMaxExtraPieces), so the pieces'
 // states stay bounded (kda_problem.h's split_piece_bound), and at least 1.
@@ -291,7 +292,7 @@ inline bool save_states_pays(const KdaProblem& p) {
 constexpr int64_t kRecurStateBudget = int64_t{256} << 20;
 inline bool recurrent_possible(const KdaProblem& p) {
   const bool one_chunk = p.cu_seqlens ? static_cast<int64_t>(p.B) * p.T <= kChunk : p.T <= kChunk;
-  return one_chunk && p.N > 0 && p.HV > 0 && p.V % kRecurCols == 0 && (p.K == 64 || p.K == 128);
+  return one_chunk && p.id_cols == 0 && p.N > 0 && p.HV > 0 && p.V % kRecurCols == 0 && (p.K == 64 || p.K == 128);
 }
 inline bool recurrent_default(const KdaProblem& p) {
   return recurrent_possible(p) &&

@@ -106,6 +106,14 @@ struct KdaProblem {
   // The split forward's derived problem (fwd/kda_fwd_split.h's split_pieces): the sequences' count,
   // whose pieces are this problem's N sequences; 0 in every other problem.
   int split_seqs = 0;
+  // Identity columns (the context-parallel call of a document that began on an earlier rank,
+  // kernel_fun/kda/_cp.py): the last id_cols (= K) of the V state columns are virtual. Their value
+  // tile is zero and their initial state the identity (column V - id_cols + j = e_j), so their
+  // outputs are Q (o_t(0)'s share of the unknown incoming state: o = o(0) + Q S_in) and their final
+  // state the map Phi; v and o hold only the V - id_cols real columns (their row width), Q goes to
+  // KdaFwdParams::o_id. The forward's plain two-kernel path only (csrc/api's run_fwd; no h0, no
+  // per-chunk states, no streaming, split, recurrence or short chunks: kda_fwd_scan_id_kernel).
+  int id_cols = 0;
 };
 
 // The per-chunk grids' bound on a problem's chunks at C tokens per chunk: B * ceil(T / C), or T / C + N
@@ -118,7 +126,9 @@ __host__ __device__ inline int64_t chunk_bound(const KdaProblem& p, int C) {
 // Forward: the two kernels' outputs and the workspace between them (dtype WT unless noted;
 // token-indexed rows, so sequences never mix).
 struct KdaFwdParams : KdaProblem {
-  void* o = nullptr;         // [B, T, HV, V]; null in the backward's re-scan (only states wanted)
+  void* o = nullptr;         // [B, T, HV, V]; null in the backward's re-scan (only states wanted);
+                             // [B, T, HV, V - id_cols] with identity columns
+  void* o_id = nullptr;      // [B, T, HV, id_cols]: the identity columns' outputs Q, or null
   float* ht = nullptr;       // final state, layout of h0, or null
   void* h_states = nullptr;  // [chunks, HV, K, V] ([.., V, K] if state_v_first), or null
 
@@ -213,7 +223,7 @@ __host__ __device__ inline int64_t stream_chunks(const KdaProblem& p) { return c
 // widest slice (no device has more SMs to spare), fixed length, and at most 65535 chunk rows (the
 // intra's grid y, dev::streamed_chunk) at the call's chunk size.
 inline bool fwd_stream_possible(const KdaProblem& p) {
-  return !p.cu_seqlens && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && stream_chunks(p) <= 65535 &&
+  return !p.cu_seqlens && p.id_cols == 0 && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && stream_chunks(p) <= 65535 &&
          static_cast<int64_t>(p.HV) * p.N * (p.V / 128) <= 256 && p.V % 64 == 0;
 }
 // chunk_ready's length: the flags, the intra's done counter, one resume chunk per scan CTA (BV = 64),

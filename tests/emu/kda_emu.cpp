@@ -125,6 +125,8 @@ struct KdaEmuArgs {
                           // csrc/api's kda_fwd_chunk_choice on the GPU), else the 64-token chunks
   int64_t chain_cols;     // the split chain's column block (8, 16 or 32), or 0: kda_fwd_split.cuh's
                           // split_chain_cols for kPolicySMs SMs (the width changes no result bit)
+  int64_t id_cols;        // forward: the identity columns (KdaProblem::id_cols; V counts them), or 0
+  void* o_id;             // their outputs [B, T, HV, id_cols], with id_cols
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -206,6 +208,8 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.g_dtype = static_cast<DType>(a.g_dtype);
   p.beta_dtype = static_cast<DType>(a.beta_dtype);
   p.chunk_offsets = a.chunk_offsets;
+  p.id_cols = static_cast<int>(a.id_cols);  // before the policies below ask (as csrc/api's id_cols_check)
+  p.o_id = a.o_id;
   p.saved_factors = a.saved_factors != 0;
   p.slice_B = static_cast<int>(a.slice_b);
   p.recur_state = a.recur_state;
@@ -219,6 +223,11 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.fwd_chunk = a.fwd_chunk == kda::kC32 ? kda::kC32 : kda::kChunk;
   if (p.fwd_chunk != kda::kChunk && (p.recurrent || p.split_chunks || p.h_states || p.h_ckpt))
     throw std::invalid_argument("kda_emu: the 32-token forward takes unsplit calls without states");
+  // as csrc/api's id_cols_check and kda_policy.h: the identity columns take the plain two-kernel path
+  if (p.id_cols && (p.h0 || p.h_states || p.h_ckpt || p.split_chunks || p.chunk_ready || p.fwd_chunk != kda::kChunk ||
+                    !p.o_id))
+    throw std::invalid_argument("kda_emu: identity columns take o_id and the plain forward (no h0, states, split, "
+                                "streaming or short chunks)");
   // as kda_fwd_stream_bv: the split forward never streams (forward_sequence takes chunk_ready first)
   if (p.split_chunks && p.chunk_ready)
     throw std::invalid_argument("kda_emu: the split forward does not stream");
@@ -240,7 +249,7 @@ void intra(const kda::KdaFwdParams& p) {
 
 template <typename WT, int K, int BV>
 void scan(const kda::KdaFwdParams& p) {
-  launch(kda::fwd_scan_launch<WT, K, BV>(p), kda::kda_fwd_scan_kernel<WT, K, BV>, p);
+  launch(kda::fwd_scan_launch<WT, K, BV>(p), kda::fwd_scan_kernel_for<WT, K, BV>(p), p);
 }
 
 template <typename WT, int K, int BV>
@@ -389,7 +398,8 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
   kda::KdaBwdParams p = make_params(a);
   if (bwd && a.balance >= 0) p.balance = static_cast<int>(a.balance);  // the forward's args leave it 0
   const int bv = a.bv ? static_cast<int>(a.bv) : kda::fwd_scan_bv_alone(p);  // 0: the launcher's choice
-  if (bv > 0 && p.V % bv != 0) throw std::invalid_argument("kda_emu: V must be a multiple of bv");
+  if (bv > 0 && (p.V % bv != 0 || p.id_cols % bv != 0))
+    throw std::invalid_argument("kda_emu: V (and the identity columns) must be multiples of bv");
   if (p.split_chunks > 0 && (p.K % bv != 0 || !p.split_map || !p.split_state))
     throw std::invalid_argument("kda_emu: the split forward needs bv dividing K and its two buffers");
   const int64_t pr = a.pair_scans;

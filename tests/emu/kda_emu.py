@@ -44,7 +44,8 @@ class KdaEmuArgs(ctypes.Structure):
     """Mirror of KdaEmuArgs in kda_emu.cpp (every field 8 bytes)."""
     _fields_ = ([(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS] +
                 [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p),
-                 ("fwd_chunk", ctypes.c_int64), ("chain_cols", ctypes.c_int64)])
+                 ("fwd_chunk", ctypes.c_int64), ("chain_cols", ctypes.c_int64), ("id_cols", ctypes.c_int64),
+                 ("o_id", ctypes.c_void_p)])
 
 
 def lib():
@@ -279,7 +280,7 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
                    allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                    A_log=None, dt_bias=None, return_intermediate_states=False, bv=None, misalign=False,
                    streamed=False, stream_stop=-1, recurrent=False, save_states=False, split_chunks=0,
-                   chain_cols=0, fwd_chunk=64):
+                   chain_cols=0, fwd_chunk=64, identity_cols=False):
     """(o, final_state, h_states, ws) as kernel_fun.kda._kernel.forward_stages, on the emulator.
     recurrent=True: the fp32 token recurrence (csrc/kda/recur/) where every sequence fits in one chunk
     (the chunk kernels' workspace in ws is then left unwritten).
@@ -299,7 +300,11 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     split_chunks=L > 0: the split forward (csrc/kda/fwd/kda_fwd_split.cuh) with pieces of L chunks,
     whatever the launch policy says; ws["split_map"] (int32), ws["split_state"] (fp32) and
     ws["split_layout"] (kda_problem.h's SplitLayout, a dict of SPLIT_LAYOUT); chain_cols forces the
-    chain kernel's column block (8, 16 or 32; 0: the launcher's rule)."""
+    chain kernel's column block (8, 16 or 32; 0: the launcher's rule).
+    identity_cols=True: K identity columns beside v's (KdaProblem::id_cols, the context-parallel call of
+    a document that began on an earlier rank): o holds the value columns' outputs from a zero state,
+    ws["o_id"] ([B, T, HV, K]) the identity columns' (Q), and the final state has V + K columns ([E |
+    Phi]); initial_state must be None."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -309,7 +314,10 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     cu = keep[0]
     N = f["N"]
     o = gz.alloc("o", (B, T, HV, V), q.dtype)
-    st_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    W = V + K if identity_cols else V  # the state's columns
+    if identity_cols:
+        ws["o_id"] = gz.alloc("o_id", (B, T, HV, K), q.dtype)
+    st_shape = (N, HV, W, K) if state_v_first else (N, HV, K, W)
     ht = gz.alloc("ht", st_shape, torch.float32) if output_final_state else None
     h_states = None
     if return_intermediate_states:
@@ -334,6 +342,8 @@ def forward_stages(q, k, v, g, beta, *, scale=None, initial_state=None, output_f
     a = KdaEmuArgs(**f, o=_ptr(o), ht=_ptr(ht), h_states=_ptr(h_states), bv=int(bv or 0),
                    chunk_ready=_ptr(ws.get("chunk_ready")), scan_save=_ptr(ws.get("scan_save")),
                    stream_stop=int(stream_stop), h_ckpt=_ptr(ws.get("h_ckpt")), fwd_chunk=int(fwd_chunk))
+    if identity_cols:
+        a.V, a.id_cols, a.o_id = W, K, _ptr(ws["o_id"])
     L = lib()
     _split_buffers(a, gz, ws, split_chunks, chain_cols)
     if L.kda_emu_forward(ctypes.byref(a)):

@@ -173,19 +173,22 @@ struct ScanOperands {
 // for the dh scan) into the stage at base (rows past the sequence end zero-filled); nothing when
 // go is false. Branch-free (fixed trip counts, predicated copies): the scans issue it while a
 // wgmma is in flight, and a branch there makes ptxas wait for the wgmma first.
-template <typename WT, int K, int BV, int NT, int C = kChunk>
+// kIdCols: val's rows hold only the V - id_cols real columns (KdaProblem::id_cols; compiled apart,
+// so the other scans' code is unchanged).
+template <typename WT, int K, int BV, int NT, int C = kChunk, bool kIdCols = false>
 __device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const KdaProblem& p, const SeqInfo& seq,
                                                  int cc, int hv, int v0, bool go = true) {
   using S = ScanStage<WT, K, BV, C>;
   const int64_t tok0 = seq.bos + static_cast<int64_t>(cc) * C;
   const int rows = min(C, seq.len - cc * C);
+  const int vrow = kIdCols ? p.V - p.id_cols : p.V;
   constexpr int BV8 = BV / 8, N = C * BV8;
 #pragma unroll
   for (int it = 0; it < (N + NT - 1) / NT; ++it) {
     const int i = static_cast<int>(threadIdx.x) + it * NT;
     const int r = i / BV8, c8 = (i % BV8) * 8;
     const bool ok = r < rows;
-    const int64_t off = ((tok0 + (ok ? r : 0)) * p.HV + hv) * p.V + v0 + c8;
+    const int64_t off = ((tok0 + (ok ? r : 0)) * p.HV + hv) * vrow + v0 + c8;
     cp_async16_if(base + S::kVal + r * S::VP + c8, val + off, ok ? 16 : 0, go && (N % NT == 0 || i < N));
   }
 }
@@ -193,8 +196,8 @@ __device__ __forceinline__ void scan_load_values(WT* base, const WT* val, const 
 // Async load of chunk cc of sequence seq into the stage at base (rows past the sequence end are
 // zero-filled); nothing when go is false. with_q = false skips qg and Aqk (the backward's re-scan
 // computes no output); values = false the value tile (the split forward's virtual columns, whose
-// tile stays zero). Branch-free, as scan_load_values.
-template <typename WT, int K, int BV, int NT, int C = kChunk>
+// tile stays zero). Branch-free, as scan_load_values. kIdCols: as scan_load_values.
+template <typename WT, int K, int BV, int NT, int C = kChunk, bool kIdCols = false>
 __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>& src, const KdaProblem& p,
                                                 const SeqInfo& seq, int cc, int hv, int v0, bool with_q,
                                                 bool go = true, bool values = true) {
@@ -229,7 +232,7 @@ __device__ __forceinline__ void scan_load_chunk(WT* base, const ScanSources<WT>&
     cp_async16_if(base + S::kAqk + so, src.Aqk + off, nb, in && with_q);
     cp_async16_if(base + S::kAkk + so, src.Akk + off, nb, in);
   }
-  scan_load_values<WT, K, BV, NT, C>(base, src.val, p, seq, cc, hv, v0, go && values);
+  scan_load_values<WT, K, BV, NT, C, kIdCols>(base, src.val, p, seq, cc, hv, v0, go && values);
   float* dec = reinterpret_cast<float*>(base + S::kDec);
   const float* gdec = src.gdecay + (static_cast<int64_t>(seq.chunk0 + cc) * HV + hv) * K;
   static_assert(K / 4 <= NT, "one exp2(G) piece per thread");

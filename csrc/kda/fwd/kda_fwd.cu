@@ -130,7 +130,7 @@ void kda_fwd_intra(const KdaFwdParams& p, cudaStream_t stream) {
 
 int kda_scan_bv_override(const KdaProblem& p) {
   const int forced = env_int("KERNEL_FUN_KDA_SCAN_BV", 0);  // benchmarking override: 64 or 128
-  return (forced == 64 || forced == 128) && p.V % forced == 0 ? forced : 0;
+  return (forced == 64 || forced == 128) && p.V % forced == 0 && p.id_cols % forced == 0 ? forced : 0;
 }
 
 int kda_fwd_scan_bv(const KdaFwdParams& p) {
@@ -234,7 +234,7 @@ bool kda_fwd_fused_wanted(const KdaFwdParams& p) {
   // KERNEL_FUN_KDA_FWD_FUSED=1 opts in (timing only). Version 0 writes o and the final state only:
   // not where the forward saves its factors for the backward (M set), nor the per-chunk states;
   // value slices of 128.
-  return env_int("KERNEL_FUN_KDA_FWD_FUSED", 0) == 1 && !p.M && !p.h_states && p.V % 128 == 0;
+  return env_int("KERNEL_FUN_KDA_FWD_FUSED", 0) == 1 && !p.M && !p.h_states && !p.id_cols && p.V % 128 == 0;
 }
 
 void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
@@ -245,7 +245,7 @@ void kda_fwd_fused(const KdaFwdParams& p, cudaStream_t stream) {
 
 int kda_fwd_chunk_choice(const KdaFwdParams& p) {
   // the fused forward (opt-in, KERNEL_FUN_KDA_FWD_FUSED=1) reads a chunk map of 64-token chunks
-  const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.recurrent && p.split_chunks == 0 &&
+  const bool allowed = !p.M && !p.h_states && !p.h_ckpt && !p.recurrent && p.split_chunks == 0 && !p.id_cols &&
                        p.K == 128 && p.V % 64 == 0 && !kda_fwd_fused_wanted(p);
   if (!allowed) return kChunk;
   // KERNEL_FUN_KDA_FWD_CHUNK: 64 never takes the short chunks, 32 takes them wherever allowed (A/B

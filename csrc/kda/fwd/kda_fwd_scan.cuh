@@ -49,8 +49,11 @@ namespace kernel_fun::kda {
 // split forward's pass 1, where that dead store's address registers spilled the loop).
 // C: tokens per chunk (kChunk; 32 for the short-chunk forward): the tokens are the N of
 // product A and the K of product D, the blocks of B and C.
+// kIdCols: the call has identity columns (KdaProblem::id_cols): a CTA at the virtual columns writes
+// its outputs to o_id, the real ones to o, each at its own row width (compiled apart: the other
+// scans keep their code).
 template <typename WT, int K, int BV, bool kWithO, bool kCkpt, bool kStates = true, int C = kChunk,
-          typename BesideA>
+          bool kIdCols = false, typename BesideA>
 __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::ScanPlace<K, BV, C>& pl,
                                               const dev::ScanOperands<WT, K, BV, C>& op, int c, float (&hT)[K / 8][4],
                                               BesideA&& beside_a) {
@@ -142,8 +145,16 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
         dev::mma_16x16<WT>(oT[2 * pp], oT[2 * pp + 1], a, b);
       }
     }
-    dev::store_token_tile<WT, NJ>(o, oT, seq.bos + static_cast<int64_t>(c) * C, min(C, seq.len - c * C), HV, hv, V,
-                                  v0 + vw, g, t);
+    if constexpr (kIdCols) {  // [o | o_id], split at the real width vr (whole slices on each side)
+      const int vr = V - p.id_cols;
+      const bool virt = v0 >= vr;
+      dev::store_token_tile<WT, NJ>(virt ? reinterpret_cast<WT*>(p.o_id) : o, oT,
+                                    seq.bos + static_cast<int64_t>(c) * C, min(C, seq.len - c * C), HV, hv,
+                                    virt ? p.id_cols : vr, v0 + vw - (virt ? vr : 0), g, t);
+    } else {
+      dev::store_token_tile<WT, NJ>(o, oT, seq.bos + static_cast<int64_t>(c) * C, min(C, seq.len - c * C), HV, hv,
+                                    V, v0 + vw, g, t);
+    }
   }
 
   dev::wgmma_wait<0>();
@@ -153,8 +164,10 @@ __device__ __forceinline__ void fwd_scan_step(const KdaFwdParams& p, const dev::
 
 // One CTA's scan of work item b (sm: the 1024-byte aligned dynamic smem, dev::ScanStage x 2). The
 // body of kda_fwd_scan_kernel and of the re-scan half of kda_bwd_scans_kernel. kWithO = (p.o set),
-// kCkpt = (p.h_ckpt set).
-template <typename WT, int K, int BV, bool kWithO, bool kCkpt, int C = kChunk>
+// kCkpt = (p.h_ckpt set). kIdCols = (p.id_cols > 0): kda_fwd_scan_id_kernel's; a CTA whose slice
+// lies in the virtual columns starts from the identity with a zero value tile, as the split
+// forward's pass 1 does (fwd_scan_local_cta), and loads no values.
+template <typename WT, int K, int BV, bool kWithO, bool kCkpt, int C = kChunk, bool kIdCols = false>
 __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::ScanBlock& b, WT* sm) {
   using S = dev::ScanStage<WT, K, BV, C>;
   constexpr int NT = dev::scan_threads<BV>();
@@ -164,6 +177,9 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   const dev::ScanPlace<K, BV, C> pl(p, b);
   const int t = pl.t, hv = pl.hv, v0 = pl.v0, col0 = pl.col0, nchunks = pl.nchunks;
   const dev::SeqInfo& seq = pl.seq;
+  // the streamed forward's pass (below); identity columns never stream (kda_policy.h), so their
+  // kernel carries none of its code (with the runtime test it spilled at BV = 64)
+  const int pass = kIdCols ? 0 : p.scan_pass;
 
   // The streamed forward (kda_policy.h's fwd_stream_choice; p.scan_pass uniform): pass 1 is resident
   // first and lets kda_fwd_intra launch beside it at once; a chunk's rows are loaded only after its
@@ -176,15 +192,23 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   // bank) where used (held in registers, they spilled ~1 KB per thread).
   // one resume slot per (sequence, head, 64 value columns): sbase / (K * 64) = (n HV + hv) V / 64
   const int64_t resume_slot = stream_progress_offset(p) + pl.sbase / (K * 64) + v0 / 64;
-  const int c_begin = p.scan_pass == 2 ? p.chunk_ready[resume_slot] : 0;
-  if (p.scan_pass == 2 && c_begin >= nchunks) return;
+  const int c_begin = pass == 2 ? p.chunk_ready[resume_slot] : 0;
+  if (pass == 2 && c_begin >= nchunks) return;
 
   float hT[NK][4];  // the state, in ScanPlace's fragment layout
-  dev::load_state<K>(hT, p.scan_pass == 2 && c_begin > 0 ? p.scan_save : p.h0, pl.sbase, p, col0, t);
+  // uniform: BV divides both the real and the virtual widths (kda_policy.h's scan_choice)
+  const bool virt = kIdCols && v0 >= p.V - p.id_cols;
+  if (virt) {  // the identity; the value tile of both stages zero once, never loaded
+    dev::identity_state<K>(hT, col0 - (p.V - p.id_cols), t);
+    dev::zero_values<WT, K, BV, NT>(sm);
+  } else {
+    dev::load_state<K>(hT, pass == 2 && c_begin > 0 ? p.scan_save : p.h0, pl.sbase, p, col0, t);
+  }
 
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.v);
   auto load_chunk = [&](int cc, int st, bool go) {
-    dev::scan_load_chunk<WT, K, BV, NT, C>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, kWithO, go);
+    dev::scan_load_chunk<WT, K, BV, NT, C, kIdCols>(sm + st * S::kStageElems, src, p, seq, cc, hv, v0, kWithO, go,
+                                                    !virt);
   };
   // chunk cc's flag (pass 1): published by the intra CTA of (global chunk, value head)
   auto flag = [&](int cc) { return p.chunk_ready + static_cast<int64_t>(seq.chunk0 + cc) * p.HV + hv; };
@@ -197,7 +221,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   // read by thread 0 in iteration cc - 1 before its barrier; chunk 1's starts at 0 (nothing fetched
   // it: the blocking wait)
   auto seen = [&](int st) { return reinterpret_cast<int*>(sm + st * S::kStageElems + S::kFlags); };
-  if (p.scan_pass == 1) {
+  if (pass == 1) {
     dev::launch_dependents();
     if (threadIdx.x == 0) *reinterpret_cast<int4*>(seen(1)) = make_int4(0, 0, 0, 0);
     if (threadIdx.x == 0) next_ready[1] = nchunks == 0 || dev::wait_chunk_ready(flag(0));
@@ -215,17 +239,17 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   for (; c < nchunks && !stopped; ++c) {  // a stopped chain leaves with c = its resume chunk
     const int st = c & 1;
     dev::cp_async_wait<0>();
-    if (p.scan_pass == 1 && threadIdx.x == 0)
+    if (pass == 1 && threadIdx.x == 0)
       next_ready[st] = c + 1 >= nchunks || dev::flag_seen(seen(st ^ 1), flag(c + 1)) || dev::wait_chunk_ready(flag(c + 1));
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c - 1); in pass 1,
     // thread 0 has seen chunk c + 1 published, or given up on it
     __syncthreads();
-    stopped = p.scan_pass == 1 && !next_ready[st];
-    if (p.scan_pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
+    stopped = pass == 1 && !next_ready[st];
+    if (pass == 1 && threadIdx.x == 0 && c + 2 < nchunks) dev::prefetch_flag(seen(st), flag(c + 2));
     // chunk c + 1 into stage st ^ 1 (free since the barrier), issued while product A of chunk c is in
     // flight (ahead of A, its address and copy instructions sat on every step's critical path)
-    fwd_scan_step<WT, K, BV, kWithO, kCkpt, true, C>(p, pl, dev::ScanOperands<WT, K, BV, C>(sm + st * S::kStageElems), c,
-                                                   hT, [&] {
+    fwd_scan_step<WT, K, BV, kWithO, kCkpt, !kIdCols, C, kIdCols>(
+        p, pl, dev::ScanOperands<WT, K, BV, C>(sm + st * S::kStageElems), c, hT, [&] {
       load_chunk(c + 1, st ^ 1, c + 1 < nchunks && !stopped);
       dev::cp_async_commit();
     });
@@ -233,7 +257,7 @@ __device__ __forceinline__ void fwd_scan_cta(const KdaFwdParams& p, const dev::S
   dev::cp_async_wait<0>();
   // A stopped chain saves the state before chunk c + 1 and its resume chunk for pass 2 (one store
   // site for both states: a second copy of the store inside the loop spilled the scan's registers)
-  if (p.scan_pass == 1 && threadIdx.x == 0) p.chunk_ready[resume_slot] = stopped ? c : nchunks;
+  if (pass == 1 && threadIdx.x == 0) p.chunk_ready[resume_slot] = stopped ? c : nchunks;
   float* dst = stopped ? p.scan_save : p.ht;
   if (dst) dev::store_state<WT, K>(dst, pl.sbase, hT, p, col0, t);
 }
@@ -247,6 +271,20 @@ __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_kerne
   if (p.o && p.h_ckpt) fwd_scan_cta<WT, K, BV, true, true>(p, dev::scan_block(p), sm);
   else if (p.o) fwd_scan_cta<WT, K, BV, true, false>(p, dev::scan_block(p), sm);
   else fwd_scan_cta<WT, K, BV, false, true>(p, dev::scan_block(p), sm);
+}
+
+// The forward with identity columns (KdaProblem::id_cols: o and o_id, no states saved), a kernel of
+// its own so that kda_fwd_scan_kernel's code stays as it was.
+template <typename WT, int K, int BV>
+__global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_fwd_scan_id_kernel(const KdaFwdParams p) {
+  KF_DYN_SMEM(float4, smem_f4);
+  fwd_scan_cta<WT, K, BV, true, false, kChunk, true>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
+}
+
+// The scan kernel a forward of p runs (launch_scan's and the emulator's).
+template <typename WT, int K, int BV>
+inline auto fwd_scan_kernel_for(const KdaProblem& p) {
+  return p.id_cols ? kda_fwd_scan_id_kernel<WT, K, BV> : kda_fwd_scan_kernel<WT, K, BV>;
 }
 
 // Pass 1 of the split forward (kda_fwd_split.cuh; p = fwd/kda_fwd_split.h's split_local: the pieces
@@ -322,7 +360,7 @@ inline LaunchShape fwd_scan_launch(const KdaProblem& p) {
 #ifndef KF_EMU
 template <typename WT, int K, int BV>
 void launch_scan(const KdaFwdParams& p, cudaStream_t stream) {
-  dev::launch(kda_fwd_scan_kernel<WT, K, BV>, fwd_scan_launch<WT, K, BV>(p), p, stream);
+  dev::launch(fwd_scan_kernel_for<WT, K, BV>(p), fwd_scan_launch<WT, K, BV>(p), p, stream);
 }
 template <typename WT, int K, int BV>
 void launch_scan_local(const KdaFwdParams& p, cudaStream_t stream) {

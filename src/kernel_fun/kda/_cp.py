@@ -7,8 +7,10 @@ state evolves affinely, ``S_out = Phi S_in + E`` (S: [K, V] per value head; Phi:
 of the tokens' transitions; E: the part's final state from a zero state), and so does every output:
 ``o_t = o_t(0) + Q_t S_in`` with ``Q_t = scale q_t^T Phi_{..t}`` (the transitions up to token t).
 One call of ours over the values [v | 0] from the initial state [0 | I] (the state's columns never
-mix) gives all of them at once: its outputs are [o(0) | Q], its final state [E | Phi]. So each rank
-does its work before any collective, whatever its neighbours hold:
+mix) gives all of them at once: its outputs are [o(0) | Q], its final state [E | Phi]. On our
+kernels the K identity columns are virtual (KdaProblem::id_cols: a zero value tile, the identity as
+their initial state, Q written to a tensor of its own), so no [v | 0] is built and o(0) needs no copy
+out of [o(0) | Q]. So each rank does its work before any collective, whatever its neighbours hold:
 
 1. a first document that began on an earlier rank by such a call (two calls, [v] from 0 and [0]
    from I, where V + K > 512; its [E | Phi] too where it goes on to the next rank as well); a last
@@ -110,6 +112,12 @@ class KernelEngine:
         out = self.kernel.kda_forward(q, k, v, g, beta, A, D, init, None, self.options, final, keep, False, keep)
         return out[0], (out[1] if final else None), (tuple(out[2:5]) + tuple(out[6:10]) if keep else None)
 
+    def run_identity(self, part, final: bool):
+        """(o(0), Q, [E | Phi] or None, what the backward reads) of the call over [v | 0] from [0 | I],
+        with the K identity columns virtual in our kernels (KdaProblem::id_cols): no [v | 0] buffer,
+        o(0) and Q written to tensors of their own."""
+        return self.kernel.forward_identity_columns(*part, self.options, final)
+
     def grads(self, kept, part, S_in, do, dht, needs):
         """The gradients of part's tensors for the ordinary call from S_in, given do and dht."""
         q, k, v, g, beta, A, D = part
@@ -132,6 +140,15 @@ class CallEngine:
 
     def run(self, part, v, init, final: bool, keep: bool):
         return (*self.call(part[0], part[1], v, *part[3:], initial_state=init, output_final_state=final), None)
+
+    def run_identity(self, part, final: bool):
+        """As KernelEngine's, through one call over [v | 0] from [0 | I] (o(0) and Q its column blocks)."""
+        v = part[2]
+        HV, V, K = v.shape[2], v.shape[3], part[0].shape[-1]
+        eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
+        init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
+        o_ext, ht, kept = self.run(part, _zero_columns(v, K), init, final, True)
+        return o_ext[..., :V], o_ext[..., V:], ht, kept
 
     def grads(self, kept, part, S_in, do, dht, needs):
         with torch.enable_grad():
@@ -159,13 +176,11 @@ class _Crossing(torch.autograd.Function):
     def forward(ctx, engine, box, K: int, need_map: bool, *part):
         v = part[2]
         HV, V = v.shape[2], v.shape[3]
-        eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
         if V + K <= _MAX_V:
-            init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
-            o_ext, ht, kept = engine.run(part, _zero_columns(v, K), init, need_map, True)
-            o0, Q = o_ext[..., :V], o_ext[..., V:]
+            o0, Q, ht, kept = engine.run_identity(part, need_map)
             E, Phi = (ht[..., :V], ht[..., V:]) if need_map else (None, None)
         else:  # wider than our kernels' values: two calls of the same tokens
+            eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
             o0, E, kept = engine.run(part, v, None, need_map, True)
             Q, Phi, _ = engine.run(part, v.new_zeros(v.shape[:-1] + (K,)), eye.contiguous(), need_map, False)
         ctx.engine, ctx.box, ctx.kept = engine, box, kept
@@ -229,10 +244,11 @@ class KdaCP(torch.autograd.Function):
     None when not given.
 
     The correction of the first document's outputs (``o += Q S_in``) is written by hand, in the
-    outputs' own layout: o(0) copied into the output, then one strided batched matmul adds Q S_in in
-    place; in the backward ``dS_in = Q^T do``, and only the small chain from the gathered maps to
-    S_in is differentiated by autograd. The row-strided copies (o(0) out of the call's [o(0) | Q], v
-    into [v | 0]) move 8-byte words (``_copy_rows``)."""
+    outputs' own layout: o(0) copied into the output (or, where that document is the rank's whole
+    slice and o(0) a tensor of its own, o(0) is the output), then one strided batched matmul adds Q
+    S_in in place; in the backward ``dS_in = Q^T do``, and only the small chain from the gathered
+    maps to S_in is differentiated by autograd. The row-strided copies of CallEngine's form (o(0) out
+    of the call's [o(0) | Q], v into [v | 0]) move 8-byte words (``_copy_rows``)."""
 
     @staticmethod
     def forward(ctx, call, engine, cp_context, cu, *tensors):
@@ -290,6 +306,8 @@ class KdaCP(torch.autograd.Function):
         with torch.no_grad():
             if len(segs) == 1 and placed:  # one ordinary call: its output is the rank's (contiguous)
                 o = placed[0][2].detach()
+            elif len(segs) == 1 and o0.is_contiguous():  # one crossing document whose o(0) has a tensor of
+                o = o0  # its own (KernelEngine): the correction below goes into it in place, no copy
             else:
                 o = torch.empty(q.shape[:2] + (HV, V), dtype=(o0 if o0 is not None else placed[0][2]).dtype,
                                 device=q.device)
@@ -308,7 +326,8 @@ class KdaCP(torch.autograd.Function):
             with torch.no_grad():
                 lo, hi = segs[0][0], segs[0][1]
                 dst = o[:, lo:hi]
-                _copy_rows(dst, o0)
+                if dst.data_ptr() != o0.data_ptr():
+                    _copy_rows(dst, o0)
                 _heads_first(dst).baddbmm_(_heads_first(Q), h.detach().to(Q.dtype))
         ctx.graph = (outs, spans, finals, Q, h, segs[0][:2], gathered, leaves, V)
         ctx.group = group

@@ -219,6 +219,26 @@ def forward(q, k, v, g, beta, *, options: str, initial_state, output_final_state
     return o, (ht if output_final_state else None)
 
 
+def forward_identity_columns(q, k, v, g, beta, A, D, options: str, final: bool):
+    """The forward over v from a zero state with K identity columns beside v's (KdaProblem::id_cols):
+    the context-parallel call of a document that began on an earlier rank (kda/_cp.py's KernelEngine).
+    Returns (o(0), Q, [E | Phi] or None, kept): o(0) [B, T, HV, V] and Q [B, T, HV, K] in q's dtype, the
+    final state [B, HV, K, V + K] fp32 where final, and kept = (Aqk, Akk, M, w, qg, kg, gdecay), which
+    the backward of the ordinary call over v reads as its forward's (none depends on the values or the
+    initial state). One forward of our kernels at V + K state columns, without a [v | 0] copy and with
+    o(0) and Q in tensors of their own. A, D: flat fp32 gate parameters (gate_params). Not
+    differentiable: the caller's autograd.Function differentiates the ordinary call."""
+    opts = _decode(options)
+    B, _, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o, _, Aqk, Akk, M, _, w, qg, kg, gdecay = _forward_buffers(q, v, None, options, False, True, False, True)
+    Q = q.new_empty(o.shape[:-1] + (K,))
+    ht = q.new_empty(_state_shape(B, HV, K, V + K, opts.state_v_first), dtype=torch.float32) if final else None
+    _ext.ops().kda_fwd(_aligned(q), _aligned(k), _aligned(v), g.contiguous(), beta.contiguous(), A, D, None, None,
+                       options, o, ht, None, Aqk, Akk, M, None, w, qg, kg, gdecay, Q)
+    return o, Q, ht, (Aqk, Akk, M, w, qg, kg, gdecay)
+
+
 def _state_buffer(q, v, opts, cu_seqlens, cu_seqlens_cpu):
     """(h_states buffer for the raw op, number of chunks the caller sees). Without cu_seqlens one
     state per chunk of each sequence row; with it the raw op wants room for every chunk the grid can
