@@ -87,7 +87,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the plumbing on the reference (wall clock)")
     ap.add_argument("--stages", action="store_true", help="also each rank's kernels' ms (torch.profiler, CUDA)")
     ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
+    ap.add_argument("--zero-padded", action="store_true",
+                    help="the crossing call over a [v | 0] buffer, o(0) and Q column blocks of one output (the "
+                         "form before the kernels' identity columns), for an A/B")
     a = ap.parse_args()
+    if a.zero_padded:
+        from kernel_fun.kda._cp import CallEngine, KernelEngine
+        KernelEngine.run_identity = CallEngine.run_identity
     (case,) = select("kda", [a.case])
     if a.T:
         case = dataclasses.replace(case, T=a.T)

@@ -2,7 +2,8 @@
 launch every KDA kernel (the two-kernel forward, the opt-in fused forward, the backward from saved
 factors and by recompute, the paired scans, GVA's group sums, the gate-parameter passes, the token
 recurrence of one-chunk problems, the opt-in split scans, the 32-token forward of a call without
-autograd, the streamed forward at 64 and at 32 tokens per chunk), in strict
+autograd, the streamed forward at 64 and at 32 tokens per chunk, the context-parallel call's identity
+columns), in strict
 mode so that nothing falls back to fla. Run by scripts/sanitize_kda.sh, once per tool; alone it is
 a smoke test.
 
@@ -83,6 +84,21 @@ def run_calls() -> None:
                 _train(args, kw, leaves)
                 print(f"ok: {what}", flush=True)
                 del args, kw, leaves
+        # the context-parallel call of a document that began on an earlier rank (kda/_cp.py's
+        # KernelEngine): K identity columns beside v's, kda_fwd_scan_id_kernel (slices of 64: K = V =
+        # 64; of 128 or 64: K = V = 128, the policy's); its backward is the ordinary one, above
+        from kernel_fun.kda import _kernel
+        from kernel_fun.kda._options import KdaOptions
+        for K, V in ((64, 64), (128, 128)):
+            args, kw, _ = _inputs(T=200, H=1, HV=2, K=K, V=V, gate="unbounded")
+            opts = KdaOptions.from_call(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                        A_log=kw["A_log"], state_v_first=False, chunk_size=64)
+            A, D = _kernel.gate_params(opts, kw["A_log"], kw["dt_bias"])
+            _kernel.forward_identity_columns(*args, A, D, opts.encode(), True)
+            torch.cuda.synchronize()
+            print(f"ok: identity columns, K={K} V={V}", flush=True)
+            del args, kw
         # the streamed forward (forced): the scan's pass 1 waiting on the intra's chunk flags. Under a
         # sanitizer the launches run one after the other, so every chain stops after its 2 ms wait
         # and pass 2 resumes it: the flags, the done counter, the resume slots and scan_save all run.
