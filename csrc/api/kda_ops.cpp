@@ -5,7 +5,8 @@
 //   kda_support(...) -> str       "" when our kernels serve the call, else the reason (metadata only:
 //                                 any device, meta tensors included)
 //   kda_fwd(...) -> ()            writes o (+ final_state, h_states, and for training the factors the
-//                                 backward reads: Aqk, Akk, M, and optionally the states h_ckpt);
+//                                 backward reads: Aqk, Akk, M, and optionally the states h_ckpt; with
+//                                 o_id the context-parallel call's identity columns, id_cols_check);
 //                                 allocates the rest of its workspace
 //   kda_bwd(...) -> ()            writes dq, dk, dv, dg, dbeta (+ dA_log, ddt_bias, dh0); with the
 //                                 forward's Aqk / Akk / M it skips recomputing them, with its h_ckpt
