@@ -292,7 +292,8 @@ inline bool save_states_pays(const KdaProblem& p) {
 constexpr int64_t kRecurStateBudget = int64_t{256} << 20;
 inline bool recurrent_possible(const KdaProblem& p) {
   const bool one_chunk = p.cu_seqlens ? static_cast<int64_t>(p.B) * p.T <= kChunk : p.T <= kChunk;
-  return one_chunk && p.id_cols == 0 && p.N > 0 && p.HV > 0 && p.V % kRecurCols == 0 && (p.K == 64 || p.K == 128);
+  return one_chunk && p.id_cols == 0 && p.N > 0 && p.HV > 0 && p.V % kRecurCols == 0 &&
+         (p.K == 64 || p.K == 128);
 }
 inline bool recurrent_default(const KdaProblem& p) {
   return recurrent_possible(p) &&

@@ -223,8 +223,8 @@ __host__ __device__ inline int64_t stream_chunks(const KdaProblem& p) { return c
 // widest slice (no device has more SMs to spare), fixed length, and at most 65535 chunk rows (the
 // intra's grid y, dev::streamed_chunk) at the call's chunk size.
 inline bool fwd_stream_possible(const KdaProblem& p) {
-  return !p.cu_seqlens && p.id_cols == 0 && p.N > 0 && p.HV > 0 && p.max_chunks > 0 && stream_chunks(p) <= 65535 &&
-         static_cast<int64_t>(p.HV) * p.N * (p.V / 128) <= 256 && p.V % 64 == 0;
+  return !p.cu_seqlens && p.id_cols == 0 && p.N > 0 && p.HV > 0 && p.max_chunks > 0 &&
+         stream_chunks(p) <= 65535 && static_cast<int64_t>(p.HV) * p.N * (p.V / 128) <= 256 && p.V % 64 == 0;
 }
 // chunk_ready's length: the flags, the intra's done counter, one resume chunk per scan CTA (BV = 64),
 // and 3 ints of padding: the scan reads flags in aligned groups of four (dev::prefetch_flag)

@@ -145,7 +145,7 @@ class CallEngine:
         """As KernelEngine's, through one call over [v | 0] from [0 | I] (o(0) and Q its column blocks)."""
         v = part[2]
         HV, V, K = v.shape[2], v.shape[3], part[0].shape[-1]
-        eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
+        eye = _identity_state(K, HV, v.device)
         init = torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1).contiguous()
         o_ext, ht, kept = self.run(part, _zero_columns(v, K), init, final, True)
         return o_ext[..., :V], o_ext[..., V:], ht, kept
@@ -180,7 +180,7 @@ class _Crossing(torch.autograd.Function):
             o0, Q, ht, kept = engine.run_identity(part, need_map)
             E, Phi = (ht[..., :V], ht[..., V:]) if need_map else (None, None)
         else:  # wider than our kernels' values: two calls of the same tokens
-            eye = torch.eye(K, dtype=torch.float32, device=v.device).expand(1, HV, K, K)
+            eye = _identity_state(K, HV, v.device)
             o0, E, kept = engine.run(part, v, None, need_map, True)
             Q, Phi, _ = engine.run(part, v.new_zeros(v.shape[:-1] + (K,)), eye.contiguous(), need_map, False)
         ctx.engine, ctx.box, ctx.kept = engine, box, kept
@@ -218,6 +218,12 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
         a.copy_(b)
     else:
         dst.copy_(src)
+
+
+def _identity_state(K: int, HV: int, device) -> torch.Tensor:
+    """[1, HV, K, K] fp32: the identity per value head, the initial state whose outputs are Q and whose
+    final state is Phi (a view: callers make it contiguous, alone or beside zero columns)."""
+    return torch.eye(K, dtype=torch.float32, device=device).expand(1, HV, K, K)
 
 
 def _zero_columns(v: torch.Tensor, K: int) -> torch.Tensor:
@@ -326,7 +332,7 @@ class KdaCP(torch.autograd.Function):
             with torch.no_grad():
                 lo, hi = segs[0][0], segs[0][1]
                 dst = o[:, lo:hi]
-                if dst.data_ptr() != o0.data_ptr():
+                if o is not o0:
                     _copy_rows(dst, o0)
                 _heads_first(dst).baddbmm_(_heads_first(Q), h.detach().to(Q.dtype))
         ctx.graph = (outs, spans, finals, Q, h, segs[0][:2], gathered, leaves, V)
