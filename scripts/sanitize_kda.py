@@ -114,6 +114,19 @@ def run_calls() -> None:
                 torch.cuda.synchronize()
                 print(f"ok: streamed forward, {chunk}-token chunks", flush=True)
                 del args, kw, leaves
+        # the streamed backward (kda_bwd_grads beside the dh scan, waiting on its counters; under a
+        # sanitizer the launches run one after the other, so every count is final when grads starts):
+        # the bounded-gate kernel, and the unbounded one with kda_bwd_grads_last_kernel (bf16, dht)
+        from kernel_fun import _ext
+        for what, shape in (("bounded, K=V=128", dict(T=1200, H=2, HV=2, K=128, V=128, gate="bounded")),
+                            ("unbounded, K=64 V=128", dict(T=1100, H=2, HV=2, K=64, V=128, gate="unbounded"))):
+            with _env(KERNEL_FUN_KDA_SPLIT="0"):
+                args, kw, leaves = _inputs(**shape)
+                before = _ext.op_calls()["kda_bwd_streamed"]
+                _train(args, kw, leaves)
+                assert _ext.op_calls()["kda_bwd_streamed"] == before + 1, "the backward did not stream"
+                print(f"ok: streamed backward, {what}", flush=True)
+                del args, kw, leaves
 
 
 @contextlib.contextmanager

@@ -188,6 +188,37 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
 
 
 @pytest.mark.parametrize("case,bv", [
+    (dict(B=2, T=1100, K=64, V=128, h0=True), 64),                   # 18 chunks: a publication mid-chain, two slices
+    (dict(T=1030, K=128, V=128, gate="bounded16", h0=True), 128),     # the bounded-gate kernel (kLoLast)
+    (dict(B=3, T=200, K=128, V=64, dtype=torch.float16), 0),          # fp16, three sequences, the launcher's width
+    (dict(T=140, H=1, HV=2, K=64, V=192, h0=True, state_v_first=True), 64),  # GVA, three slices
+])
+def test_streamed_backward_is_bitwise_the_plain_one(emu, case, bv):
+    """The streamed backward (KdaBwdParams::dh_ready: kda_bwd_grads beside the dh scan on the GPU, its grid
+    transposed into the order the dh scan stores its checkpoints, each CTA waiting for its chunk's count)
+    gives exactly the plain backward's gradients. The emulator runs the dh scan to its end first: a
+    grads CTA whose checkpoint is not counted fails the launch, and each grads kernel's done counter
+    must equal its CTA count (the unbounded bf16 cases with dht also run kda_bwd_grads_last_kernel)."""
+    inputs, kw = make_case(**case)
+    B, T, HV, V = inputs[2].shape
+    do, dht = _do_dht(inputs, kw, 13)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=True, bv=bv or None)
+    saved = (ws["Aqk"], ws["Akk"], ws["M"])
+    kept = {n: ws[n].clone() for n in ("w", "qg", "kg", "gdecay")}
+    args = dict(saved=saved, states=ws["h_ckpt"], workspace=kept, bv=bv or None)
+    plain = emu.backward_stages(*inputs, do, dht, **kw, **args)[0]
+    streamed, st = emu.backward_stages(*inputs, do, dht, **kw, **args, streamed=True)
+    assert_bitwise_same(plain, streamed, "streamed")
+    # every dh-scan slice counted every chunk of its sequence ([sequence][value head][slice] at the dh
+    # scan's width: the launcher's when bv is 0); the counters a narrower width would use stay 0
+    nts = -(-T // 64)
+    counts = st["dh_ready"][: B * HV * (V // 64)]
+    n_set = int((counts == nts).sum())
+    assert n_set == B * HV * (V // bv) if bv else n_set in (B * HV * (V // 64), B * HV * (V // 128)), counts
+    assert (counts[:n_set] == nts).all() and (counts[n_set:] == 0).all(), counts
+
+
+@pytest.mark.parametrize("case,bv", [
     (dict(B=2, T=130, K=64, V=128, h0=True), 64),                                   # two V-slices per scan
     (dict(T=200, K=128, V=128, cu=[0, 0, 1, 64, 65, 200], h0=True, gate="bounded"), 64),  # varlen, empty docs
     (dict(T=90, H=1, HV=2, K=64, V=64, h0=True, state_v_first=True), 0),           # GVA, the launcher's width

@@ -311,15 +311,15 @@ def test_bitwise_deterministic():
         assert torch.equal(t, b[key]), key
 
 
-@pytest.mark.parametrize("states", ["buffer", "workspace", "saved"])
+@pytest.mark.parametrize("states", ["few-chains", "workspace", "saved"])
 @pytest.mark.parametrize("slice_b", ["1", "3"])
 def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, states, monkeypatch):
     """The backward run in batch slices (KERNEL_FUN_KDA_BWD_SLICE forces the slice; the scan width
     is pinned so both runs pick the same) gives exactly the gradients of one pass, dA_log, ddt_bias
-    and dh0 (summed / written across slices) included. The states: re-scanned into each slice's part
-    of the forward's buffer ("buffer", few chains), into per-slice workspace
-    (KERNEL_FUN_KDA_SAVE_STATES=0), or saved by the forward's scan ("saved", 64 chains per batch), each
-    slice reading its own part."""
+    and dh0 (summed / written across slices) included. The states: saved by the forward's scan for
+    the streamed backward ("few-chains": the one pass streams, the slices do not), re-scanned into
+    per-slice workspace (KERNEL_FUN_KDA_SAVE_STATES=0), or saved by the forward's scan ("saved", 64
+    chains per batch), each slice reading its own part."""
     monkeypatch.setenv("KERNEL_FUN_KDA_SCAN_BV", "64")
     if states == "workspace":
         monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
@@ -332,7 +332,7 @@ def test_backward_in_batch_slices_is_bitwise_one_pass(slice_b, states, monkeypat
     # the path named: the forward's scan is the only state scan exactly when it saved the states
     launches = _kda_launches(case)
     rescans = launches.get("kda_fwd_scan_kernel", 0) - 1 + launches.get("kda_bwd_scans_kernel", 0)
-    assert (rescans == 0) == (states == "saved"), launches
+    assert (rescans == 0) == (states != "workspace"), launches
     whole = _grads_ours(inputs, kw, do, dht)
     monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", slice_b)
     sliced = _grads_ours(inputs, kw, do, dht)
@@ -387,8 +387,8 @@ def test_saved_states_replace_the_rescan(monkeypatch):
     """Where the backward would not pair its scans, a training forward's scan keeps the state before
     every chunk and the backward runs no re-scan: kda_fwd_scan is launched once per training call
     (the forward's), and with KERNEL_FUN_KDA_SAVE_STATES=0 once more per batch slice (B16 T256 H16
-    V256: 4 slices of 4 batches, the scans apart). Where it pairs them (one sequence of 4 heads) the
-    re-scan runs beside the dh scan either way (kda_policy.h's save_states_pays)."""
+    V256: 4 slices of 4 batches, the scans apart). With few chains (one sequence of 4 heads) it keeps
+    them too, for the streamed backward (kda_policy.h's save_states_pays, bwd_stream_wanted)."""
     monkeypatch.delenv("KERNEL_FUN_KDA_BWD_PAIR_SCANS", raising=False)
     monkeypatch.delenv("KERNEL_FUN_KDA_BWD_SLICE", raising=False)
     monkeypatch.delenv("KERNEL_FUN_KDA_SAVE_STATES", raising=False)
@@ -400,7 +400,9 @@ def test_saved_states_replace_the_rescan(monkeypatch):
     assert saved.get("kda_fwd_scan_kernel") == 1 and "kda_bwd_scans_kernel" not in saved, saved
     assert saved.get("kda_bwd_dh_scan_kernel") == 4, saved
     assert rescan.get("kda_fwd_scan_kernel") == 1 + rescan.get("kda_bwd_dh_scan_kernel", 0) == 5, rescan
-    assert few.get("kda_fwd_scan_kernel") == 1 and few.get("kda_bwd_scans_kernel") == 1, few
+    # few chains: the backward streams (kda_bwd_grads beside the dh scan), which needs the states too
+    assert few.get("kda_fwd_scan_kernel") == 1 and few.get("kda_bwd_dh_scan_kernel") == 1, few
+    assert "kda_bwd_scans_kernel" not in few, few
 
 
 def test_saved_workspace_replaces_prep(monkeypatch):
@@ -633,6 +635,80 @@ SWITCH_CASES = {
     "split-1-then-0": ("KERNEL_FUN_KDA_SPLIT", "1", "0", dict(T=3000, gate="precomputed_weak", h0=True)),
     "split-0-then-1": ("KERNEL_FUN_KDA_SPLIT", "0", "1", dict(T=3000, gate="precomputed_weak", h0=True)),
 }
+
+
+# The streamed backward (kda_policy.h's bwd_stream_wanted): kda_bwd_grads beside the dh scan, its CTAs in
+# the order the dh scan stores the checkpoints, each waiting for its chunk's count. Few chains, so that
+# the model streams them too.
+STREAMED_BWD_CASES = {
+    "bounded16-T4096-H4": dict(T=4096, H=4, V=128, gate="bounded16", h0=True),  # the bounded-gate kernel
+    "unbounded-B2-T2000-dht": dict(B=2, T=2000, H=2, V=128, h0=True),  # + kda_bwd_grads_last_kernel beside it
+    "fp16-K64-V256": dict(T=3000, H=2, K=64, V=256, dtype=torch.float16),
+    "gva-vfirst": dict(T=1500, H=1, HV=2, V=128, h0=True, state_v_first=True),
+}
+
+
+@pytest.mark.parametrize("name", list(STREAMED_BWD_CASES))
+def test_streamed_backward_is_bitwise_the_plain_one(name, monkeypatch):
+    """KERNEL_FUN_KDA_BWD_STREAMED unset (the model streams these shapes, with the split scans off):
+    every gradient bit for bit as with KERNEL_FUN_KDA_BWD_STREAMED=0, over 3 training calls (a checkpoint read before the dh
+    scan stored it would show in some call); the kda_bwd_streamed counter proves which ran."""
+    from kernel_fun.kda import chunk_kda
+
+    inputs, kw = make_case(**STREAMED_BWD_CASES[name])
+    do, dht = _do_dht(inputs, kw)
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "0")  # (the split scans' model would take these few chains)
+
+    def grads(streamed: bool):
+        (monkeypatch.delenv("KERNEL_FUN_KDA_BWD_STREAMED", raising=False) if streamed
+         else monkeypatch.setenv("KERNEL_FUN_KDA_BWD_STREAMED", "0"))
+        before = _ext.op_calls()
+        out = _grads_through(chunk_kda, inputs, kw, do, dht)
+        after = _ext.op_calls()
+        assert after["kda_bwd"] == before["kda_bwd"] + 1, "our backward did not run"
+        assert after["kda_bwd_streamed"] == before["kda_bwd_streamed"] + int(streamed), (name, streamed)
+        return out
+
+    plain = grads(False)
+    for _ in range(3):
+        assert_bitwise_same(plain, grads(True), name)
+    ref = _grads_naive(inputs, kw, do, dht)
+    assert rel_rms(ref["dk"], plain["dk"]) <= KDA_TOL["dk"]
+
+
+def test_streamed_backward_with_launches_serialised(tmp_path):
+    """CUDA_LAUNCH_BLOCKING=1 (a subprocess): the dh scan ends before kda_bwd_grads starts, every count
+    already final; the same bits as the plain backward, and no hang (bounded by the timeout)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", KF_ROOT=str(root), KERNEL_FUN_KDA_SPLIT="0")
+    r = subprocess.run([sys.executable, "-c", _SERIALISED_BWD], env=env, capture_output=True, text=True, timeout=180,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "serialised backward: same bits, streamed" in r.stdout, r.stdout[-2000:]
+
+
+_SERIALISED_BWD = r"""
+import os, sys, torch
+sys.path.insert(0, os.path.join(os.environ["KF_ROOT"], "tests"))
+import test_kda_bwd_gpu as t
+from kernel_fun import _ext
+from kernel_fun.kda import chunk_kda
+inputs, kw = t.make_case(T=2048, H=4, V=128, gate="bounded16", h0=True)
+do, dht = t._do_dht(inputs, kw)
+os.environ["KERNEL_FUN_KDA_BWD_STREAMED"] = "0"
+plain = t._grads_through(chunk_kda, inputs, kw, do, dht)
+os.environ.pop("KERNEL_FUN_KDA_BWD_STREAMED")
+n0 = _ext.op_calls()["kda_bwd_streamed"]
+streamed = t._grads_through(chunk_kda, inputs, kw, do, dht)
+assert _ext.op_calls()["kda_bwd_streamed"] == n0 + 1, "did not stream"
+t.assert_bitwise_same(plain, streamed, "serialised")
+print("serialised backward: same bits, streamed")
+"""
 
 
 @pytest.mark.parametrize("name", list(SWITCH_CASES))

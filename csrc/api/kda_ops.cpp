@@ -255,6 +255,7 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kRecurState: p.recur_state = static_cast<float*>(ptr); break;
       case WorkBuffer::kSplitMap: p.split_map = static_cast<int*>(ptr); break;
       case WorkBuffer::kSplitState: p.split_state = static_cast<float*>(ptr); break;
+      case WorkBuffer::kDhReady: p.dh_ready = static_cast<int*>(ptr); break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));
@@ -569,7 +570,7 @@ std::vector<Tensor> run_bwd(KF_KDA_IN, const Tensor& dout, const OptT& dht, cons
   p.dbg_dA = dbg_dA;
   p.dbg_dL = dbg_dL;
   count_call(OpId::kKdaBwd);
-  kda::kda_backward(p, current_stream(q));
+  if (kda::kda_backward(p, current_stream(q))) count_call(OpId::kKdaBwdStreamed);
   return ws;
 }
 

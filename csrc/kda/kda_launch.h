@@ -138,6 +138,10 @@ struct StreamStages {
 // kda_forward returns the streamed forward's V-slice width, 0 where the call did not stream
 // (kda_fwd_stream_bv, decided once inside it; csrc/api counts the streamed calls by it).
 int kda_forward(const KdaFwdParams& p, cudaStream_t stream);
-void kda_backward(const KdaBwdParams& p, cudaStream_t stream);
+// Whether a backward streams (kda_bwd_grads beside its dh scan): p.dh_ready allocated, the forward's
+// saved states, one pass, and kda_policy.h's bwd_stream_wanted (KERNEL_FUN_KDA_BWD_STREAMED: 0 never,
+// 2 wherever bwd_stream_possible). kda_backward decides it once and returns it (csrc/api counts them).
+bool kda_bwd_streams(const KdaBwdParams& p);
+bool kda_backward(const KdaBwdParams& p, cudaStream_t stream);
 
 }  // namespace kernel_fun::kda

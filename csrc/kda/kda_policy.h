@@ -260,6 +260,23 @@ inline int bwd_slice_batches(const KdaProblem& p) {
   return p.B;
 }
 
+// The streamed backward (kda_bwd.cu; KERNEL_FUN_KDA_BWD_STREAMED=0 turns it off): kda_bwd_grads launched
+// beside the dh scan (a programmatic dependent launch), its grid in the order the dh scan stores
+// the checkpoints (the last chunk of every sequence first), each grads CTA waiting until the
+// checkpoint it reads is stored. Few chains leave most SMs idle during the dh scan (long_b1_t32k: 64
+// chains on 132 SMs), and the grads kernel, which needs a whole SM per CTA, runs on those SMs
+// meanwhile. It needs the states the forward saved (the dh scan alone, not paired with the
+// re-scan: save_states_pays below), and pays where at least half the SMs are free: the chains at
+// the dh scan's width at most kPolicySMs / 2. The grads CTAs wait for the dh scan and never the other
+// way round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch
+// starts only then), so a wait always ends. A pure function of the shape, so that the forward's
+// decision to save its states (save_states_pays) and the backward's to stream agree.
+inline bool bwd_stream_wanted(const KdaProblem& p) {
+  if (!bwd_stream_possible(p)) return false;
+  const int bv = dh_scan_bv(p, scan_choice(p).bv);
+  return static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs / 2;
+}
+
 // Whether a training forward's scan writes the state before every chunk for its backward (which then
 // runs no re-scan: KdaBwdParams::saved_states), given the buffer (the Python front allocates it,
 // [max_chunks, HV, V, K], unless KERNEL_FUN_KDA_SAVE_STATES=0). Where the backward would pair its
@@ -267,14 +284,16 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // few chains, B = 1 with few heads) the re-scan costs nothing beside the longer dh scan, while the
 // checkpoint stores lengthen the forward's chain steps: on the H200 (2026-12-04) B1 T32768 H32's
 // training call 7.36 -> 7.66 ms and B1 T8192 H16's 1.31 -> 1.36 with them, where prod8192 went
-// 18.91 -> 17.70, bounded B16 13.68 -> 13.16 and varlen 1.99 -> 1.89. There the buffer serves the
-// backward's re-scan instead (no per-slice h_ckpt). Where the scans are split (p.split_chunks, decided
+// 18.91 -> 17.70, bounded B16 13.68 -> 13.16 and varlen 1.99 -> 1.89. There the buffer served the
+// backward's re-scan instead (no per-slice h_ckpt) until the streamed backward (bwd_stream_wanted,
+// fixed length), which needs the states and won them back on the H100 (2026-12-05): long_b1_t32k
+// 6.90 -> 6.80 ms, long_b1_t128k 27.00 -> 26.40, bounded_b1 through a CUDA graph 1.54 -> 1.46. Where the scans are split (p.split_chunks, decided
 // before this) the backward runs no paired scans, and the forward's pass 2 writes the states in its
 // stride: saved, so the backward runs no split re-scan (passes 1 and 2 and the chain). A pure function
 // of the shape and the options (the split comes from them, not from the environment), so the forward
 // and its backward always decide alike.
 inline bool save_states_pays(const KdaProblem& p) {
-  if (p.split_chunks > 0) return true;
+  if (p.split_chunks > 0 || bwd_stream_wanted(p)) return true;
   KdaProblem s = p;
   if (!p.cu_seqlens) s.B = s.N = bwd_slice_batches(p);
   return !bwd_pair_scans(s, scan_choice(s).bv);

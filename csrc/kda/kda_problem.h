@@ -195,6 +195,13 @@ struct KdaBwdParams : KdaFwdParams {
   float* dbg_dA = nullptr;     // optional stage dumps for tests: [B*T, HV, 64] fp32 dAqk (scaled),
   float* dbg_dL = nullptr;     //   and dL = -(M^T dM M^T) (strictly lower)
   long long* dbg_clock = nullptr;  // optional [max_chunks * HV][16] phase clocks of kda_bwd_grads (profiling)
+  // The streamed backward only (kda_policy.h's bwd_stream_wanted), else null: kda_bwd_grads runs beside
+  // the dh scan, each grads CTA waiting until the dh scan has stored the checkpoint it reads. Layout
+  // (bwd_stream_ints): per (sequence, value head, dh-scan V-slice) the chunks that slice has stored,
+  // counted from the sequence's end ([N][HV][V / dh_bv]), then the done counters of the two grads
+  // kernels (bwd_stream_done_offset); zeroed before each streamed dh scan.
+  int* dh_ready = nullptr;
+  int dh_bv = 0;               // the dh scan's V-slice width (the counters' slices), with dh_ready
   int balance = 0;             // kda_bwd_grads' load balancing, a bit mask (A/B timing with
                                // KERNEL_FUN_KDA_BWD_BALANCE=0..3): 1 = I1's column side over the
                                // warps, 2 = E1's dAkk tiles to the warps with the least dkA work.
@@ -208,7 +215,7 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kSplitMap, kSplitState, kCount };
+                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kSplitMap, kSplitState, kDhReady, kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
@@ -234,6 +241,20 @@ inline int64_t stream_flag_count(const KdaProblem& p) {
 // Where the intra's done counter sits in chunk_ready (after the flags), and the resume chunks after it.
 __host__ __device__ inline int64_t stream_done_offset(const KdaProblem& p) { return stream_chunks(p) * p.HV; }
 __host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return stream_done_offset(p) + 1; }
+
+// The streamed backward (kda_policy.h's bwd_stream_wanted): fixed length, no split, the grads grid's
+// chunk rows (its grid y: dev::grads_cell) at most 65535, and few dh-scan chains (at most 256 at the
+// narrowest slice, as the streamed forward).
+inline bool bwd_stream_possible(const KdaProblem& p) {
+  return !p.cu_seqlens && p.id_cols == 0 && p.split_chunks == 0 && p.N > 0 && p.HV > 0 && p.max_chunks > 0 &&
+         p.max_chunks <= 65535 && static_cast<int64_t>(p.HV) * p.N * (p.V / 64) <= 256 && p.V % 64 == 0;
+}
+// dh_ready's length: a counter per (sequence, value head, 64-column slice) -- enough for either
+// width -- then the done counters of kda_bwd_grads_last_kernel and kda_bwd_grads_kernel.
+inline int64_t bwd_stream_ints(const KdaProblem& p) { return static_cast<int64_t>(p.N) * p.HV * (p.V / 64) + 2; }
+__host__ __device__ inline int64_t bwd_stream_done_offset(const KdaProblem& p) {
+  return static_cast<int64_t>(p.N) * p.HV * (p.V / 64);
+}
 
 // ---- the split forward (fwd/kda_fwd_split.cuh): each sequence's chunks cut into pieces of
 // p.split_chunks chunks (at least one piece per sequence, empty ones included), run as a derived varlen
@@ -357,7 +378,11 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kPbias, "pbias", {Cfull, HV, K}, f32});
     b.push_back({WorkBuffer::kPA, "pA", {Cfull, HV}, f32});
   }
-  if (chunked) push_split();  // last in the backward's list
+  if (chunked) push_split();
+  // the streamed backward's counters (bwd_stream_ints), where it can stream at all; used only where
+  // the launcher streams (kda_bwd.cu)
+  if (chunked && bwd_stream_possible(p) && !sliced)
+    b.push_back({WorkBuffer::kDhReady, "dh_ready", {bwd_stream_ints(p)}, f32, true});
   return b;
 }
 

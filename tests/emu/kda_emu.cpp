@@ -127,6 +127,8 @@ struct KdaEmuArgs {
                           // split_chain_cols for kPolicySMs SMs (the width changes no result bit)
   int64_t id_cols;        // forward: the identity columns (KdaProblem::id_cols; V counts them), or 0
   void* o_id;             // their outputs [B, T, HV, id_cols], with id_cols
+  int32_t* dh_ready;      // backward: the streamed backward's counters (kda_problem.h's bwd_stream_ints,
+                          // zeroed here), or null; needs saved_states, as kda_bwd_streams
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -196,6 +198,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.dbg_dL = a.dbg_dL;
   p.chunk_ready = a.chunk_ready;
   p.scan_save = a.scan_save;
+  p.dh_ready = a.dh_ready;
   p.B = static_cast<int>(a.B);
   p.T = static_cast<int>(a.T);
   p.H = static_cast<int>(a.H);
@@ -231,6 +234,9 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   // as kda_fwd_stream_bv: the split forward never streams (forward_sequence takes chunk_ready first)
   if (p.split_chunks && p.chunk_ready)
     throw std::invalid_argument("kda_emu: the split forward does not stream");
+  // as kda_bwd_streams: the streamed backward reads the forward's states, in one pass, where possible
+  if (p.dh_ready && (!p.saved_states || kda::sliced_backward(p, p.slice_B) || !kda::bwd_stream_possible(p)))
+    throw std::invalid_argument("kda_emu: the streamed backward takes saved states, one pass, and fixed length");
   return p;
 }
 
@@ -382,12 +388,27 @@ struct EmuStages {
     return pair == 1 || (pair == 0 && kda::bwd_pair_scans(p, BV));
   }
   void scans(const kda::KdaBwdParams& p) { ::scans<WT, K, BV>(p); }
+  // The streamed backward (p.dh_ready): on the GPU kda_bwd_grads runs beside the dh scan; here the dh
+  // scan runs to its end first, so every grads CTA must find its checkpoint counted
+  // (kda_bwd_grads' grads_wait_dh fails the launch otherwise), and each grads kernel's done counter
+  // must equal its CTA count.
   void dh_scan(const kda::KdaBwdParams& p) {
+    if (p.dh_ready) std::fill(p.dh_ready, p.dh_ready + kda::bwd_stream_ints(p), 0);
     kda::dispatch_wt_k_bv(p.dtype, p.K, dh_bv, "kda_emu dh_scan", [&](auto, auto, auto b) {
       ::dh_scan<WT, K, decltype(b)::value>(p);
     });
   }
-  void grads(const kda::KdaBwdParams& p) { ::grads<WT, K>(p); }
+  void grads(const kda::KdaBwdParams& p) {
+    std::vector<int64_t> ctas;  // per launch: kda_bwd_grads_last_kernel's first where it runs, then the main one
+    kda::for_each_grads_launch<WT, K>(p, [&](auto kern, const kda::LaunchShape& s) {
+      launch(s, kern, p);
+      ctas.push_back(static_cast<int64_t>(s.grid.x) * s.grid.y * s.grid.z);
+    });
+    if (!p.dh_ready) return;
+    const int32_t* done = p.dh_ready + kda::bwd_stream_done_offset(p);
+    if (done[0] != (ctas.size() == 2 ? ctas[0] : 0) || done[1] != ctas.back())
+      throw std::runtime_error("streamed backward: a grads kernel's done counter is not its CTA count");
+  }
   void group_sums(const kda::KdaBwdParams& p) { ::group_sums<WT>(p); }
   void gate_params(const kda::KdaBwdParams& p) { ::gate_params<WT>(p); }
 };
@@ -409,6 +430,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
     EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused, a.stream_stop};
     stages.dh_bv = a.bv ? BV : kda::dh_scan_bv(p, BV);
+    p.dh_bv = stages.dh_bv;  // the streamed backward's counters: the dh scan's slices (as kda_backward)
     stages.chain_cols = static_cast<int>(a.chain_cols);
     if (!bwd) return kda::forward_sequence(p, stages);
     kda::KdaBwdParams r = p;  // the re-scan writes states only

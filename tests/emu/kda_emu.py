@@ -45,7 +45,7 @@ class KdaEmuArgs(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS] +
                 [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p),
                  ("fwd_chunk", ctypes.c_int64), ("chain_cols", ctypes.c_int64), ("id_cols", ctypes.c_int64),
-                 ("o_id", ctypes.c_void_p)])
+                 ("o_id", ctypes.c_void_p), ("dh_ready", ctypes.c_void_p)])
 
 
 def lib():
@@ -503,7 +503,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
                     recurrent=False, states=None, workspace=None, split_chunks=0, chain_cols=0,
-                    **_ignored):
+                    streamed=False, **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -516,6 +516,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     states: the forward's saved states (forward_stages' ws["h_ckpt"] with save_states), beside saved:
     no re-scan; st["h_ckpt"] is then a copy of them. workspace: the forward's {w, qg, kg, gdecay}
     (forward_stages' ws), beside saved: no kda_bwd_prep; st's are then copies of them.
+    streamed=True (with states): the streamed backward's grids and counters (KdaBwdParams::dh_ready;
+    on the GPU kda_bwd_grads runs beside the dh scan): st["dh_ready"] holds the counters after it.
     split_chunks=L > 0: the split scans (the re-scan and the dh scan in pieces of L chunks), whatever
     the launch policy says; st["split_map"], st["split_state"], st["split_layout"] and chain_cols as
     forward_stages'."""
@@ -547,6 +549,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                    dbg_dA=_ptr(st["dA"]), dbg_dL=_ptr(st["dL"]), bv=int(bv or 0),
                    slice_b=int(slice_b), pair_scans=int(pair_scans), balance=int(balance),
                    saved_states=int(states is not None), saved_workspace=int(workspace is not None))
+    if streamed:  # kda_problem.h's bwd_stream_ints: a counter per (sequence, value head, 64 columns), 2 done
+        ws["dh_ready"] = gz.alloc("dh_ready", (B * HV * (V // 64) + 2,), torch.int32, fill=-1)
+        a.dh_ready = _ptr(ws["dh_ready"])
     L = lib()
     _split_buffers(a, gz, ws, split_chunks, chain_cols)
     if L.kda_emu_backward(ctypes.byref(a)):

@@ -24,6 +24,8 @@ int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
 
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
   if (p.V % 64 != 0) throw std::invalid_argument("kda_bwd_dh_scan: V must be a multiple of 64");
+  // the streamed backward's counters start at zero (kda_bwd_grads, launched next, reads them)
+  if (p.dh_ready) KF_CUDA_CHECK(cudaMemsetAsync(p.dh_ready, 0, sizeof(int) * static_cast<size_t>(bwd_stream_ints(p)), stream));
   // Same shape of work as the forward scan (one warp per 16 value columns, serial over chunks);
   // its own width for varlen (kda_policy.h's dh_scan_bv).
   dispatch_wt_k_bv(p.dtype, p.K, kda_bwd_dh_scan_bv(p), "kda_bwd_dh_scan", [&](auto wt, auto k, auto bv) {
@@ -84,10 +86,25 @@ int kda_bwd_slice_batches(const KdaProblem& p) {
   return bwd_slice_batches(p);
 }
 
-void kda_backward(const KdaBwdParams& p, cudaStream_t stream) {
+bool kda_bwd_streams(const KdaBwdParams& p) {
+  // KERNEL_FUN_KDA_BWD_STREAMED: 0 never, 2 wherever possible (tests), else kda_policy.h's choice
+  const int mode = env_int("KERNEL_FUN_KDA_BWD_STREAMED", 1);
+  if (mode <= 0 || !p.dh_ready || !p.saved_states || p.recurrent || sliced_backward(p, p.slice_B)) return false;
+  return mode == 2 ? bwd_stream_possible(p) : bwd_stream_wanted(p);
+}
+
+bool kda_backward(const KdaBwdParams& p_in, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
+  KdaBwdParams p = p_in;
+  if (kda_bwd_streams(p)) {
+    p.dh_bv = kda_bwd_dh_scan_bv(p);  // the counters' slices, the dh scan's width
+    p.dbg_clock = nullptr;  // the phase clocks index a 2-D grid (dev::cta_clock_row); the streamed one is 3-D
+  } else {
+    p.dh_ready = nullptr;  // kept only where it streams
+  }
   StreamStages stages{stream};
   backward_sequence(p, stages);
+  return p.dh_ready != nullptr;
 }
 
 }  // namespace kernel_fun::kda

@@ -23,15 +23,34 @@
 
 namespace kernel_fun::kda {
 
+// The streamed backward (kda_policy.h's bwd_stream_wanted): the dh scan publishes how many chunks of
+// its slice it has stored, counted from the sequence's end, every kDhPublishEvery chunks and at the
+// end. Each publication costs every thread a fence on the chain (it waits for the thread's
+// outstanding stores); the grads CTAs consume far slower than the scan stores (~40 us per CTA on an
+// SM against a step of ~2.5 us per chunk row), so publishing every 16th chunk delays no grads CTA
+// that could run.
+constexpr int kDhPublishEvery = 16;
+// Thread 0, after a CTA barrier that follows every thread's __threadfence(): `done` chunks of this
+// slice are stored and visible at GPU scope (release; the grads CTAs read it with an acquire).
+__device__ __forceinline__ void publish_dh_progress(int* progress, int done) {
+#ifdef KF_EMU
+  __atomic_store_n(progress, done, __ATOMIC_RELEASE);
+#else
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(progress), "r"(done) : "memory");
+#endif
+}
+
 // The chunks of one reverse chain, last to first, for this warp's 16 value columns: A-C of the
 // header per chunk on the landed stage, dhT carried from the state gradient at the sequence's end to
 // the one at its start. load_chunk(cc, stage, go) issues chunk cc's copies (the caller's
 // ScanSources and columns); chunk nchunks - 1 is loaded here first. kStores: the checkpoints
 // dh_{c+1} (dh_ckpt) and dv are written (the ordinary dh scan), or not (the split backward's pass 1).
+// progress: this slice's counter in p.dh_ready (the streamed backward), or null.
 // The body of dh_scan_cta and of dh_scan_local_cta.
 template <typename WT, int K, int BV, bool kStores, typename LoadChunk>
 __device__ __forceinline__ void dh_scan_chunks(const KdaBwdParams& p, const dev::ScanPlace<K, BV>& pl, WT* sm,
-                                               float (&dhT)[K / 8][4], LoadChunk&& load_chunk) {
+                                               float (&dhT)[K / 8][4], LoadChunk&& load_chunk,
+                                               int* progress = nullptr) {
   using S = dev::ScanStage<WT, K, BV>;
   constexpr int AP = S::AP, VP = S::VP;
   const int g = pl.g, t = pl.t, hv = pl.hv, v0 = pl.v0, vw = pl.vw, col0 = pl.col0;
@@ -48,8 +67,13 @@ __device__ __forceinline__ void dh_scan_chunks(const KdaBwdParams& p, const dev:
     const int c = nchunks - 1 - i;
     const int st = i & 1;
     dev::cp_async_wait<0>();
+    // the streamed backward: the checkpoints of chunks c + 1 .. nchunks - 1 (stored by every thread in
+    // the steps before) visible at GPU scope before thread 0 publishes them after the barrier
+    const bool publish = kStores && progress != nullptr && i > 0 && i % kDhPublishEvery == 0;
+    if (publish) __threadfence();
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c + 1)
     __syncthreads();
+    if (publish && threadIdx.x == 0) publish_dh_progress(progress, i);
 
     const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
@@ -158,9 +182,16 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
   float dhT[K / 8][4];  // the state gradient, in ScanPlace's fragment layout
   dev::load_state<K>(dhT, p.dht, pl.sbase, p, pl.col0, pl.t);
   const dev::ScanSources<WT> src = dev::scan_sources<WT>(p, p.dout);
+  // the streamed backward: this slice's counter ([sequence][value head][slice], bwd_stream_ints)
+  int* progress = p.dh_ready ? p.dh_ready + (static_cast<int64_t>(b.n) * p.HV + b.hv) * (p.V / BV) + b.vs : nullptr;
   dh_scan_chunks<WT, K, BV, true>(p, pl, sm, dhT, [&](int cc, int st, bool go) {
     dev::scan_load_chunk<WT, K, BV, NT>(sm + st * S::kStageElems, src, p, pl.seq, cc, pl.hv, pl.v0, true, go);
-  });
+  }, progress);
+  if (progress) {  // every chunk stored
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) publish_dh_progress(progress, pl.nchunks);
+  }
   if (p.dh0) dev::store_state<WT, K>(p.dh0, pl.sbase, dhT, p, pl.col0, pl.t);
 }
 
@@ -200,6 +231,8 @@ __device__ __forceinline__ void dh_scan_local_cta(const KdaBwdParams& p, const d
 
 template <typename WT, int K, int BV>
 __global__ void __launch_bounds__(dev::scan_threads<BV>(), 1) kda_bwd_dh_scan_kernel(const KdaBwdParams p) {
+  // the streamed backward: kda_bwd_grads may start once every CTA here is resident (a no-op otherwise)
+  if (p.dh_ready) dev::launch_dependents();
   KF_DYN_SMEM(float4, smem_f4);
   dh_scan_cta<WT, K, BV>(p, dev::scan_block(p), dev::scan_smem_base<WT>(smem_f4));
 }

@@ -1396,14 +1396,88 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   }
 }
 
+// ---------------------------------------------------------------- the streamed backward
+// (kda_policy.h's bwd_stream_wanted; p.dh_ready set): the grads kernels run beside the dh scan.
+// The (sequence, chunk) of this CTA; its value head is blockIdx.y in either grid. The chunk map's
+// global chunk blockIdx.x (grid (max_chunks, HV, 1)), or in the streamed backward the chunk row
+// blockIdx.z of the grid (1, HV, max_chunks), which the hardware hands out every head of a row before
+// the next row, the rows in the order the dh scan stores them: the last chunk of every sequence,
+// then the one before it, ... (The head stays a special register the compiler re-reads where it
+// needs it: computed from either index, it held a register through the kernel and the bounded-gate
+// kernel spilled 64 / 96 bytes instead of 12 / 20, reloads in the V loop among them.)
+struct GradsCell {
+  int n, ci;
+  bool ok;
+};
+template <bool kStreamed>
+__device__ __forceinline__ GradsCell grads_cell(const KdaBwdParams& p) {
+  if constexpr (kStreamed) {  // fixed length (bwd_stream_possible): N sequences of nts chunks
+    const int nts = (p.T + kChunk - 1) / kChunk, row = blockIdx.z;
+    return {row % p.N, nts - 1 - row / p.N, true};
+  }
+  GradsCell cell{0, 0, false};
+  cell.ok = dev::chunk_of(p, blockIdx.x, cell.n, cell.ci);
+  return cell;
+}
+// Waits until every dh-scan slice of (sequence n, value head hv) has stored chunk ci's checkpoint
+// dh_{ci+1} (stored at the reverse chain's step for chunk ci, so once nchunks - ci chunks are counted).
+// Every thread waits for itself with an acquire load, so its own copies of dh_ckpt issued after it
+// see the stores (the dh scan fenced them before its release). The dh scan waits for nothing and all
+// of its CTAs are resident before this kernel starts (or, where the launches are serialised, done),
+// so the wait ends: a dh scan's whole chain takes ~2.5 us per chunk (5 ms for 131072 tokens). A wait
+// past kDhWaitNs can only be a broken count, and it traps (a launch error the caller sees) rather
+// than hang the device. In the emulator the dh scan has run to its end first: a count short of it is
+// a publication error.
+constexpr long long kDhWaitNs = 4000000000LL;  // 4 s
+__device__ __forceinline__ void grads_wait_dh(const KdaBwdParams& p, int n, int hv, int ci, int nchunks) {
+  const int slices = p.V / p.dh_bv, need = nchunks - ci;
+  const int* cnt = p.dh_ready + (static_cast<int64_t>(n) * p.HV + hv) * slices;
+  for (int s = 0; s < slices; ++s) {
+#ifdef KF_EMU
+    const int v = __atomic_load_n(cnt + s, __ATOMIC_ACQUIRE);
+    if (v < need)
+      kf_emu::detail::failf("streamed backward: slice %d of (n %d, hv %d) counts %d chunks, chunk %d needs %d", s, n,
+                            hv, v, ci, need);
+#else
+    long long t0 = -1;
+    for (;;) {
+      int v;
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(cnt + s) : "memory");
+      if (v >= need) break;
+      long long now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (t0 < 0) t0 = now;
+      else if (now - t0 > kDhWaitNs) __trap();
+      __nanosleep(256);
+    }
+#endif
+  }
+}
+// The end of every CTA of a grads kernel in the streamed backward: the last CTA to finish waits for
+// the previous kernel on the stream (griddepcontrol.wait), so that this kernel never completes before
+// it and the stream's next kernel sees both. Only the last: a wait in every CTA would hold its SM
+// until the dh scan ends. `done`: this kernel's counter in p.dh_ready (bwd_stream_done_offset + 0
+// for kda_bwd_grads_last_kernel, + 1 for kda_bwd_grads_kernel). scratch: the dynamic shared memory,
+// dead by now (a static __shared__ would cost the 1024-aligned plan up to 1 KB).
+__device__ __forceinline__ void grads_stream_end(const KdaBwdParams& p, int which, int* scratch) {
+  __syncthreads();  // every thread is done with the shared memory (and with the CTA's work)
+  if (threadIdx.x == 0) {
+    const unsigned total = gridDim.x * gridDim.y * gridDim.z;
+    *scratch = static_cast<unsigned>(atomicAdd(p.dh_ready + bwd_stream_done_offset(p) + which, 1)) == total - 1;
+  }
+  __syncthreads();
+  if (*scratch) dev::wait_previous();
+}
+
 // ---------------------------------------------------------------- the kernel
 // The V loop's copy a CTA runs: kLoNever (the plain loop), kLoLast (the second copy when this is the
 // last chunk of a sequence with a final-state gradient, else the plain one: both copies in the kernel),
 // kLoAlways (the second copy only: kda_bwd_grads_last_kernel).
 enum GradsLo { kLoNever, kLoLast, kLoAlways };
 
-// One CTA: chunk ci of sequence n, value head blockIdx.y.
-template <typename WT, int K, bool kMid, GradsLo kLo>
+// One CTA: chunk ci of sequence n, value head blockIdx.y. kStreamed: the streamed backward's
+// (p.dh_ready), which waits for the dh scan's checkpoint.
+template <typename WT, int K, bool kMid, GradsLo kLo, bool kStreamed>
 __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int n, int ci, const dev::SeqInfo& seq) {
   using S = GradsSmem<WT, K>;
   constexpr int NTH = kGradsThreads, NTK = K / 32;
@@ -1411,9 +1485,11 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   KF_GRADS_PHASE(0);
 
   // P: every load of the chunk in flight first (the gate's first rows, then the bulk copies), then
-  // the gate and the factors
+  // the gate and the factors. The streamed backward waits for dh_{c+1} between the forward's tiles
+  // (stored before this kernel began) and the first V-slice's copies, which read it.
   auto issue_bulk = [&]() {
     grads_load_chunk(c);
+    if constexpr (kStreamed) grads_wait_dh(p, n, blockIdx.y, ci, (seq.len + kChunk - 1) / kChunk);
     grads_load_slice(c, 0, 0);
     dev::cp_async_commit();
   };
@@ -1495,53 +1571,81 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
 // inside the kernel made every chunk 8.5% slower (prod8192: P and F phases +5k and +1.8k cycles: that
 // kernel is instruction-fetch bound). That one runs first, one CTA per (sequence, value head), and
 // lets the main kernel start beside it (LaunchShape::overlap_previous), which skips those chunks.
-template <typename WT, int K, bool kMid>
+//
+// kStreamed: the streamed backward's copy (kda_policy.h's bwd_stream_wanted; p.dh_ready set): the
+// grid (1, HV, chunk rows), the wait for the dh scan's checkpoint, and the last CTA's wait for the
+// previous kernel (grads_stream_end). Its own instantiation, not a runtime branch: with the branch the
+// plain kernels spilled more (bf16 K = 128: 32 / 52 -> 52 / 68 bytes unbounded, 12 / 20 -> 32 / 32
+// bounded, reloads inside the V loop among them) and grew by ~330 instructions.
+template <typename WT, int K, bool kMid, bool kStreamed>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
   KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
-  int n, ci;
-  if (!dev::chunk_of(p, blockIdx.x, n, ci)) return;
-  if constexpr (std::is_same_v<WT, __nv_bfloat16> && !kMid) {
+  const GradsCell cell = grads_cell<kStreamed>(p);
+  const int n = cell.n, ci = cell.ci;
+  // Where a previous kernel overlaps this one (kda_bwd_grads_last_kernel, the streamed backward's dh
+  // scan), this kernel must not complete before it (the next kernel reads both): in the streamed
+  // backward its last CTA waits; otherwise every CTA that can overlap at all (unbounded gates, bf16).
+  constexpr bool kOverlapsLast = std::is_same_v<WT, __nv_bfloat16> && !kMid;
+  auto finish = [&] {
+    if constexpr (kStreamed) grads_stream_end(p, 1, reinterpret_cast<int*>(smem_grads));
+    else if constexpr (kOverlapsLast) dev::wait_previous();
+  };
+  if (!cell.ok) return;  // past the chunk map's end (varlen: max_chunks is a bound; never streamed)
+  if constexpr (kOverlapsLast) {
     // the last chunk of a sequence with dht is kda_bwd_grads_last_kernel's (decided from the chunk
     // map alone, before anything else is live: a test on seq.len cost 12 bytes of spills here)
     const int nch = dev::seq_chunks(p, n);
     if (p.dht != nullptr && ci == nch - 1) {
-      dev::wait_previous();
+      finish();
       return;
     }
   }
   const dev::SeqInfo seq = dev::seq_info(p, n);
   char* smem = reinterpret_cast<char*>(smem_grads);
   if constexpr (!std::is_same_v<WT, __nv_bfloat16>) {  // fp16 keeps 8x more of each value: no low halves
-    grads_cta<WT, K, kMid, kLoNever>(p, smem, n, ci, seq);
+    grads_cta<WT, K, kMid, kLoNever, kStreamed>(p, smem, n, ci, seq);
   } else if constexpr (kMid) {
-    grads_cta<WT, K, kMid, kLoLast>(p, smem, n, ci, seq);
+    grads_cta<WT, K, kMid, kLoLast, kStreamed>(p, smem, n, ci, seq);
   } else {
-    grads_cta<WT, K, kMid, kLoNever>(p, smem, n, ci, seq);
-    dev::wait_previous();  // not complete before kda_bwd_grads_last_kernel (the next kernel reads both)
+    grads_cta<WT, K, kMid, kLoNever, kStreamed>(p, smem, n, ci, seq);
   }
+  finish();
 }
 
 // The last chunk of sequence blockIdx.x (unbounded gates, bf16, with dht), value head blockIdx.y.
-template <typename WT, int K>
+// kStreamed: beside the dh scan too (its chunks are the first the dh scan stores); its last CTA waits
+// for the dh scan (grads_stream_end).
+template <typename WT, int K, bool kStreamed>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(const KdaBwdParams p) {
   dev::launch_dependents();  // the main kernel never reads what this one writes
   KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
   const int n = blockIdx.x;
   const dev::SeqInfo seq = dev::seq_info(p, n);
-  if (seq.len == 0) return;
-  grads_cta<WT, K, false, kLoAlways>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk, seq);
+  if (seq.len > 0)
+    grads_cta<WT, K, false, kLoAlways, kStreamed>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk,
+                                                  seq);
+  if constexpr (kStreamed) grads_stream_end(p, 0, reinterpret_cast<int*>(smem_grads));
 }
 
 // The kernel a problem runs (the launcher's and the emulator's one choice).
 template <typename WT, int K>
 auto grads_kernel_for(const KdaBwdParams& p) {
-  return dev::block_midpoint_ok(p.opt) ? kda_bwd_grads_kernel<WT, K, true> : kda_bwd_grads_kernel<WT, K, false>;
+  const bool mid = dev::block_midpoint_ok(p.opt);
+  if (p.dh_ready) return mid ? kda_bwd_grads_kernel<WT, K, true, true> : kda_bwd_grads_kernel<WT, K, false, true>;
+  return mid ? kda_bwd_grads_kernel<WT, K, true, false> : kda_bwd_grads_kernel<WT, K, false, false>;
 }
 
 // The launch (kda_launch_shape.h): one CTA of kGradsThreads per (chunk, value head).
+// In the streamed backward (p.dh_ready set) the chunk rows are the grid's z (grads_cell) and the kernel
+// starts beside the dh scan (programmatic dependent launch: the dh scan's CTAs trigger it at their start).
 template <typename WT, int K>
-inline LaunchShape grads_launch(const KdaProblem& p) {
-  return chunk_grid(p, kGradsThreads, sizeof(GradsSmem<WT, K>));
+inline LaunchShape grads_launch(const KdaBwdParams& p) {
+  LaunchShape s = chunk_grid(p, kGradsThreads, sizeof(GradsSmem<WT, K>));
+  if (p.dh_ready) {
+    s.grid = dim3(1, static_cast<unsigned>(p.HV), static_cast<unsigned>(p.max_chunks));
+    s.overlap_previous = true;
+  }
+  return s;
 }
 
 // Every launch of the stage, in order, as f(kernel, shape): the launcher's and the emulator's. With
@@ -1552,8 +1656,13 @@ void for_each_grads_launch(const KdaBwdParams& p, F&& f) {
   LaunchShape shape = grads_launch<WT, K>(p);
   if constexpr (std::is_same_v<WT, __nv_bfloat16>) {
     if (!dev::block_midpoint_ok(p.opt) && p.dht != nullptr) {
-      f(kda_bwd_grads_last_kernel<WT, K>,
-        LaunchShape{dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV)), kGradsThreads, shape.smem});
+      LaunchShape last{dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV)), kGradsThreads, shape.smem};
+      if (p.dh_ready) {  // beside the dh scan in the streamed backward
+        last.overlap_previous = true;
+        f(kda_bwd_grads_last_kernel<WT, K, true>, last);
+      } else {
+        f(kda_bwd_grads_last_kernel<WT, K, false>, last);
+      }
       shape.overlap_previous = true;
     }
   }
