@@ -287,11 +287,11 @@ inline bool bwd_stream_wanted(const KdaProblem& p) {
 // 18.91 -> 17.70, bounded B16 13.68 -> 13.16 and varlen 1.99 -> 1.89. There the buffer served the
 // backward's re-scan instead (no per-slice h_ckpt) until the streamed backward (bwd_stream_wanted,
 // fixed length), which needs the states and won them back on the H100 (2026-12-05): long_b1_t32k
-// 6.90 -> 6.80 ms, long_b1_t128k 27.00 -> 26.40, bounded_b1 through a CUDA graph 1.54 -> 1.46. Where the scans are split (p.split_chunks, decided
-// before this) the backward runs no paired scans, and the forward's pass 2 writes the states in its
-// stride: saved, so the backward runs no split re-scan (passes 1 and 2 and the chain). A pure function
-// of the shape and the options (the split comes from them, not from the environment), so the forward
-// and its backward always decide alike.
+// 6.90 -> 6.80 ms, long_b1_t128k 27.00 -> 26.40, bounded_b1 through a CUDA graph 1.54 -> 1.46.
+// Where the scans are split (p.split_chunks, decided before this) the backward runs no paired scans,
+// and the forward's pass 2 writes the states in its stride: saved, so the backward runs no split
+// re-scan (passes 1 and 2 and the chain). A pure function of the shape and the options (the split
+// comes from them, not from the environment), so the forward and its backward always decide alike.
 inline bool save_states_pays(const KdaProblem& p) {
   if (p.split_chunks > 0 || bwd_stream_wanted(p)) return true;
   KdaProblem s = p;

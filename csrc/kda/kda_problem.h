@@ -243,8 +243,8 @@ __host__ __device__ inline int64_t stream_done_offset(const KdaProblem& p) { ret
 __host__ __device__ inline int64_t stream_progress_offset(const KdaProblem& p) { return stream_done_offset(p) + 1; }
 
 // The streamed backward (kda_policy.h's bwd_stream_wanted): fixed length, no split, the grads grid's
-// chunk rows (its grid y: dev::grads_cell) at most 65535, and few dh-scan chains (at most 256 at the
-// narrowest slice, as the streamed forward).
+// chunk rows (its grid z: kda_bwd_grads.cuh's grads_cell) at most 65535, and few dh-scan chains (at
+// most 256 at the narrowest slice, as the streamed forward).
 inline bool bwd_stream_possible(const KdaProblem& p) {
   return !p.cu_seqlens && p.id_cols == 0 && p.split_chunks == 0 && p.N > 0 && p.HV > 0 && p.max_chunks > 0 &&
          p.max_chunks <= 65535 && static_cast<int64_t>(p.HV) * p.N * (p.V / 64) <= 256 && p.V % 64 == 0;

@@ -25,7 +25,8 @@ int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
   if (p.V % 64 != 0) throw std::invalid_argument("kda_bwd_dh_scan: V must be a multiple of 64");
   // the streamed backward's counters start at zero (kda_bwd_grads, launched next, reads them)
-  if (p.dh_ready) KF_CUDA_CHECK(cudaMemsetAsync(p.dh_ready, 0, sizeof(int) * static_cast<size_t>(bwd_stream_ints(p)), stream));
+  if (p.dh_ready)
+    KF_CUDA_CHECK(cudaMemsetAsync(p.dh_ready, 0, sizeof(int) * static_cast<size_t>(bwd_stream_ints(p)), stream));
   // Same shape of work as the forward scan (one warp per 16 value columns, serial over chunks);
   // its own width for varlen (kda_policy.h's dh_scan_bv).
   dispatch_wt_k_bv(p.dtype, p.K, kda_bwd_dh_scan_bv(p), "kda_bwd_dh_scan", [&](auto wt, auto k, auto bv) {
