@@ -187,6 +187,27 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
             assert_bitwise_same(whole, sliced, f"slice of {nb}, {what}")
 
 
+@pytest.mark.parametrize("shape, split, want", [
+    # (B, T, H, HV, K, V): the bench cases, as docs/kda-backward.md states them
+    ((1, 32768, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),     # long_b1_t32k: 64 chains
+    ((1, 131072, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),    # long_b1_t128k
+    ((1, 8192, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),      # bounded_b1: 32 chains
+    ((4, 4096, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),    # small: 128 chains
+    ((16, 8192, 16, 16, 128, 256), 0, dict(stream=False, save_states=True, pair=False)),   # prod8192
+    ((16, 8192, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),   # bounded_b16
+    ((1, 32768, 8, 8, 128, 128), 16, dict(stream=False, save_states=True, pair=True)),     # split: never streams
+    ((2, 8192, 32, 32, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),    # 128 chains
+    ((1, 64 * 65536, 1, 1, 128, 128), 0, dict(stream=False, save_states=False, pair=True)),  # 65536 rows: pairs
+])
+def test_backward_stream_policy(emu, shape, split, want):
+    """kda_policy.h's bwd_stream_wanted: fixed-length problems whose dh scan has at most 66 chains (at
+    its width: 64 columns for these) stream the backward, and their forward saves its states for it
+    (save_states_pays), where they used to pair the re-scan with the dh scan and save none; a split
+    problem, 128 chains or more than 65535 chunk rows do not stream (the last pairs as before). A pure
+    function of the shape and the split, as the forward and its backward must agree."""
+    assert emu.bwd_policy(*shape, split_chunks=split) == want
+
+
 @pytest.mark.parametrize("case,bv", [
     (dict(B=2, T=1100, K=64, V=128, h0=True), 64),                   # 18 chunks: a publication mid-chain, two slices
     (dict(T=1030, K=128, V=128, gate="bounded16", h0=True), 128),     # the bounded-gate kernel (kLoLast)

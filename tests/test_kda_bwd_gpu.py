@@ -171,8 +171,8 @@ def test_varlen_gradients_match_fp64_naive(name):
 def test_gradients_with_the_rescan_match_fp64_naive(name, monkeypatch):
     """KERNEL_FUN_KDA_SAVE_STATES=0: the forward passes no state buffer on and the backward re-runs
     the scan into its own per-slice workspace. (By default the cases above, all with few scan chains,
-    re-scan into the forward's buffer: kda_policy.h's save_states_pays declines where the backward
-    pairs its scans.)"""
+    keep the forward's states for the streamed backward where they have a fixed length, and the
+    varlen one re-scans into the forward's buffer: kda_policy.h's save_states_pays.)"""
     monkeypatch.setenv("KERNEL_FUN_KDA_SAVE_STATES", "0")
     case = {**CASES, **VARLEN_CASES}[name]
     _check_against_naive(case, KDA_VARLEN_TOL if name in VARLEN_CASES else KDA_TOL)

@@ -578,6 +578,16 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   return c.chunks;
 }
 
+// kda_policy.h's backward choices for a fixed-length problem chunked at 64 tokens, with the split of
+// `split_chunks` chunks (0: none): bit 0 bwd_stream_wanted, bit 1 save_states_pays, bit 2
+// bwd_pair_scans at the scan's width (on the whole batch).
+int kda_emu_bwd_policy(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t split_chunks) {
+  kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
+  p.split_chunks = static_cast<int>(split_chunks);
+  return (kda::bwd_stream_wanted(p) ? 1 : 0) | (kda::save_states_pays(p) ? 2 : 0) |
+         (kda::bwd_pair_scans(p, kda::scan_choice(p).bv) ? 4 : 0);
+}
+
 // kda_policy.h's short-chunk choice for a fixed-length problem, given the launcher's streaming
 // decision (`streams`) and the split's piece length (`split_chunks`, 0: none): 1 where the 32-token
 // forward pays.

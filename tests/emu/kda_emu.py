@@ -80,6 +80,8 @@ def lib():
         L.kda_emu_split_choice.argtypes = [ctypes.c_int64] * 7 + [vp]
         L.kda_emu_split_choice.restype = ctypes.c_int
         L.kda_emu_split_chain_cols.argtypes = [ctypes.c_int64] * 7
+        L.kda_emu_bwd_policy.argtypes = [ctypes.c_int64] * 7
+        L.kda_emu_bwd_policy.restype = ctypes.c_int
         L.kda_emu_short_chunks.argtypes = [ctypes.c_int64] * 8
         L.kda_emu_short_chunks.restype = ctypes.c_int
         L.kda_emu_scan_bv.argtypes = [ctypes.c_int64] * 7
@@ -115,6 +117,13 @@ def split_choice(B, T, H, HV, K, V, sms=132):
     out = (ctypes.c_double * 3)()
     chunks = lib().kda_emu_split_choice(B, T, H, HV, K, V, sms, ctypes.cast(out, ctypes.c_void_p))
     return chunks, int(out[0]), out[1], out[2]
+
+
+def bwd_policy(B, T, H, HV, K, V, split_chunks=0):
+    """kda_policy.h's backward choices for a fixed-length problem: {stream: bwd_stream_wanted, save_states:
+    save_states_pays, pair: bwd_pair_scans}, with a split of split_chunks chunks (0: none)."""
+    bits = lib().kda_emu_bwd_policy(B, T, H, HV, K, V, split_chunks)
+    return {"stream": bool(bits & 1), "save_states": bool(bits & 2), "pair": bool(bits & 4)}
 
 
 def split_chain_cols(B, T, H, HV, K, V, sms=132):
