@@ -1621,9 +1621,12 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(co
   KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
   const int n = blockIdx.x;
   const dev::SeqInfo seq = dev::seq_info(p, n);
-  if (seq.len > 0)
-    grads_cta<WT, K, false, kLoAlways, kStreamed>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk,
-                                                  seq);
+  // (the early return as it was: the plain kernel's SASS stays the same)
+  if (seq.len == 0) {
+    if constexpr (kStreamed) grads_stream_end(p, 0, reinterpret_cast<int*>(smem_grads));
+    return;
+  }
+  grads_cta<WT, K, false, kLoAlways, kStreamed>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk, seq);
   if constexpr (kStreamed) grads_stream_end(p, 0, reinterpret_cast<int*>(smem_grads));
 }
 
