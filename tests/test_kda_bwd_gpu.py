@@ -14,7 +14,7 @@ import torch
 from kernel_fun import _ext
 from kernel_fun.bench import accuracy as acc
 from helpers import (DA_LOG_TOL, KDA_TOL, KDA_VARLEN_TOL, assert_bitwise_same, kda_bwd_reference, kda_reference,
-                     rel_rms)
+                     rel_rms, run_serialised)
 from test_kda_fwd_gpu import make_case, options
 
 pytestmark = pytest.mark.gpu
@@ -679,17 +679,7 @@ def test_streamed_backward_is_bitwise_the_plain_one(name, monkeypatch):
 def test_streamed_backward_with_launches_serialised(tmp_path):
     """CUDA_LAUNCH_BLOCKING=1 (a subprocess): the dh scan ends before kda_bwd_grads starts, every count
     already final; the same bits as the plain backward, and no hang (bounded by the timeout)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", KF_ROOT=str(root), KERNEL_FUN_KDA_SPLIT="0")
-    r = subprocess.run([sys.executable, "-c", _SERIALISED_BWD], env=env, capture_output=True, text=True, timeout=180,
-                       cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "serialised backward: same bits, streamed" in r.stdout, r.stdout[-2000:]
+    run_serialised(_SERIALISED_BWD, tmp_path, "serialised backward: same bits, streamed", timeout=180)
 
 
 _SERIALISED_BWD = r"""

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from helpers import as_stored_fp32, check_stream_flags, chunk_map_want, KDA_TOL, kda_reference, our_launches, rel_rms
+from helpers import (as_stored_fp32, check_stream_flags, chunk_map_want, KDA_TOL, kda_reference, our_launches, rel_rms,
+                     run_serialised)
 
 pytestmark = pytest.mark.gpu
 
@@ -753,17 +754,7 @@ def test_streamed_forward_with_launches_serialised(tmp_path):
     """CUDA_LAUNCH_BLOCKING=1 (a subprocess): the scan's pass 1 runs alone, so every chain stops at
     chunk 0 after its 2 ms wait, and pass 2 (after the intra) computes it all: the same bits as the
     two kernels, the resume chunks all 0, and no hang (bounded by the subprocess timeout)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", KF_ROOT=str(root), KERNEL_FUN_KDA_SPLIT="0")
-    r = subprocess.run([sys.executable, "-c", _SERIALISED], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "serialised: same bits, every chain resumed from chunk 0" in r.stdout, r.stdout[-2000:]
+    run_serialised(_SERIALISED, tmp_path, "serialised: same bits, every chain resumed from chunk 0")
 
 
 # ------------------------------------------------------------------------------------------------
