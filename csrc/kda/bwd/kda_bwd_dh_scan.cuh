@@ -29,16 +29,9 @@ namespace kernel_fun::kda {
 // outstanding stores); the grads CTAs consume far slower than the scan stores (~40 us per CTA on an
 // SM against a step of ~2.5 us per chunk row), so publishing every 16th chunk delays no grads CTA
 // that could run.
+// Thread 0 publishes with dev::store_release after a CTA barrier that follows every thread's
+// __threadfence(); the grads CTAs wait with dev::wait_at_least.
 constexpr int kDhPublishEvery = 16;
-// Thread 0, after a CTA barrier that follows every thread's __threadfence(): `done` chunks of this
-// slice are stored and visible at GPU scope (release; the grads CTAs read it with an acquire).
-__device__ __forceinline__ void publish_dh_progress(int* progress, int done) {
-#ifdef KF_EMU
-  __atomic_store_n(progress, done, __ATOMIC_RELEASE);
-#else
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(progress), "r"(done) : "memory");
-#endif
-}
 
 // The chunks of one reverse chain, last to first, for this warp's 16 value columns: A-C of the
 // header per chunk on the landed stage, dhT carried from the state gradient at the sequence's end to
@@ -73,7 +66,7 @@ __device__ __forceinline__ void dh_scan_chunks(const KdaBwdParams& p, const dev:
     if (publish) __threadfence();
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c + 1)
     __syncthreads();
-    if (publish && threadIdx.x == 0) publish_dh_progress(progress, i);
+    if (publish && threadIdx.x == 0) dev::store_release(progress, i);
 
     const dev::ScanOperands<WT, K, BV> op(sm + st * S::kStageElems);
     const WT *sW = op.w, *sQg = op.qg, *sKg = op.kg, *sAqk = op.Aqk, *sAkk = op.Akk, *sDo = op.val;
@@ -190,7 +183,7 @@ __device__ __forceinline__ void dh_scan_cta(const KdaBwdParams& p, const dev::Sc
   if (progress) {  // every chunk stored
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) publish_dh_progress(progress, pl.nchunks);
+    if (threadIdx.x == 0) dev::store_release(progress, pl.nchunks);
   }
   if (p.dh0) dev::store_state<WT, K>(p.dh0, pl.sbase, dhT, p, pl.col0, pl.t);
 }

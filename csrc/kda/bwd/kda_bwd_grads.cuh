@@ -1433,23 +1433,12 @@ __device__ __forceinline__ void grads_wait_dh(const KdaBwdParams& p, int n, int 
   const int slices = p.V / p.dh_bv, need = nchunks - ci;
   const int* cnt = p.dh_ready + (static_cast<int64_t>(n) * p.HV + hv) * slices;
   for (int s = 0; s < slices; ++s) {
+    if (dev::wait_at_least(cnt + s, need, kDhWaitNs, 256)) continue;
 #ifdef KF_EMU
-    const int v = __atomic_load_n(cnt + s, __ATOMIC_ACQUIRE);
-    if (v < need)
-      kf_emu::detail::failf("streamed backward: slice %d of (n %d, hv %d) counts %d chunks, chunk %d needs %d", s, n,
-                            hv, v, ci, need);
+    kf_emu::detail::failf("streamed backward: slice %d of (n %d, hv %d) counts %d chunks, chunk %d needs %d", s, n, hv,
+                          cnt[s], ci, need);
 #else
-    long long t0 = -1;
-    for (;;) {
-      int v;
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(cnt + s) : "memory");
-      if (v >= need) break;
-      long long now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (t0 < 0) t0 = now;
-      else if (now - t0 > kDhWaitNs) __trap();
-      __nanosleep(256);
-    }
+    __trap();
 #endif
   }
 }

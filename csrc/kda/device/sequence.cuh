@@ -171,23 +171,39 @@ __device__ __forceinline__ IntraCell intra_cell(const KdaFwdParams& p) {
 // after the intra, finishes it (kda_fwd_scan.cuh): the same results, later. In the host emulator
 // launches run one after another and the flag is read once (the test chooses the order).
 constexpr long long kStreamWaitNs = 2000000;  // 2 ms without the next chunk: the intra is not running beside
-__device__ __forceinline__ bool wait_chunk_ready(const int* flag) {
+
+// The cross-kernel signals of the streamed forward and the streamed backward: a counter another
+// kernel's CTA raises with a release store after its stores are visible at GPU scope, and a waiter
+// that polls it with acquire loads (its own later loads then see those stores). In the host emulator
+// launches run one after another: the counter is read once.
+__device__ __forceinline__ void store_release(int* p, int v) {
 #ifdef KF_EMU
-  return __atomic_load_n(flag, __ATOMIC_ACQUIRE) == 1;
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#else
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+// Whether *p reached `need` within timeout_ns (polled every ~sleep_ns); false on the timeout.
+__device__ __forceinline__ bool wait_at_least(const int* p, int need, long long timeout_ns, unsigned sleep_ns) {
+#ifdef KF_EMU
+  (void)timeout_ns;
+  (void)sleep_ns;
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= need;
 #else
   long long t0 = -1;
   for (;;) {
     int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    if (v == 1) return true;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v >= need) return true;
     long long now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (t0 < 0) t0 = now;
-    else if (now - t0 > kStreamWaitNs) return false;
-    __nanosleep(100);
+    else if (now - t0 > timeout_ns) return false;
+    __nanosleep(sleep_ns);
   }
 #endif
 }
+__device__ __forceinline__ bool wait_chunk_ready(const int* flag) { return wait_at_least(flag, 1, kStreamWaitNs, 100); }
 
 // The scan side, one chunk ahead (thread 0): a 16-byte cp.async.cg of the aligned group of four
 // flags that holds chunk cc's, into `slot`, issued while the chunk before cc computes, so that when
@@ -219,11 +235,7 @@ __device__ __forceinline__ void publish_chunk(const KdaFwdParams& p, int64_t fla
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-#ifdef KF_EMU
-    __atomic_store_n(p.chunk_ready + flag_index, 1, __ATOMIC_RELEASE);
-#else
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p.chunk_ready + flag_index), "r"(1) : "memory");
-#endif
+    store_release(p.chunk_ready + flag_index, 1);
     int* done = p.chunk_ready + stream_done_offset(p);
     last = static_cast<unsigned>(atomicAdd(done, 1)) == total - 1;
   }
