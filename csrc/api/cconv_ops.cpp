@@ -75,6 +75,29 @@ void same_device(const Tensor& t, const Tensor& x, const char* name) {
                         << (x.is_cuda() ? std::to_string(x.get_device_index()) : std::string()) << ")");
 }
 
+// t holds floats and lives on x's device: what every tensor beside x must (names it otherwise).
+void floating_beside_x(const Tensor& t, const Tensor& x, const char* name) {
+  KF_ARG_CHECK(is_float(t.scalar_type()), name << " must be a floating tensor, got " << scalar_type_name(t.scalar_type()));
+  same_device(t, x, name);
+}
+
+// weight [D, W] with 1 <= W <= kMaxWidth, floating, on x's device; returns W. d_is: where D comes
+// from, for the message.
+int64_t check_weight(const Tensor& w, int64_t D, const Tensor& x, const char* d_is) {
+  KF_ARG_CHECK(w.dim() == 2 && w.size(0) == D, "weight must be [D, W] = [" << D << ", W]" << d_is << ", got " << shape_str(w));
+  const int64_t W = w.size(1);
+  KF_ARG_CHECK(W >= 1 && W <= cconv::kMaxWidth,
+               "weight has W=" << W << " taps; kernel_fun.cconv supports kernel widths 1.." << cconv::kMaxWidth);
+  floating_beside_x(w, x, "weight");
+  return W;
+}
+
+// bias [D], floating, on x's device.
+void check_bias(const Tensor& bias, int64_t D, const Tensor& x) {
+  KF_ARG_CHECK(has_shape(bias, {D}), "bias must be [D] = " << shape_of({D}) << ", got " << shape_str(bias));
+  floating_beside_x(bias, x, "bias");
+}
+
 Activation parse_activation(const std::optional<std::string>& a) {
   if (!a.has_value()) return Activation::kNone;
   if (*a == "silu" || *a == "swish") return Activation::kSilu;
@@ -99,25 +122,12 @@ FwdShape check_forward(const Tensor& x, const OptT& weight, const OptT& bias, co
                "x must be a floating tensor (bfloat16, float16 or float32), got " << scalar_type_name(x.scalar_type()));
   if (!weight.has_value()) throw Unsupported("weight=None (no convolution weights)");
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
-  const Tensor& w = *weight;
-  KF_ARG_CHECK(w.dim() == 2 && w.size(0) == D,
-               "weight must be [D, W] = [" << D << ", W] (D = x.shape[-1]), got " << shape_str(w));
-  const int64_t W = w.size(1);
-  KF_ARG_CHECK(W >= 1 && W <= cconv::kMaxWidth,
-               "weight has W=" << W << " taps; kernel_fun.cconv supports kernel widths 1.." << cconv::kMaxWidth);
-  KF_ARG_CHECK(is_float(w.scalar_type()), "weight must be a floating tensor, got " << scalar_type_name(w.scalar_type()));
-  same_device(w, x, "weight");
-  if (bias) {
-    KF_ARG_CHECK(has_shape(*bias, {D}), "bias must be [D] = " << shape_of({D}) << ", got " << shape_str(*bias));
-    KF_ARG_CHECK(is_float(bias->scalar_type()), "bias must be a floating tensor, got " << scalar_type_name(bias->scalar_type()));
-    same_device(*bias, x, "bias");
-  }
+  const int64_t W = check_weight(*weight, D, x, " (D = x.shape[-1])");
+  if (bias) check_bias(*bias, D, x);
   if (residual) {
     KF_ARG_CHECK(has_shape(*residual, {B, T, D}),
                  "residual must have x's shape " << shape_of({B, T, D}) << ", got " << shape_str(*residual));
-    KF_ARG_CHECK(is_float(residual->scalar_type()),
-                 "residual must be a floating tensor, got " << scalar_type_name(residual->scalar_type()));
-    same_device(*residual, x, "residual");
+    floating_beside_x(*residual, x, "residual");
   }
   int64_t N = B;
   if (cu_seqlens) {
@@ -154,9 +164,7 @@ FwdShape check_forward(const Tensor& x, const OptT& weight, const OptT& bias, co
     KF_ARG_CHECK(has_shape(*initial_state, {N, D, W}),
                  "initial_state must be [N, D, W] = " << shape_of({N, D, W}) << " (N = "
                      << (cu_seqlens ? "len(cu_seqlens) - 1" : "B") << "), got " << shape_str(*initial_state));
-    KF_ARG_CHECK(is_float(initial_state->scalar_type()),
-                 "initial_state must be a floating tensor, got " << scalar_type_name(initial_state->scalar_type()));
-    same_device(*initial_state, x, "initial_state");
+    floating_beside_x(*initial_state, x, "initial_state");
   }
   if (!is_kernel_float(x.scalar_type()))
     throw Unsupported(std::string("x dtype ") + scalar_type_name(x.scalar_type()) + " (kernels cover bfloat16, float16, float32)");
@@ -184,30 +192,17 @@ TokView check_update(const Tensor& x, const OptT& cache, const OptT& residual, c
   KF_ARG_CHECK(is_float(x.scalar_type()), "x must be a floating tensor, got " << scalar_type_name(x.scalar_type()));
   if (!weight.has_value()) throw Unsupported("weight=None (no convolution weights)");
   if (!cache.has_value()) throw Unsupported("cache=None");
-  const Tensor& w = *weight;
-  KF_ARG_CHECK(w.dim() == 2 && w.size(0) == v.D, "weight must be [D, W] = [" << v.D << ", W], got " << shape_str(w));
-  const int64_t W = w.size(1);
-  KF_ARG_CHECK(W >= 1 && W <= cconv::kMaxWidth,
-               "weight has W=" << W << " taps; kernel_fun.cconv supports kernel widths 1.." << cconv::kMaxWidth);
-  KF_ARG_CHECK(is_float(w.scalar_type()), "weight must be a floating tensor, got " << scalar_type_name(w.scalar_type()));
-  same_device(w, x, "weight");
+  const int64_t W = check_weight(*weight, v.D, x, "");
   KF_ARG_CHECK(has_shape(*cache, {v.N, v.D, W}),
                "cache must be [N, D, W] = " << shape_of({v.N, v.D, W}) << ", got " << shape_str(*cache));
-  KF_ARG_CHECK(is_float(cache->scalar_type()), "cache must be a floating tensor, got " << scalar_type_name(cache->scalar_type()));
-  same_device(*cache, x, "cache");
+  floating_beside_x(*cache, x, "cache");
   KF_ARG_CHECK(non_overlapping(*cache), "cache must not have overlapping elements (it is updated in place)");
-  if (bias) {
-    KF_ARG_CHECK(has_shape(*bias, {v.D}), "bias must be [D] = " << shape_of({v.D}) << ", got " << shape_str(*bias));
-    KF_ARG_CHECK(is_float(bias->scalar_type()), "bias must be a floating tensor, got " << scalar_type_name(bias->scalar_type()));
-    same_device(*bias, x, "bias");
-  }
+  if (bias) check_bias(*bias, v.D, x);
   if (residual) {
     bool same = residual->dim() == x.dim();
     for (int64_t i = 0; same && i < x.dim(); ++i) same = residual->size(i) == x.size(i);
     KF_ARG_CHECK(same, "residual must have x's shape " << shape_str(x) << ", got " << shape_str(*residual));
-    KF_ARG_CHECK(is_float(residual->scalar_type()),
-                 "residual must be a floating tensor, got " << scalar_type_name(residual->scalar_type()));
-    same_device(*residual, x, "residual");
+    floating_beside_x(*residual, x, "residual");
   }
   if (!is_kernel_float(x.scalar_type()))
     throw Unsupported(std::string("x dtype ") + scalar_type_name(x.scalar_type()) + " (kernels cover bfloat16, float16, float32)");

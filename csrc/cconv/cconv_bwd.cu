@@ -13,6 +13,7 @@
 // No atomics anywhere: dx, dw, db and d initial_state are bitwise reproducible.
 #include "cconv/cconv.h"
 #include "cconv/cconv_device.cuh"
+#include "cconv/cconv_dispatch.h"
 #include "cconv/cconv_plan.h"
 
 #include <type_traits>
@@ -455,58 +456,19 @@ void launch_typed(const BwdParams& p, cudaStream_t stream) {
   KF_CHECK_LAUNCH();
 }
 
-template <typename T>
-void launch_w(const BwdParams& p, cudaStream_t stream) {
-  switch (p.W) {
-#if !KF_CCONV_ONLY_BF16_W4
-    case 1: return launch_typed<T, 1>(p, stream);
-    case 2: return launch_typed<T, 2>(p, stream);
-    case 3: return launch_typed<T, 3>(p, stream);
-#endif
-    case 4: return launch_typed<T, 4>(p, stream);
-  }
-  throw std::invalid_argument("kernel_fun.cconv: W must be in 1..4");
-}
-
-template <int W>
-Plan plan_w(DType dt, int64_t total, int64_t D) {
-  switch (dt) {
-    case DType::kBFloat16: return bwd_plan<__nv_bfloat16, W>(total, D);
-#if !KF_CCONV_ONLY_BF16_W4
-    case DType::kFloat16: return bwd_plan<__half, W>(total, D);
-    case DType::kFloat32: return bwd_plan<float, W>(total, D);
-#endif
-    default: break;
-  }
-  throw std::invalid_argument("kernel_fun.cconv: x must be bfloat16, float16 or float32");
-}
-
 }  // namespace
 
 int64_t bwd_workspace_floats(int64_t total_tokens, int64_t D, int W, bool has_bias, DType x_dtype) {
-  Plan plan;
-  switch (W) {
-#if !KF_CCONV_ONLY_BF16_W4
-    case 1: plan = plan_w<1>(x_dtype, total_tokens, D); break;
-    case 2: plan = plan_w<2>(x_dtype, total_tokens, D); break;
-    case 3: plan = plan_w<3>(x_dtype, total_tokens, D); break;
-#endif
-    case 4: plan = plan_w<4>(x_dtype, total_tokens, D); break;
-    default: throw std::invalid_argument("kernel_fun.cconv: W must be in 1..4");
-  }
+  const Plan plan = dispatch_x_w(x_dtype, W, [&](auto t, auto w) {
+    return bwd_plan<typename decltype(t)::type, decltype(w)::value>(total_tokens, D);
+  });
   return plan.rows * D * (W + (has_bias ? 1 : 0));
 }
 
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
-  switch (p.x.dtype) {
-    case DType::kBFloat16: return launch_w<__nv_bfloat16>(p, stream);
-#if !KF_CCONV_ONLY_BF16_W4
-    case DType::kFloat16: return launch_w<__half>(p, stream);
-    case DType::kFloat32: return launch_w<float>(p, stream);
-#endif
-    default: break;
-  }
-  throw std::invalid_argument("kernel_fun.cconv: x must be bfloat16, float16 or float32");
+  dispatch_x_w(p.x.dtype, p.W, [&](auto t, auto w) {
+    launch_typed<typename decltype(t)::type, decltype(w)::value>(p, stream);
+  });
 }
 
 }  // namespace kernel_fun::cconv

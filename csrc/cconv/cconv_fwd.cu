@@ -7,6 +7,7 @@
 // sequence), so one launch does the whole forward.
 #include "cconv/cconv.h"
 #include "cconv/cconv_device.cuh"
+#include "cconv/cconv_dispatch.h"
 #include "cconv/cconv_plan.h"
 
 namespace kernel_fun::cconv {
@@ -284,31 +285,12 @@ void launch_typed(const FwdParams& p, cudaStream_t stream) {
   KF_CHECK_LAUNCH();
 }
 
-template <typename T>
-void launch_w(const FwdParams& p, cudaStream_t stream) {
-  switch (p.W) {
-#if !KF_CCONV_ONLY_BF16_W4
-    case 1: return launch_typed<T, 1>(p, stream);
-    case 2: return launch_typed<T, 2>(p, stream);
-    case 3: return launch_typed<T, 3>(p, stream);
-#endif
-    case 4: return launch_typed<T, 4>(p, stream);
-  }
-  throw std::invalid_argument("kernel_fun.cconv: W must be in 1..4");
-}
-
 }  // namespace
 
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  switch (p.x.dtype) {
-    case DType::kBFloat16: return launch_w<__nv_bfloat16>(p, stream);
-#if !KF_CCONV_ONLY_BF16_W4
-    case DType::kFloat16: return launch_w<__half>(p, stream);
-    case DType::kFloat32: return launch_w<float>(p, stream);
-#endif
-    default: break;
-  }
-  throw std::invalid_argument("kernel_fun.cconv: x must be bfloat16, float16 or float32");
+  dispatch_x_w(p.x.dtype, p.W, [&](auto t, auto w) {
+    launch_typed<typename decltype(t)::type, decltype(w)::value>(p, stream);
+  });
 }
 
 }  // namespace kernel_fun::cconv

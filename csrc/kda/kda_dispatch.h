@@ -10,18 +10,11 @@
 
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "common/cuda_check.h"  // DType
+#include "common/dispatch_tags.h"
 
 namespace kernel_fun::kda {
-
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-template <int N>
-using IntTag = std::integral_constant<int, N>;
 
 // f(TypeTag<WT>{}) for dtype in {bf16, fp16}.
 template <typename F>

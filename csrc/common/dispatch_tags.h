@@ -1,0 +1,17 @@
+// Tags that carry a compile-time type or int through a generic lambda: the families' dispatch
+// helpers (kda/kda_dispatch.h, cconv/cconv_dispatch.h) call f(TypeTag<T>{}, IntTag<N>{}, ...) once
+// per run-time value, and f names its template as typename decltype(tag)::type / decltype(tag)::value.
+#pragma once
+
+#include <type_traits>
+
+namespace kernel_fun {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <int N>
+using IntTag = std::integral_constant<int, N>;
+
+}  // namespace kernel_fun
