@@ -103,7 +103,9 @@ def test_return_intermediate_states_on_cpu():
     q, k, v, g, beta = _inputs(T=70)
     with torch.inference_mode():
         o, ht, h = chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
+        _, _, h32 = chunk_kda(q, k, v, g, beta, return_intermediate_states=True, chunk_size=32)
     assert h.shape == (1, 2, 4, 16, 24) and ht is None
+    assert h32.shape == (1, 3, 4, 16, 24)  # fla's: one state per chunk_size tokens
 
 
 # --- one validation for every device: CPU tensors (the reference) and meta tensors (the path of
@@ -231,6 +233,16 @@ def test_support_guards_grid_and_token_limits():
                                                           opts.replace("split_chunks=0", "split_chunks=-1"))
     assert "bad value '2' for 'recurrent'" in support(*_big_views(1, 1), None,
                                                       opts.replace("recurrent=-1", "recurrent=2"))
+    # chunk_size=32 is ours (our kernels chunk as they choose) unless the call asks for the per-chunk
+    # states, which would be one per 32 tokens
+    assert opts.endswith("chunk_size=64;split=2;split_chunks=0;recurrent=-1;intermediate_states=0")
+    assert support(*_big_views(1, 64), None, opts.replace("chunk_size=64", "chunk_size=32")) == ""
+    assert support(*_big_views(1, 64), None, opts.replace("intermediate_states=0", "intermediate_states=1")) == ""
+    assert support(*_big_views(1, 64), None, opts.replace("chunk_size=64", "chunk_size=32").replace(
+        "intermediate_states=0", "intermediate_states=1")) == (
+        "chunk_size=32 with return_intermediate_states (our kernels return a state every 64 tokens)")
+    assert "bad value '2' for 'intermediate_states'" in support(
+        *_big_views(1, 1), None, opts.replace("intermediate_states=0", "intermediate_states=2"))
 
 
 def test_env_flags_parse_and_warn(monkeypatch, caplog):
@@ -252,7 +264,7 @@ def test_launch_switches_are_read_into_the_options(monkeypatch, caplog):
     from kernel_fun.kda._kernel import _decode
     from kernel_fun.kda._options import KdaOptions, launch_switches
 
-    meta = (torch.bfloat16,) * 4 + (None, False, 0.125, True, True, True, False, None, False, True, 64)
+    meta = (torch.bfloat16,) * 4 + (None, False, 0.125, True, True, True, False, None, False, True, 64, False)
     for n in ("KERNEL_FUN_KDA_SPLIT", "KERNEL_FUN_KDA_SPLIT_CHUNKS", "KERNEL_FUN_KDA_RECURRENT"):
         monkeypatch.delenv(n, raising=False)
     assert launch_switches() == (2, 0, -1) and "split=2;split_chunks=0;recurrent=-1" in _plan(meta)[1]
@@ -265,6 +277,10 @@ def test_launch_switches_are_read_into_the_options(monkeypatch, caplog):
                                 A_log=None, state_v_first=False, chunk_size=64)
     assert (opts.split, opts.split_chunks, opts.recurrent) == (1, 16, 0)
     assert _decode(opts.encode()) == opts
+    wide = KdaOptions.from_call(scale=0.125, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+                                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                A_log=None, state_v_first=False, chunk_size=32, return_intermediate_states=True)
+    assert (wide.chunk_size, wide.intermediate_states) == (32, True) and _decode(wide.encode()) == wide
     monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "4")
     monkeypatch.setenv("KERNEL_FUN_KDA_RECURRENT", "yes")
     with caplog.at_level(logging.WARNING, logger="kernel_fun"):

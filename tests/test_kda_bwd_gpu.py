@@ -195,6 +195,21 @@ def test_gradients_from_saved_states_match_fp64_naive(name):
     _check_against_naive(case, KDA_VARLEN_TOL if "cu" in case else KDA_TOL)
 
 
+@pytest.mark.parametrize("name", ["T1000", "varlen-fla-gva", "bounded", "fp16"])
+def test_chunk_size_32_training_call_is_the_64_one(name):
+    """fla's chunk_size=32 through a training call: our forward and backward run (counted) and every
+    gradient is bit for bit the chunk_size=64 call's (our kernels chunk as they choose), within the
+    fp64 recurrence's tolerance."""
+    inputs, kw = make_case(**{**CASES, **VARLEN_CASES}[name])
+    do, dht = _do_dht(inputs, kw)
+    ours64 = _grads_ours(inputs, kw, do, dht)
+    ours32 = _grads_ours(inputs, {**kw, "chunk_size": 32}, do, dht)
+    assert_bitwise_same(ours64, ours32, name)
+    ref = _grads_naive(inputs, kw, do, dht)
+    for key in ("dq", "dk", "dv", "dg"):
+        assert rel_rms(ref[key], ours32[key]) <= KDA_TOL[key], key
+
+
 @pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gradients_with_g_one_element_off_16_bytes(g_dtype):
     """g a contiguous view one element into its storage: the front passes it on as it is, so the

@@ -288,12 +288,12 @@ def test_support_reasons():
     from kernel_fun import _ext
     from kernel_fun.kda._options import KdaOptions
 
-    def reason(K=128, V=128, dtype=torch.bfloat16, chunk_size=64):
+    def reason(K=128, V=128, dtype=torch.bfloat16, chunk_size=64, states=False):
         q = torch.empty(1, 8, 2, K, dtype=dtype, device="cuda")
         v = torch.empty(1, 8, 2, V, dtype=dtype, device="cuda")
         g = torch.empty(1, 8, 2, K, device="cuda")
         b = torch.empty(1, 8, 2, dtype=dtype, device="cuda")
-        opts = KdaOptions(scale=0.1, l2norm=True, chunk_size=chunk_size)
+        opts = KdaOptions(scale=0.1, l2norm=True, chunk_size=chunk_size, intermediate_states=states)
         return _ext.ops().kda_support(q, q, v, g, b, None, opts.encode()) or None
 
     assert reason() is None
@@ -302,7 +302,9 @@ def test_support_reasons():
     assert reason(V=100) == "V=100 (kernels support V a multiple of 64 up to 512)"
     assert reason(V=576) == "V=576 (kernels support V a multiple of 64 up to 512)"
     assert reason(dtype=torch.float32) == "q dtype float32 (kernels take bfloat16 or float16)"
-    assert reason(chunk_size=32).startswith("chunk_size=32 ")
+    assert reason(chunk_size=32) is None and reason(states=True) is None
+    assert reason(chunk_size=32, states=True) == ("chunk_size=32 with return_intermediate_states (our kernels "
+                                                  "return a state every 64 tokens)")
 
 
 def _raw_fwd_args(inputs, kw, o, ht):
@@ -491,6 +493,56 @@ def test_raw_op_checks_the_state_buffer_shape():
         torch.ops.kernel_fun.kda_fwd(*args)
     args[16] = torch.empty(2, 1, 64, 64, dtype=q.dtype, device="cuda")
     torch.ops.kernel_fun.kda_fwd(*args)  # the right shape is taken
+
+
+def test_raw_op_refuses_per_chunk_states_at_chunk_size_32():
+    """h_states holds a state every 64 tokens, so options that ask for chunk_size=32 with h_states are
+    refused by name (the front sends such calls to fla); without h_states chunk_size=32 runs."""
+    import dataclasses
+
+    inputs, kw = make_case(T=70, H=1, K=64, V=64)
+    q = inputs[0]
+    o = torch.empty(1, 70, 1, 64, dtype=q.dtype, device="cuda")
+    args = _raw_fwd_args(inputs, kw, o, None)
+    args[9] = dataclasses.replace(options(inputs, kw), chunk_size=32).encode()
+    args[12] = torch.empty(1, 2, 1, 64, 64, dtype=q.dtype, device="cuda")
+    with pytest.raises((ValueError, RuntimeError),
+                       match="h_states holds a state every 64 tokens; options ask for chunk_size=32"):
+        torch.ops.kernel_fun.kda_fwd(*args)
+    args[9] = dataclasses.replace(options(inputs, kw), chunk_size=32, intermediate_states=True).encode()
+    with pytest.raises((ValueError, RuntimeError), match="chunk_size=32 with return_intermediate_states"):
+        torch.ops.kernel_fun.kda_fwd(*args)
+    args[9] = dataclasses.replace(options(inputs, kw), chunk_size=32).encode()
+    args[12] = None
+    torch.ops.kernel_fun.kda_fwd(*args)
+    o_ref, _ = reference(inputs, kw)
+    assert rel_rms(o_ref, o) <= KDA_TOL["o"]
+
+
+@pytest.mark.parametrize("name", ["T1000", "varlen-fla", "bounded"])
+def test_chunk_size_32_runs_our_kernels(name):
+    """fla's chunk_size=32: our kernels chunk as they choose (docs/contract.md), so the call runs our
+    forward (counted, strict mode) and gives bit for bit the chunk_size=64 call's o and final state.
+    One that also asks for the per-chunk states (one per 32 tokens; ours are per 64) is not ours:
+    strict mode raises with that reason."""
+    import kernel_fun
+    from kernel_fun.kda import chunk_kda, is_supported
+
+    inputs, kw = make_case(**CASES[name])
+    call = {n: x for n, x in kw.items() if x is not None}
+    q, k, v, g, beta = inputs
+    assert is_supported(q, v, k=k, g=g, beta=beta, **call, chunk_size=32) == (True, None)
+    with torch.no_grad(), our_launches(kda_fwd=2):
+        o64, ht64 = chunk_kda(*inputs, **call)
+        o32, ht32 = chunk_kda(*inputs, **call, chunk_size=32)
+    assert torch.isfinite(o32).all() and torch.equal(o64, o32)
+    assert (ht64 is None and ht32 is None) or torch.equal(ht64, ht32)
+    o_ref, _ = reference(inputs, kw)
+    assert rel_rms(o_ref, o32) <= KDA_TOL["o"]
+    with torch.inference_mode(), kernel_fun.strict():
+        chunk_kda(*inputs, **call, return_intermediate_states=True)  # ours at chunk_size=64
+        with pytest.raises(kernel_fun.KernelFunUnsupported, match="chunk_size=32 with return_intermediate_states"):
+            chunk_kda(*inputs, **call, chunk_size=32, return_intermediate_states=True)
 
 
 def test_raw_op_checks_the_saved_workspace():

@@ -135,8 +135,11 @@ std::string support_reason(const Tensor& q, const Tensor& v, const Tensor& g, co
   if (K != 64 && K != 128) return "K=" + std::to_string(K) + " (kernels support K in {64, 128})";
   if (V % 64 != 0 || V > kMaxV || V == 0)
     return "V=" + std::to_string(V) + " (kernels support V a multiple of 64 up to 512)";
-  if (o.chunk_size != kChunk)
-    return "chunk_size=" + std::to_string(o.chunk_size) + " (kernels use 64-token chunks; 32 is not implemented)";
+  // chunk_size is fla's; our kernels chunk as they choose (docs/contract.md), except that the
+  // per-chunk states they return are every 64 tokens, where a chunk_size=32 call wants one per 32.
+  if (o.chunk_size != kChunk && o.intermediate_states)
+    return "chunk_size=" + std::to_string(o.chunk_size) +
+           " with return_intermediate_states (our kernels return a state every 64 tokens)";
   if (v.size(2) > kMaxGridYZ) return "HV > " + std::to_string(kMaxGridYZ);
   if (cu_seqlens) {
     const int64_t N = cu_seqlens->numel() - 1;
@@ -376,6 +379,8 @@ std::string fwd_outputs(KdaFwdParams& p, const Tensor& q, const Tensor& o, const
   KDA_TRY(check_dtype(o, q.scalar_type(), "o"));
   if (final_state) KDA_TRY(state_check(*final_state, q, "final_state", p));
   if (h_states) {
+    KDA_REQUIRE(p.opt.chunk_size == kChunk, "h_states holds a state every 64 tokens; options ask for chunk_size=",
+                p.opt.chunk_size);
     // One state per chunk: B * ceil(T / 64) without cu_seqlens; with it, at least as many as the
     // grid can address (the chunk map's total is only known on the device).
     const int64_t nts = (p.T + kChunk - 1) / kChunk;

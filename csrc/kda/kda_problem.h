@@ -46,7 +46,11 @@ struct KdaOptions {
   bool l2norm = false;
   float beta_sigmoid_scale = 0.f;  // 0: beta used as given; 1, or 2 with allow_neg_eigval: s * sigmoid(beta)
   bool state_v_first = false;      // states (h0, ht, dh0, dht, h_states) are [.., V, K]
+  // fla's chunk_size (32 or 64). Our kernels choose their own chunking (the result differs only by
+  // rounding), so it matters only where it shapes an output: the per-chunk states h
+  // (return_intermediate_states) are one per chunk_size tokens, and ours are per 64.
   int chunk_size = kChunk;
+  bool intermediate_states = false;  // return_intermediate_states: the call asks for h
   // The launch switches that decide what a training forward leaves its backward, set by the front
   // (KERNEL_FUN_KDA_SPLIT, _SPLIT_CHUNKS, KERNEL_FUN_KDA_RECURRENT) so that a backward, which gets its
   // forward's options, decides as its forward did. The split scans (kda_split_choose): 0 never, 1

@@ -196,7 +196,8 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _call_meta(q, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-               allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs) -> tuple:
+               allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs,
+               return_intermediate_states=False) -> tuple:
     """Everything but the sizes that the routing decision of a valid call depends on (dtypes,
     flags), as Python constants, so that ``_plan`` runs once at trace time under torch.compile
     (assume_constant_result). Sizes stay out: under torch.compile they may be symbolic (a new
@@ -206,7 +207,8 @@ def _call_meta(q, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel
             cp_context is not None, float(scale), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
             bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
             None if lower_bound is None else float(lower_bound), bool(state_v_first),
-            use_gate_in_kernel and kwargs.get("A_log") is not None, int(kwargs.get("chunk_size", 64)))
+            use_gate_in_kernel and kwargs.get("A_log") is not None, int(kwargs.get("chunk_size", 64)),
+            bool(return_intermediate_states))
 
 
 @torch.compiler.assume_constant_result
@@ -268,11 +270,12 @@ def _options(meta: tuple, switches: tuple[int, int, int]) -> tuple[str, bool, bo
     """(encoded KdaOptions, uses_A_log, uses_dt_bias) of the call ``_call_meta`` describes, with the
     launch switches read for it (``_plan``, every eager call)."""
     (_, _, _, _, _, _, scale, l2norm, gate_in_kernel, beta_sigmoid, neg_eig, lower_bound, state_v_first,
-     has_A_log, chunk_size) = meta
+     has_A_log, chunk_size, intermediate_states) = meta
     opts = KdaOptions.from_call(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
                                 lower_bound=lower_bound, A_log=True if has_A_log else None,
-                                state_v_first=state_v_first, chunk_size=chunk_size, switches=switches)
+                                state_v_first=state_v_first, chunk_size=chunk_size,
+                                return_intermediate_states=intermediate_states, switches=switches)
     return opts.encode(), opts.uses_A_log, opts.uses_dt_bias
 
 
@@ -414,7 +417,7 @@ def chunk_kda(
 
     reason, options, uses_A_log, uses_dt_bias = _route(q, v, cu_seqlens, _call_meta(
         q, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs))
+        allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs, return_intermediate_states))
     if reason is not None:
         return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
 
@@ -469,7 +472,8 @@ def is_supported(q: torch.Tensor, v: torch.Tensor, **kwargs) -> tuple[bool, str 
     scale = a["scale"] if a["scale"] is not None else K ** -0.5
     reason = _route(q, v, a["cu_seqlens"], _call_meta(
         q, v, g, beta, scale, a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"], a["use_beta_sigmoid_in_kernel"],
-        a["allow_neg_eigval"], a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cp_context"], extra))[0]
+        a["allow_neg_eigval"], a["lower_bound"], a["state_v_first"], a["cu_seqlens"], a["cp_context"], extra,
+        a["return_intermediate_states"]))[0]
     return (reason is None), reason
 
 

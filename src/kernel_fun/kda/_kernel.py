@@ -33,7 +33,8 @@ def _decode(options: str) -> KdaOptions:
     return KdaOptions(scale=float.fromhex(kv["scale"]), gate=kv["gate"], lower_bound=float.fromhex(kv["lower_bound"]),
                       l2norm=kv["l2norm"] == "1", beta_sigmoid=int(kv["beta_sigmoid"]),
                       state_v_first=kv["state_v_first"] == "1", chunk_size=int(kv["chunk_size"]),
-                      split=int(kv["split"]), split_chunks=int(kv["split_chunks"]), recurrent=int(kv["recurrent"]))
+                      intermediate_states=kv["intermediate_states"] == "1", split=int(kv["split"]),
+                      split_chunks=int(kv["split_chunks"]), recurrent=int(kv["recurrent"]))
 
 
 def _state_shape(N, HV, K, V, state_v_first):

@@ -21,7 +21,8 @@ class KdaOptions:
     l2norm: bool = False               # use_qk_l2norm_in_kernel
     beta_sigmoid: int = 0              # 0: beta as given; 1: sigmoid(beta); 2: 2 * sigmoid(beta)
     state_v_first: bool = False
-    chunk_size: int = 64
+    chunk_size: int = 64               # fla's; our kernels chunk as they choose (docs/contract.md)
+    intermediate_states: bool = False  # return_intermediate_states: h, one state per chunk_size tokens
     # The launch switches that decide what a training forward leaves for its backward, so they are
     # read by the front (``launch_switches``) into the options, which the backward receives from its
     # forward, not by the C++ launcher on each call: a backward then takes exactly its forward's path
@@ -48,7 +49,7 @@ class KdaOptions:
     @classmethod
     def from_call(cls, *, scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
                   use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: float | None,
-                  A_log, state_v_first: bool, chunk_size: int,
+                  A_log, state_v_first: bool, chunk_size: int, return_intermediate_states: bool = False,
                   switches: tuple[int, int, int] | None = None) -> KdaOptions:
         """chunk_kda's arguments (already validated) -> options. The gate formula is chosen by
         lower_bound (docs/contract.md, "The gate"), not by safe_gate. switches: (split, split_chunks,
@@ -63,7 +64,8 @@ class KdaOptions:
         split, chunks, recurrent = launch_switches() if switches is None else switches
         return cls(scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
                    l2norm=bool(use_qk_l2norm_in_kernel), beta_sigmoid=beta,
-                   state_v_first=bool(state_v_first), chunk_size=int(chunk_size), split=split, split_chunks=chunks,
+                   state_v_first=bool(state_v_first), chunk_size=int(chunk_size),
+                   intermediate_states=bool(return_intermediate_states), split=split, split_chunks=chunks,
                    recurrent=recurrent)
 
     @property
@@ -79,7 +81,8 @@ class KdaOptions:
         return (f"scale={float(self.scale).hex()};gate={self.gate};lower_bound={float(self.lower_bound).hex()};"
                 f"l2norm={int(self.l2norm)};beta_sigmoid={self.beta_sigmoid};"
                 f"state_v_first={int(self.state_v_first)};chunk_size={self.chunk_size};"
-                f"split={self.split};split_chunks={self.split_chunks};recurrent={self.recurrent}")
+                f"split={self.split};split_chunks={self.split_chunks};recurrent={self.recurrent};"
+                f"intermediate_states={int(self.intermediate_states)}")
 
 
 def launch_switches() -> tuple[int, int, int]:
