@@ -298,6 +298,65 @@ def test_versions_has_the_keys():
         assert isinstance(v.get(key), str) and v[key]
 
 
+@pytest.mark.parametrize("cu,batch", [([0, 70], (1, 70)), ([0, 35, 70], (2, 35)), ([0, 30, 70], None),
+                                      ([0, 0, 70], None)])
+def test_equal_documents_reach_the_kernels_as_a_batch(cu, batch, monkeypatch):
+    """cu_seqlens of N documents of one length L: the kernel layer receives the fixed-length batch
+    [N, L] (views of the inputs, no cu_seqlens) and o comes back as [1, T, HV, V]; other cuts, the
+    switch KERNEL_FUN_KDA_VARLEN_AS_BATCH=0, use_graph (no host copy) and return_intermediate_states
+    keep the varlen call. Meta tensors with a host copy reach the kernel path (replaced by a recorder)."""
+    from kernel_fun import _dispatch, _ext
+    from kernel_fun.kda import _kernel
+
+    class Ops:
+        @staticmethod
+        def kda_support(q, k, v, g, beta, cu, options):
+            return ""
+
+        @staticmethod
+        def kda_limits(probe):
+            return [65535, 1 << 30]
+
+    seen = []
+
+    def forward(q, k, v, g, beta, **kw):
+        seen.append((q, v, beta, kw))
+        o = torch.empty(*v.shape[:3], 64, device=v.device)
+        return (o, None, o) if kw["return_intermediate_states"] else (o, None)
+
+    monkeypatch.setattr(_ext, "status", lambda: (True, "stub"))
+    monkeypatch.setattr(_ext, "ops", lambda: Ops)
+    monkeypatch.setattr(_dispatch, "fla_function", lambda module, name: None)
+    monkeypatch.setattr(_kernel, "forward", forward)
+    dev = torch.device("meta")
+    q = torch.empty(1, 70, 2, 64, device=dev)
+    v = torch.empty(1, 70, 4, 64, device=dev)
+    g = torch.empty(1, 70, 4, 64, device=dev)
+    beta = torch.empty(1, 70, 4, device=dev)
+    kw = dict(cu_seqlens=torch.tensor(cu, device=dev), cu_seqlens_cpu=torch.tensor(cu))
+    with torch.no_grad():
+        o, _ = chunk_kda(q, q, v, g, beta, **kw)
+    sq, sv, sbeta, skw = seen[-1]
+    assert o.shape == (1, 70, 4, 64)
+    if batch is None:
+        assert sq.shape == (1, 70, 2, 64) and skw["cu_seqlens"] is kw["cu_seqlens"]
+    else:
+        N, L = batch
+        assert (sq.shape, sv.shape, sbeta.shape) == ((N, L, 2, 64), (N, L, 4, 64), (N, L, 4))
+        assert skw["cu_seqlens"] is None and skw["cu_seqlens_cpu"] is None
+        monkeypatch.setenv("KERNEL_FUN_KDA_VARLEN_AS_BATCH", "0")
+        with torch.no_grad():
+            chunk_kda(q, q, v, g, beta, **kw)
+        assert seen[-1][0].shape == (1, 70, 2, 64) and seen[-1][3]["cu_seqlens"] is kw["cu_seqlens"]
+        monkeypatch.delenv("KERNEL_FUN_KDA_VARLEN_AS_BATCH")
+        with torch.no_grad():
+            chunk_kda(q, q, v, g, beta, cu_seqlens=kw["cu_seqlens"], use_graph=True, max_num_seqs=len(cu) - 1)
+        assert seen[-1][0].shape == (1, 70, 2, 64)
+        with torch.inference_mode():
+            chunk_kda(q, q, v, g, beta, **kw, return_intermediate_states=True)
+        assert seen[-1][0].shape == (1, 70, 2, 64)
+
+
 def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     """chunk_kda and is_supported hand our kernel layer the same, complete keyword set (meta tensors
     reach the kernel path; the kernel layer is replaced by a recorder)."""

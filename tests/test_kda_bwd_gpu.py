@@ -716,6 +716,60 @@ print("serialised backward: same bits, streamed")
 """
 
 
+# cu_seqlens of documents of one length: chunk_kda runs the fixed-length batch (kernel_fun.kda's
+# _equal_documents). One long document with few heads: the fixed-length policy streams its backward,
+# which a varlen call never does, so the counter tells which path ran.
+EQUAL_DOCS_CASES = {
+    "one-doc": dict(T=4096, H=4, V=128, cu=[0, 4096], gate="bounded16", h0=True),
+    "four-docs-gva": dict(T=1200, H=2, HV=4, cu=[0, 300, 600, 900, 1200], h0=True),
+}
+
+
+@pytest.mark.parametrize("name", list(EQUAL_DOCS_CASES))
+def test_equal_documents_run_as_the_fixed_length_batch(name, monkeypatch):
+    """o, the final state and every gradient of the packed call are bit for bit those of the call on
+    the [N, L] batch without cu_seqlens; KERNEL_FUN_KDA_VARLEN_AS_BATCH=0 keeps the varlen path (for
+    one document: no streamed backward), and both are within the fp64 recurrence's tolerance."""
+    from kernel_fun.kda import chunk_kda
+
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "0")  # (the split scans' model would take one document)
+    case = EQUAL_DOCS_CASES[name]
+    inputs, kw = make_case(**case)
+    do, dht = _do_dht(inputs, kw)
+    N = len(case["cu"]) - 1
+    L = case["T"] // N
+    as_batch = lambda t: t[0].unflatten(0, (N, L))  # noqa: E731
+    batch = [as_batch(x) for x in inputs]
+    kw_b = {**kw, "cu_seqlens": None}
+
+    def run(inp, kw_, do_, varlen_switch=None):
+        (monkeypatch.setenv("KERNEL_FUN_KDA_VARLEN_AS_BATCH", varlen_switch) if varlen_switch
+         else monkeypatch.delenv("KERNEL_FUN_KDA_VARLEN_AS_BATCH", raising=False))
+        with torch.no_grad():
+            o, ht = chunk_kda(*inp, **{n: x for n, x in kw_.items() if x is not None})
+        before = _ext.op_calls()
+        grads = _grads_through(chunk_kda, inp, kw_, do_, dht)
+        streamed = _ext.op_calls()["kda_bwd_streamed"] - before["kda_bwd_streamed"]
+        return o, ht, grads, streamed
+
+    o, ht, grads, streamed = run(inputs, kw, do)
+    o_b, ht_b, grads_b, streamed_b = run(batch, kw_b, as_batch(do))
+    assert torch.equal(o, o_b.flatten(0, 1).unsqueeze(0)) and (ht is None or torch.equal(ht, ht_b))
+    per_token = ("dq", "dk", "dv", "dg", "dbeta")  # [N, L, ...] in the batch: packed as [1, T, ...]
+    assert_bitwise_same({n: t.flatten(0, 1).unsqueeze(0) if n in per_token else t for n, t in grads_b.items()},
+                        grads, name)
+    assert streamed == streamed_b
+    o_v, _, grads_v, streamed_v = run(inputs, kw, do, "0")
+    if N == 1:
+        assert (streamed, streamed_v) == (1, 0), (streamed, streamed_v)
+    o_ref, _ = kda_reference(inputs, kw)
+    ref = _grads_naive(inputs, kw, do, dht)
+    for out_o, out_g in ((o, grads), (o_v, grads_v)):
+        assert rel_rms(o_ref, out_o) <= KDA_TOL["o"]
+        for key in per_token:
+            assert rel_rms(ref[key], out_g[key]) <= KDA_TOL[key], key
+
+
 @pytest.mark.parametrize("name", list(SWITCH_CASES))
 def test_the_backward_takes_its_forwards_path(name, monkeypatch):
     """Every gradient bitwise the same whether or not the switch changes after the forward."""

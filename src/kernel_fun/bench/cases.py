@@ -176,6 +176,8 @@ CASES: tuple[KdaCase | CconvCase, ...] = (
             anchor_fla_ms={"fwd": 1.75}, what="one sequence, bounded"),
     KdaCase("long_b1_t32k", B=1, T=32768, H=32, HV=32, K=128, V=128, **_BND,
             anchor_fla_ms={"fwd": 4.78}, what="few long sequences (32 sequence-heads)"),
+    KdaCase("long_b1_t32k_doc", B=1, T=32768, H=32, HV=32, K=128, V=128, **_BND, doc_lens=(32768,),
+            what="long_b1_t32k as packed-sequence trainers call it: one document in cu_seqlens"),
     KdaCase("long_b1_t32k_h8", B=1, T=32768, H=8, HV=8, K=128, V=128, **_BND,
             what="few heads per GPU (tensor parallel), long: 16 scan chains (the split forward's case)"),
     KdaCase("long_b1_t128k", B=1, T=131072, H=32, HV=32, K=128, V=128, **_BND,

@@ -54,6 +54,21 @@ def _fail(exc, msg: str):
     raise exc(f"kernel_fun.kda.chunk_kda: {msg}")
 
 
+def _equal_documents(host_cu: torch.Tensor | None, T: int) -> tuple[int, int] | None:
+    """(N, L) where the validated host cu_seqlens cut T > 0 tokens into N documents of one length L
+    (one document: [0, T]), else None. Such a call is the fixed-length batch [N, L]: the inputs are
+    views of it (splitting the token dimension never copies), and the fixed-length launch policy
+    (the streamed forward and backward, the split scans, the backward's batch slices) applies, which
+    a varlen batch, whose documents the kernels see only on the device, does not take.
+    KERNEL_FUN_KDA_VARLEN_AS_BATCH=0 keeps the varlen path."""
+    if host_cu is None or T == 0 or not _env.flag("KERNEL_FUN_KDA_VARLEN_AS_BATCH", True):
+        return None
+    N = host_cu.numel() - 1
+    if T % N != 0 or not bool((host_cu == torch.arange(0, T + 1, T // N, dtype=host_cu.dtype)).all()):
+        return None
+    return N, T // N
+
+
 def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor | None:
     """Validate cu_seqlens; return a host copy (one device->host read only when the caller gave
     no cu_seqlens_cpu, as fla also does) so the kernels can build their chunk map sync-free."""
@@ -415,6 +430,12 @@ def chunk_kda(
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)
 
+    # documents of one length are the fixed-length batch (h, the per-chunk states, keeps its varlen
+    # layout: that path is left as it is)
+    docs = None if return_intermediate_states else _equal_documents(host_cu, q.shape[1])
+    if docs is not None:
+        q, k, v, g, beta = (x[0].unflatten(0, docs) for x in (q, k, v, g, beta))
+        cu_seqlens = host_cu = None
     reason, options, uses_A_log, uses_dt_bias = _route(q, v, cu_seqlens, _call_meta(
         q, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
         allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs, return_intermediate_states))
@@ -430,11 +451,14 @@ def chunk_kda(
     out = _kernel.forward(q, k, v, g, beta, options=options, initial_state=initial_state,
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=host_cu,
                           A_log=A_log, dt_bias=dt_bias, return_intermediate_states=return_intermediate_states)
+    if docs is not None:  # o back in the packed layout (a view); the final state is [N, ...] either way
+        out = (out[0].flatten(0, 1).unsqueeze(0),) + tuple(out[1:])
     if not torch.compiler.is_compiling() and q.device.type == "cuda":  # after the kernels launched
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         _dispatch.log_engaged(FAMILY, f"B={B} T={T} H={H} HV={HV} K={K} V={V} dtype={q.dtype} "
-                                      f"varlen={cu_seqlens is not None} grad={_needs_grad(q, k, v, g, beta)}")
+                                      f"varlen={cu_seqlens is not None}{' (equal documents)' if docs else ''} "
+                                      f"grad={_needs_grad(q, k, v, g, beta)}")
     return out
 
 
