@@ -32,8 +32,8 @@ def _restore_dispatch_memory():
 
 
 ANCHOR_CASES = {"prod8192", "k3_h32", "small", "bounded_b16", "bounded_b8_h32", "bounded_b1", "long_b1_t32k",
-                "long_b1_t32k_doc", "long_b1_t32k_h8", "long_b1_t128k", "varlen", "gva", "cconv_d2048", "cconv_d4096",
-                "cconv_small"}
+                "long_b1_t32k_doc", "long_b1_t32k_h8", "long_docs_h8", "long_b1_t128k", "varlen", "gva",
+                "cconv_d2048", "cconv_d4096", "cconv_small"}
 
 
 def _cli(*args, env_extra=None):
@@ -584,7 +584,7 @@ def test_forward_rows_leave_no_inference_tensors_for_the_fwd_bwd_row(fake_cuda, 
 # ---------------------------------------------------------------- FlashKDA rows
 
 FLASHKDA_ROWS = {("bounded_b16", "fwd"), ("bounded_b8_h32", "fwd"), ("bounded_b1", "fwd"),
-                 ("long_b1_t32k", "fwd"), ("long_b1_t32k_doc", "fwd"), ("long_b1_t32k_h8", "fwd"), ("long_b1_t128k", "fwd"), ("varlen", "fwd")}
+                 ("long_b1_t32k", "fwd"), ("long_b1_t32k_doc", "fwd"), ("long_b1_t32k_h8", "fwd"), ("long_docs_h8", "fwd"), ("long_b1_t128k", "fwd"), ("varlen", "fwd")}
 
 
 def test_flashkda_rows_only_for_bounded_forward_k128_without_gva():

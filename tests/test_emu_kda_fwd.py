@@ -730,6 +730,26 @@ def test_split_choice_model(emu):
     assert emu.split_choice(1, 32768, 8, 8, 64, 64)[1] == 64  # K = 64: the virtual columns are one 64-slice
 
 
+def test_split_choice_model_for_varlen(emu):
+    """A varlen batch splits by its longest document (KdaOptions::max_seq_len, from the front's host copy
+    of cu_seqlens): one 32768-token document at 8 heads as the fixed-length call does, two documents
+    of 24576 + 8192 tokens too (the model counts the longest's pieces for both); not where the longest
+    is not known (torch.compile, use_graph: max_seq_len 0), nor for short documents or many chains."""
+    fixed = emu.split_choice(1, 32768, 8, 8, 128, 128)
+    one = emu.split_choice_varlen(1, 32768, 32768, 8, 8, 128, 128)
+    assert one[0] > 0 and one[1] == fixed[1] and abs(one[0] - fixed[0]) <= 1 and one[2] < 0.75 * one[3]
+    two = emu.split_choice_varlen(2, 32768, 24576, 8, 8, 128, 128)
+    assert two[0] > 0 and two[2] < 0.75 * two[3]
+    assert emu.split_choice_varlen(2, 16384, 12288, 4, 4, 128, 128)[0] > 0          # the GPU test's batch
+    assert emu.split_choice_varlen(2, 8192, 8191, 4, 4, 128, 128)[0] > 0            # 128 chunks
+    assert emu.split_choice_varlen(1, 32768, 0, 8, 8, 128, 128)[0] == 0             # not known
+    # short: under kSplitVarlenMinChunks, though the model, whose chain is optimistic, would split
+    assert emu.split_choice_varlen(2, 8192, 8128, 4, 4, 128, 128)[0] == 0
+    assert emu.split_choice_varlen(2, 4096, 2048, 8, 8, 128, 128)[0] == 0
+    assert emu.split_choice_varlen(6, 8192, 3063, 32, 32, 128, 128)[0] == 0         # the bench's varlen: 384 chains
+    assert emu.split_choice_varlen(1, 32768, 32768, 32, 32, 128, 128)[0] == 0       # long_b1_t32k's heads: the intra
+
+
 def test_short_chunk_policy(emu):
     """kda_policy.h's fwd_short_chunks_pay: the 32-token forward wherever the 64-token one would run
     its two kernels one after the other (neither streamed nor split), however many chains; the bench

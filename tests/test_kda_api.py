@@ -235,7 +235,7 @@ def test_support_guards_grid_and_token_limits():
                                                       opts.replace("recurrent=-1", "recurrent=2"))
     # chunk_size=32 is ours (our kernels chunk as they choose) unless the call asks for the per-chunk
     # states, which would be one per 32 tokens
-    assert opts.endswith("chunk_size=64;split=2;split_chunks=0;recurrent=-1;intermediate_states=0")
+    assert opts.endswith("chunk_size=64;split=2;split_chunks=0;recurrent=-1;intermediate_states=0;max_seq_len=0")
     assert support(*_big_views(1, 64), None, opts.replace("chunk_size=64", "chunk_size=32")) == ""
     assert support(*_big_views(1, 64), None, opts.replace("intermediate_states=0", "intermediate_states=1")) == ""
     assert support(*_big_views(1, 64), None, opts.replace("chunk_size=64", "chunk_size=32").replace(
@@ -243,6 +243,10 @@ def test_support_guards_grid_and_token_limits():
         "chunk_size=32 with return_intermediate_states (our kernels return a state every 64 tokens)")
     assert "bad value '2' for 'intermediate_states'" in support(
         *_big_views(1, 1), None, opts.replace("intermediate_states=0", "intermediate_states=2"))
+    # the longest document's tokens (the launch model's, for varlen calls): any count, never negative
+    assert support(*_big_views(1, 64), None, opts.replace("max_seq_len=0", "max_seq_len=70000")) == ""
+    assert "bad value '-1' for 'max_seq_len'" in support(*_big_views(1, 1), None,
+                                                         opts.replace("max_seq_len=0", "max_seq_len=-1"))
 
 
 def test_env_flags_parse_and_warn(monkeypatch, caplog):
@@ -393,7 +397,10 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
         assert chunk_kda(q, q, v, g, beta, **kw) == ("o", None)
     (k1, support1), (k2, fwd) = seen
     assert (k1, k2) == ("support", "forward")
-    assert support1 == ("meta", torch.float32, torch.float32, True, fwd["options"])  # one options string
+    # one options string: the support check's, with the longest document (40 of [0, 30, 70]) filled in
+    assert support1 == ("meta", torch.float32, torch.float32, True, fwd["options"].replace("max_seq_len=40",
+                                                                                           "max_seq_len=0"))
+    assert fwd["options"].endswith(";max_seq_len=40")
     opts = _kernel._decode(fwd["options"])
     assert opts.scale == 64 ** -0.5 and opts.lower_bound == -5.0 and opts.gate == "bounded" and fwd["A_log"] is A_log
     assert opts.chunk_size == 64 and opts.l2norm and fwd["output_final_state"] and fwd["cu_seqlens"] is cu
@@ -406,7 +413,7 @@ def test_kernel_path_wiring_without_a_gpu(monkeypatch):
     seen.clear()
     with torch.no_grad():
         assert chunk_kda(q, q, v, g, beta, **{**kw, "cu_seqlens_cpu": None}, use_graph=True, max_num_seqs=2) == ("o", None)
-    assert seen[-1][1]["cu_seqlens_cpu"] is None
+    assert seen[-1][1]["cu_seqlens_cpu"] is None and seen[-1][1]["options"].endswith(";max_seq_len=0")
     with pytest.raises(ValueError, match="max_num_seqs"), torch.no_grad():
         chunk_kda(q, q, v, g, beta, **kw, use_graph=True, max_num_seqs=3)
     ok, why = is_supported(q, v, k=q, g=g, beta=beta, **kw, use_graph=True, max_num_seqs=3)

@@ -902,6 +902,36 @@ def test_split_is_the_models_choice_by_default_and_serves_training(monkeypatch):
         assert rel_rms(b.double(), a) < (5e-3 if i < 2 else STAGE_TOL), i
 
 
+def test_varlen_split_is_the_models_choice_from_the_longest_document(monkeypatch):
+    """A varlen call's longest document (read from the host copy of cu_seqlens into the options'
+    max_seq_len) lets the launch model split few long documents: 12288 + 4096 tokens at 4 heads split
+    (counted as kda_fwd_split) in a training call through chunk_kda, whose output and gradients match
+    the KERNEL_FUN_KDA_SPLIT=0 call's; with use_graph (cu_seqlens never read on the host) it does not
+    split."""
+    from kernel_fun.kda import chunk_kda
+
+    monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", raising=False)
+    inputs, kw = make_case(T=16384, H=4, cu=[0, 12288, 16384], gate="bounded_weak", h0=True)
+
+    def run(split: str, **extra):
+        monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", split)
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        h0 = kw["initial_state"].detach().clone().requires_grad_(True)
+        call = {n: x for n, x in kw.items() if x is not None and n != "initial_state"}
+        with our_launches(kda_fwd=1, kda_bwd=1) as counts:
+            o, ht = chunk_kda(*leaves, initial_state=h0, **call, **extra)
+            (o.float().square().sum() + ht.square().sum()).backward()
+        return counts["kda_fwd_split"], [o.detach(), ht.detach()] + [x.grad for x in leaves if x.grad is not None] + [
+            h0.grad]
+
+    n_split, split = run("2")
+    n_whole, whole = run("0")
+    assert (n_split, n_whole) == (1, 0)
+    for i, (a, b) in enumerate(zip(split, whole)):
+        assert rel_rms(b.double(), a) < (5e-3 if i < 2 else STAGE_TOL), i
+    assert run("2", use_graph=True, max_num_seqs=2)[0] == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # the experimental 32-token forward (csrc/kda/fwd/kda_fwd_intra_c32.cuh), opt-in
 C32_CASES = {

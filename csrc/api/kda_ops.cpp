@@ -438,6 +438,7 @@ std::vector<Tensor> run_fwd(KF_KDA_IN, const std::string& options, const Tensor&
     p.dbg_intra_clock = static_cast<long long*>(ws.back().data_ptr());
   }
   count_call(OpId::kKdaFwd);
+  if (p.split_chunks > 0) count_call(OpId::kKdaFwdSplit);
   if (kda::kda_forward(p, current_stream(q)) != 0) count_call(OpId::kKdaFwdStreamed);
   return ws;
 }

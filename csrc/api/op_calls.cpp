@@ -13,7 +13,7 @@ namespace {
 
 constexpr int kOps = static_cast<int>(OpId::kCount);
 constexpr const char* kNames[kOps] = {"cconv_fwd", "cconv_bwd", "cconv_update", "kda_fwd", "kda_bwd", "kda_fwd_c32",
-                                      "kda_fwd_streamed", "kda_bwd_streamed"};
+                                      "kda_fwd_streamed", "kda_bwd_streamed", "kda_fwd_split"};
 std::atomic<long long> g_calls[kOps];
 
 std::string op_calls(Tensor probe) {

@@ -1,7 +1,7 @@
 // Parsing of the one KDA options object (kda_problem.h). The text is produced by
 // kernel_fun.kda._options.KdaOptions.encode(): "scale=<float>;gate=<mode>;lower_bound=<float>;
 // l2norm=<0|1>;beta_sigmoid=<0|1|2>;state_v_first=<0|1>;chunk_size=<int>;split=<0|1|2>;
-// split_chunks=<int >= 0>;recurrent=<-1|0|1>;intermediate_states=<0|1>", floats as C99 hex
+// split_chunks=<int >= 0>;recurrent=<-1|0|1>;intermediate_states=<0|1>;max_seq_len=<int >= 0>", floats as C99 hex
 // floats (exact round trip). Strict: every key exactly once, nothing else.
 #include <cerrno>
 #include <cmath>
@@ -36,10 +36,11 @@ bool to_int(const std::string& v, long& out) {
 
 std::string parse_options(const std::string& text, KdaOptions& out) {
   enum Key { kScale, kGate, kLower, kL2, kBeta, kSvf, kChunk_, kSplit, kSplitChunks, kRecurrent, kStates,
-             kNumKeys };
+             kMaxSeqLen, kNumKeys };
   static const char* const names[kNumKeys] = {"scale",      "gate",         "lower_bound",   "l2norm",
                                               "beta_sigmoid", "state_v_first", "chunk_size", "split",
-                                              "split_chunks", "recurrent",    "intermediate_states"};
+                                              "split_chunks", "recurrent",    "intermediate_states",
+                                              "max_seq_len"};
   bool seen[kNumKeys] = {};
   KdaOptions o;
   size_t pos = 0;
@@ -80,6 +81,10 @@ std::string parse_options(const std::string& text, KdaOptions& out) {
         break;
       case kRecurrent: ok = to_int(val, iv) && iv >= -1 && iv <= 1; o.recurrent = static_cast<int>(iv); break;
       case kStates: ok = to_int(val, iv) && (iv == 0 || iv == 1); o.intermediate_states = iv == 1; break;
+      case kMaxSeqLen:
+        ok = to_int(val, iv) && iv >= 0 && iv <= (1L << 30);
+        o.max_seq_len = static_cast<int>(iv);
+        break;
     }
     if (!ok) return "options: bad value '" + val + "' for '" + key + "'";
   }

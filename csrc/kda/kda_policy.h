@@ -87,20 +87,35 @@ inline bool fwd_stream_safe(const KdaProblem& p, int bv, int sms) {
   if (!fwd_stream_possible(p) || sms < 16 || bv <= 0 || p.V % bv != 0) return false;
   return static_cast<long>(p.HV) * p.N * (p.V / bv) <= sms - 8;
 }
+// Chunks of the longest sequence: the fixed length's, or with cu_seqlens the front's host copy's
+// (KdaOptions::max_seq_len), 0 where the front read none (torch.compile, use_graph). A chain's
+// serial steps, so what the models below count.
+inline long longest_chunks(const KdaProblem& p) {
+  const long t = p.cu_seqlens ? p.opt.max_seq_len : p.T;
+  return (t + kChunk - 1) / kChunk;
+}
+// Model (us) of the forward's two kernels one after the other (fitted with fwd_stream_choice's
+// constants below): the intra's waves at two CTAs per SM, then the scan's waves of chains as long as
+// the longest sequence at scan_choice's width.
+inline double fwd_two_kernel_cost(const KdaProblem& p, int sms) {
+  const double kw = p.K / 128.0;
+  const long intra_ctas = static_cast<long>(p.max_chunks) * p.HV;
+  const long slots = 2L * sms;
+  const double intra_now = static_cast<double>((intra_ctas + slots - 1) / slots) * 24.4 * (0.4 + 0.6 * kw);
+  const ScanChoice now = scan_choice(p);
+  const long now_ctas = static_cast<long>(p.HV) * p.N * (p.V / now.bv);
+  const long now_waves = (now_ctas + sms - 1) / sms;
+  return intra_now + now_waves * longest_chunks(p) * (now.bv == 128 ? 3.8 : 3.0) * (0.5 + 0.5 * kw);
+}
 inline StreamChoice fwd_stream_choice(const KdaProblem& p, int sms) {
   StreamChoice best;
   if (!fwd_stream_safe(p, 64, sms) && !fwd_stream_safe(p, 128, sms)) return best;
   const double kw = p.K / 128.0;
   const double intra_us = 24.4 * (0.4 + 0.6 * kw);  // per CTA at two per SM, alone
   const double intra_beside_us = 31.0 * (0.4 + 0.6 * kw);  // the same beside the scan
-  const long nts = (p.T + kChunk - 1) / kChunk;
+  const long nts = longest_chunks(p);
   const long intra_ctas = static_cast<long>(p.max_chunks) * p.HV;
-  const long slots = 2L * sms;
-  const double intra_now = static_cast<double>((intra_ctas + slots - 1) / slots) * intra_us;
-  const ScanChoice now = scan_choice(p);
-  const long now_ctas = static_cast<long>(p.HV) * p.N * (p.V / now.bv);
-  const long now_waves = (now_ctas + sms - 1) / sms;
-  best.cost_now = intra_now + now_waves * nts * (now.bv == 128 ? 3.8 : 3.0) * (0.5 + 0.5 * kw);
+  best.cost_now = fwd_two_kernel_cost(p, sms);
   for (int bv : {64, 128}) {
     if (!fwd_stream_safe(p, bv, sms)) continue;
     const long ctas = static_cast<long>(p.HV) * p.N * (p.V / bv);
@@ -147,14 +162,16 @@ struct SplitChoice {
 // Model (us), from the constants fitted for the streamed forward (fwd_stream_choice; not yet fitted to
 // a split forward measured on a GPU): the intra alone, then pass 1's and pass 2's waves of L steps
 // (a pass-1 step assumed as long as an ordinary one, though it has no o), the chain (~1.5 us per
-// piece) and ~12 us for the three small launches. Fixed-length batches only: a varlen batch's
-// longest document is not known on the host. It splits where the model is at least 25% under the
+// piece) and ~12 us for the three small launches. A varlen batch's chains are its documents': the
+// model counts L-chunk pieces of its longest document (longest_chunks, from the front's host copy;
+// unknown under torch.compile or use_graph, and then it does not split) for every document, which
+// overcounts the shorter ones' pieces. It splits where the model is at least 25% under the
 // forward it replaces: that forward's model (fwd_stream_choice) was fitted before the scans' later
 // gains and overestimates them (bounded_b1 streamed: 524 us modelled, ~400 measured on 2026-12-04),
 // and the split's own step times are not yet measured.
 inline double split_cost(const KdaProblem& p, int L, int bv, int sms) {
   const double kw = p.K / 128.0;
-  const long nts = (p.T + kChunk - 1) / kChunk;
+  const long nts = longest_chunks(p);
   const long S = (nts + L - 1) / L;
   const long rows = static_cast<long>(p.HV) * p.N;
   const long slots = static_cast<long>(sms) * scan_ctas_per_sm(p.K, bv);
@@ -167,12 +184,25 @@ inline double split_cost(const KdaProblem& p, int L, int bv, int sms) {
   const double t2 = static_cast<double>((c2 + slots - 1) / slots) * L * step;
   return intra + t1 + 1.5 * S + t2 + 12.0;
 }
+// A varlen batch splits only if its longest document has at least this many chunks. The model's
+// chain costs ~1.5 us per piece where the chain kernel measured ~5-6 us (447c4f4, long_b1_t32k_h8),
+// which matters where the pieces are few steps long; the fixed-length model is held by its measured
+// cases (it declines short sequences against the streamed forward), a varlen batch, which cannot
+// stream, is compared with the two kernels, and for documents under 128 chunks that margin is within
+// the chain's error (two documents of 2048 tokens at 8 heads: modelled 118 against 170 us, ~150 with
+// the chain as measured).
+constexpr long kSplitVarlenMinChunks = 128;
 inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
   SplitChoice best;
-  if (!fwd_split_possible(p) || p.cu_seqlens || sms < 16) return best;
+  const int nts = static_cast<int>(longest_chunks(p));
+  if (!fwd_split_possible(p) || nts == 0 || sms < 16) return best;
+  if (p.cu_seqlens && nts < kSplitVarlenMinChunks) return best;
+  // the forward it would replace: a varlen batch's two kernels one after the other (its longest
+  // document's chain after the intra); a fixed-length batch's streamed forward, or its two kernels
+  // where it could stream but the model declined (where it cannot stream at all, 125-132 chains at
+  // V = 64, cost_now is 0 and it does not split: as before varlen batches were served)
   const StreamChoice st = fwd_stream_choice(p, sms);
-  best.cost_other = st.bv ? st.cost : st.cost_now;
-  const int nts = (p.T + kChunk - 1) / kChunk;
+  best.cost_other = st.bv ? st.cost : p.cu_seqlens ? fwd_two_kernel_cost(p, sms) : st.cost_now;
   double cost = 0;
   int chunks = 0, width = 0;
   for (int bv : {64, 128}) {

@@ -51,6 +51,10 @@ struct KdaOptions {
   // (return_intermediate_states) are one per chunk_size tokens, and ours are per 64.
   int chunk_size = kChunk;
   bool intermediate_states = false;  // return_intermediate_states: the call asks for h
+  // With cu_seqlens: the longest sequence's tokens, from the front's host copy of cu_seqlens (eager
+  // calls validate one anyway), for the launch model (kda_policy.h's longest_chunks); 0 where the
+  // front read none (torch.compile, use_graph). Unused without cu_seqlens.
+  int max_seq_len = 0;
   // The launch switches that decide what a training forward leaves its backward, set by the front
   // (KERNEL_FUN_KDA_SPLIT, _SPLIT_CHUNKS, KERNEL_FUN_KDA_RECURRENT) so that a backward, which gets its
   // forward's options, decides as its forward did. The split scans (kda_split_choose): 0 never, 1

@@ -578,6 +578,23 @@ int kda_emu_split_choice(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
   return c.chunks;
 }
 
+// The same for a varlen batch of N documents over T tokens whose longest has `longest` tokens (the
+// front's KdaOptions::max_seq_len; 0: not known), with the launcher's chunk bound (csrc/api).
+int kda_emu_split_choice_varlen(int64_t N, int64_t T, int64_t longest, int64_t H, int64_t HV, int64_t K, int64_t V,
+                                int64_t sms, double* bv_cost) {
+  static const int32_t device_offsets = 0;  // the policy asks only whether cu_seqlens is there
+  kda::KdaProblem p = fixed_problem(1, T, H, HV, K, V);
+  p.N = static_cast<int>(N);
+  p.cu_seqlens = &device_offsets;
+  p.max_chunks = static_cast<int>(T / kda::kChunk + N);
+  p.opt.max_seq_len = static_cast<int>(longest);
+  const kda::SplitChoice c = kda::fwd_split_choice(p, static_cast<int>(sms));
+  bv_cost[0] = c.bv;
+  bv_cost[1] = c.cost;
+  bv_cost[2] = c.cost_other;
+  return c.chunks;
+}
+
 // kda_policy.h's backward choices for a fixed-length problem chunked at 64 tokens, with the split of
 // `split_chunks` chunks (0: none): bit 0 bwd_stream_wanted, bit 1 save_states_pays, bit 2
 // bwd_pair_scans at the scan's width (on the whole batch).

@@ -79,6 +79,8 @@ def lib():
         L.kda_emu_split_layout.restype = ctypes.c_int
         L.kda_emu_split_choice.argtypes = [ctypes.c_int64] * 7 + [vp]
         L.kda_emu_split_choice.restype = ctypes.c_int
+        L.kda_emu_split_choice_varlen.argtypes = [ctypes.c_int64] * 8 + [vp]
+        L.kda_emu_split_choice_varlen.restype = ctypes.c_int
         L.kda_emu_split_chain_cols.argtypes = [ctypes.c_int64] * 7
         L.kda_emu_bwd_policy.argtypes = [ctypes.c_int64] * 7
         L.kda_emu_bwd_policy.restype = ctypes.c_int
@@ -116,6 +118,14 @@ def split_choice(B, T, H, HV, K, V, sms=132):
     scans' width, modelled split us, modelled us of the forward it would replace)."""
     out = (ctypes.c_double * 3)()
     chunks = lib().kda_emu_split_choice(B, T, H, HV, K, V, sms, ctypes.cast(out, ctypes.c_void_p))
+    return chunks, int(out[0]), out[1], out[2]
+
+
+def split_choice_varlen(N, T, longest, H, HV, K, V, sms=132):
+    """The same for a varlen batch of N documents over T tokens, the longest of `longest` tokens (0: not
+    known, as under torch.compile)."""
+    out = (ctypes.c_double * 3)()
+    chunks = lib().kda_emu_split_choice_varlen(N, T, longest, H, HV, K, V, sms, ctypes.cast(out, ctypes.c_void_p))
     return chunks, int(out[0]), out[1], out[2]
 
 

@@ -180,6 +180,8 @@ CASES: tuple[KdaCase | CconvCase, ...] = (
             what="long_b1_t32k as packed-sequence trainers call it: one document in cu_seqlens"),
     KdaCase("long_b1_t32k_h8", B=1, T=32768, H=8, HV=8, K=128, V=128, **_BND,
             what="few heads per GPU (tensor parallel), long: 16 scan chains (the split forward's case)"),
+    KdaCase("long_docs_h8", B=1, T=32768, H=8, HV=8, K=128, V=128, **_BND, doc_lens=(24576, 8192),
+            what="two long documents of unequal length, few heads: the varlen split from the longest document"),
     KdaCase("long_b1_t128k", B=1, T=131072, H=32, HV=32, K=128, V=128, **_BND,
             what="one long sequence (the context-parallel row cp2_b1_t128k splits it over 2 GPUs)"),
     KdaCase("varlen", B=1, T=8192, H=32, HV=32, K=128, V=128, **_BND,

@@ -24,7 +24,7 @@ import torch
 
 from kernel_fun import _dispatch, _env, _ext
 from kernel_fun.kda import _cp
-from kernel_fun.kda._options import KdaOptions, launch_switches
+from kernel_fun.kda._options import KdaOptions, launch_switches, with_max_seq_len
 
 __all__ = ["chunk_kda", "is_supported", "warmup"]
 
@@ -441,6 +441,8 @@ def chunk_kda(
         allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, cp_context, kwargs, return_intermediate_states))
     if reason is not None:
         return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
+    if host_cu is not None:  # eager varlen: the longest document, for the launch model
+        options = with_max_seq_len(options, host_cu)
 
     from kernel_fun.kda import _kernel
 

@@ -33,7 +33,8 @@ def _decode(options: str) -> KdaOptions:
     return KdaOptions(scale=float.fromhex(kv["scale"]), gate=kv["gate"], lower_bound=float.fromhex(kv["lower_bound"]),
                       l2norm=kv["l2norm"] == "1", beta_sigmoid=int(kv["beta_sigmoid"]),
                       state_v_first=kv["state_v_first"] == "1", chunk_size=int(kv["chunk_size"]),
-                      intermediate_states=kv["intermediate_states"] == "1", split=int(kv["split"]),
+                      intermediate_states=kv["intermediate_states"] == "1", max_seq_len=int(kv["max_seq_len"]),
+                      split=int(kv["split"]),
                       split_chunks=int(kv["split_chunks"]), recurrent=int(kv["recurrent"]))
 
 

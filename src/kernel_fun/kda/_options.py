@@ -23,6 +23,11 @@ class KdaOptions:
     state_v_first: bool = False
     chunk_size: int = 64               # fla's; our kernels chunk as they choose (docs/contract.md)
     intermediate_states: bool = False  # return_intermediate_states: h, one state per chunk_size tokens
+    # With cu_seqlens: the longest document's tokens, read from the host copy an eager call validates
+    # (``with_max_seq_len``), for the launch model (kda_policy.h's longest_chunks); 0: not read
+    # (torch.compile, use_graph). The one field that varies per batch, so it is filled in after the
+    # routing decision, whose caches stay keyed on the rest.
+    max_seq_len: int = 0
     # The launch switches that decide what a training forward leaves for its backward, so they are
     # read by the front (``launch_switches``) into the options, which the backward receives from its
     # forward, not by the C++ launcher on each call: a backward then takes exactly its forward's path
@@ -82,7 +87,17 @@ class KdaOptions:
                 f"l2norm={int(self.l2norm)};beta_sigmoid={self.beta_sigmoid};"
                 f"state_v_first={int(self.state_v_first)};chunk_size={self.chunk_size};"
                 f"split={self.split};split_chunks={self.split_chunks};recurrent={self.recurrent};"
-                f"intermediate_states={int(self.intermediate_states)}")
+                f"intermediate_states={int(self.intermediate_states)};max_seq_len={self.max_seq_len}")
+
+
+def with_max_seq_len(options: str, host_cu) -> str:
+    """The encoded options of a varlen call with its longest document's tokens from ``host_cu`` (the
+    validated host copy of cu_seqlens), where ``encode()`` left 0."""
+    longest = int((host_cu[1:] - host_cu[:-1]).max())
+    head, sep, tail = options.rpartition(";max_seq_len=")
+    if not sep or tail != "0":
+        raise ValueError(f"options without max_seq_len=0 at their end: {options!r}")
+    return f"{head};max_seq_len={longest}"
 
 
 def launch_switches() -> tuple[int, int, int]:
