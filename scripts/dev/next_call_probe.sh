@@ -1,33 +1,34 @@
 #!/usr/bin/env bash
-# The thirtieth session's device probe, as one file so that a call's command line stays short: the cp
-# rank times, the 32-token forward beside the 64-token one, FlashKDA's stages. Each step goes on if one
-# before it fails; results land in $OUT (the device's output folder).
-#   KF_PREBUILT=1 ... KF_PROBE='bash scripts/dev/next_call_probe.sh [c32|rows|all]' bash scripts/gpu_run.sh $OUT
-# c32: the cp rank times, the 32-token forward (harness, bench rows); rows: those bench rows alone;
-# all (default): c32, then FlashKDA's stages (carry .flashkda).
+# The next device call's probe (written by the thirty-seventh session, which had no device), as one
+# file so that the call's command line stays short. Each step goes on if one before it fails; results
+# land in $OUT (the device's output folder). gpu_run.sh runs it on the quiet GPU after the build and
+# before the GPU tests (KF_PYTEST).
+# The GPU suite alone takes ~300 s of a call's 600, so the suite and the probe go in separate calls:
+#   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_PYTEST="-n 2 tests" bash scripts/gpu_run.sh               # call 1
+#   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_PROBE='bash scripts/dev/next_call_probe.sh ab' \
+#     bash scripts/gpu_run.sh                                                                  # call 2
+#   ... KF_PROBE='bash scripts/dev/next_call_probe.sh rows' ...                                # call 3
+# ab: same-process A/Bs of three launch switches (no build); rows: the two new bench cases, ours and
+# fla's (fla compiles its kernels for each new shape: minutes); all (default): both.
 set -u
 out=${OUT:-/tmp/next-call}
 part=${1:-all}
 mkdir -p "$out"
 step() { echo "== $* ($(date +%T))"; }
 
-if [ "$part" = c32 ] || [ "$part" = all ]; then
-step "cp rank times (the backward at V columns)"
-python3 scripts/cp_rank_times.py --case long_b1_t128k --world 2 --stages --out "$out/cp_rank.json"
-step "the 32-token forward beside the 64-token one (torch-free harness)"
-bash scripts/dev/intra_c32_bench.sh "$out"
+if [ "$part" = ab ] || [ "$part" = all ]; then
+step "one 32k-token document in cu_seqlens: the varlen path (0) against the fixed-length batch (1)"
+AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_VARLEN_AS_BATCH "0 1" long_b1_t32k_doc
+step "24576 + 8192 tokens at 8 heads: unsplit (0) against the model's split from the longest document (2)"
+AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_SPLIT "0 2" long_docs_h8
+step "the streamed backward's dh scan at BV 64 against 128 (the forward streamed as in production)"
+KERNEL_FUN_KDA_FWD_STREAMED=2 AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_SCAN_BV "64 128" long_b1_t32k \
+  long_b1_t128k
 fi
-if [ "$part" = c32 ] || [ "$part" = rows ] || [ "$part" = all ]; then
-step "the bench's forward rows at 64 and 32 tokens per chunk (KERNEL_FUN_KDA_FWD_CHUNK)"
-for c in bounded_b16 prod8192 varlen long_b1_t32k bounded_b1; do
-  for n in 64 32; do
-    echo "-- $c, chunk $n"
-    KERNEL_FUN_KDA_FWD_CHUNK=$n python3 -m kernel_fun.bench --family kda --case "$c" --pass fwd --no-fla \
-      --no-flashkda --out "$out/c$n/$c" > /dev/null 2>&1
-    grep "^| $c |" "$out/c$n/$c"/*.md
-  done
+if [ "$part" = rows ] || [ "$part" = all ]; then
+step "bench rows with fla: long_b1_t32k_doc, long_docs_h8 (and long_b1_t32k beside them)"
+for c in long_b1_t32k long_b1_t32k_doc long_docs_h8; do
+  python3 -m kernel_fun.bench --family kda --case "$c" --no-flashkda --out "$out/rows/$c" > /dev/null 2>&1
+  grep "^| $c |" "$out/rows/$c"/*.md
 done
 fi
-[ "$part" = all ] || exit 0
-step "our forward's kernels beside FlashKDA's (carry .flashkda, KF_FLASHKDA=1)"
-python3 scripts/kda_stage_times.py --pass fwd --flashkda bounded_b16 long_b1_t32k bounded_b1
