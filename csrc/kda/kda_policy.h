@@ -274,6 +274,13 @@ inline bool bwd_pair_scans(const KdaProblem& p, int bv) {
 // 0.172 ms at 64 against 0.188 at 128, while its forward scan was 0.331 at 64 against 0.254 at 128.
 // Elsewhere both scans take the same width.
 inline int dh_scan_bv(const KdaProblem& p, int fwd_bv) { return p.cu_seqlens && p.V % 64 == 0 ? 64 : fwd_bv; }
+// The streamed dh scan's width (bwd_stream_wanted below): 128 where V allows. Its chains halve
+// (long_b1_t32k: 64 -> 32 CTAs on 132 SMs), which leaves the grads CTAs beside it 100 SMs instead of
+// 68; each chain step is longer (the dh scan 1.36 -> 1.95 ms there), the training call shorter.
+// Measured on the H100 (2026-12-05, thirty-seventh session; one process, two runs each, the forward
+// streamed as in production): long_b1_t32k 6.79 / 6.80 -> 6.71 / 6.67 ms, long_b1_t128k 26.32 /
+// 26.37 -> 26.01 / 26.06.
+inline int dh_stream_bv(const KdaProblem& p) { return p.V % 128 == 0 ? 128 : 64; }
 
 // Batches per backward slice (bwd/kda_bwd_slice.h): B (one pass) for varlen or B = 1, else the
 // smallest slice whose two scans model no more time than one pass over the whole batch (a serial
@@ -297,7 +304,8 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // chains on 132 SMs), and the grads kernel, which needs a whole SM per CTA, runs on those SMs
 // meanwhile. It needs the states the forward saved (the dh scan alone, not paired with the
 // re-scan: save_states_pays below), and pays where at least half the SMs are free: the chains at
-// the dh scan's width at most kPolicySMs / 2. The grads CTAs wait for the dh scan and never the other
+// the dh scan's width at most kPolicySMs / 2 (counted at its width unstreamed; streamed it runs at
+// dh_stream_bv). The grads CTAs wait for the dh scan and never the other
 // way round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch
 // starts only then), so a wait always ends. A pure function of the shape, so that the forward's
 // decision to save its states (save_states_pays) and the backward's to stream agree.

@@ -6,6 +6,7 @@ A form is a set of environment switches, read at capture (the front's and the la
     PYTHONPATH=src python3 scripts/dev/graph_step_times.py [--fwd] bounded_b1 long_b1_t32k
 
 --fwd: the forward alone (no autograd), in graphs and eagerly (CUDA events, the same alternation).
+--dh-bv: two forms instead, the defaults and KERNEL_FUN_KDA_SCAN_BV=64 (the streamed dh scan's width).
 """
 from __future__ import annotations
 
@@ -66,10 +67,13 @@ def capture(inputs, env):
 
 
 FWD_ONLY = "--fwd" in sys.argv
+# --dh-bv: the streamed backward's dh scan at its own width (the defaults) against 64 (the override)
+if "--dh-bv" in sys.argv:
+    FORMS = {"dh-stream-bv": {}, "dh-bv-64": {"KERNEL_FUN_KDA_SCAN_BV": "64"}}
 
 
 def main() -> None:
-    for case in select("kda", [a for a in sys.argv[1:] if a != "--fwd"]):
+    for case in select("kda", [a for a in sys.argv[1:] if not a.startswith("--")]):
         inputs = make_inputs(case, torch, "cuda", seed=0)
         forms = {name: capture(inputs, env) for name, env in FORMS.items()}
         graph_ms = {name: [] for name in FORMS}
