@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The next device call's probe (written by the thirty-seventh session, which had no device), as one
-# file so that the call's command line stays short. Each step goes on if one before it fails; results
+# The thirty-seventh session's device probe (written before a device was lent; its steps then ran as
+# calls 2-6 of that session: docs/notes/2026-12-05-chunk-size-and-equal-documents.md), as one file so
+# that a call's command line stays short. Each step goes on if one before it fails; results
 # land in $OUT (the device's output folder). gpu_run.sh runs it on the quiet GPU after the build and
 # before the GPU tests (KF_PYTEST).
 # The GPU suite alone takes ~300 s of a call's 600, so the suite and the probe go in separate calls:
