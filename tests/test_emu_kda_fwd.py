@@ -728,6 +728,11 @@ def test_split_choice_model(emu):
     assert emu.split_choice(1, 32768, 32, 32, 128, 128)[0] == 0  # long_b1_t32k: the intra alone is ~1.5 ms
     assert emu.split_choice(16, 8192, 16, 16, 128, 128)[0] == 0  # bounded_b16: 512 chains
     assert emu.split_choice(1, 32768, 8, 8, 64, 64)[1] == 64  # K = 64: the virtual columns are one 64-slice
+    # 128 chains at V = 64 cannot stream (at most 124 on 132 SMs): compared with the two kernels, as a
+    # varlen batch is (the intra of 128 heads dominates: no split), and not at all under 128 chunks
+    unstreamed = emu.split_choice(1, 32768, 128, 128, 64, 64)
+    assert emu.stream_choice(1, 32768, 128, 128, 64, 64)[0] == 0 and unstreamed[0] == 0 and unstreamed[3] > 5000
+    assert emu.split_choice(1, 4096, 128, 128, 64, 64)[3] == 0
 
 
 def test_split_choice_model_for_varlen(emu):
@@ -743,7 +748,7 @@ def test_split_choice_model_for_varlen(emu):
     assert emu.split_choice_varlen(2, 16384, 12288, 4, 4, 128, 128)[0] > 0          # the GPU test's batch
     assert emu.split_choice_varlen(2, 8192, 8191, 4, 4, 128, 128)[0] > 0            # 128 chunks
     assert emu.split_choice_varlen(1, 32768, 0, 8, 8, 128, 128)[0] == 0             # not known
-    # short: under kSplitVarlenMinChunks, though the model, whose chain is optimistic, would split
+    # short: under kSplitUnstreamedMinChunks, though the model, whose chain is optimistic, would split
     assert emu.split_choice_varlen(2, 8192, 8128, 4, 4, 128, 128)[0] == 0
     assert emu.split_choice_varlen(2, 4096, 2048, 8, 8, 128, 128)[0] == 0
     assert emu.split_choice_varlen(6, 8192, 3063, 32, 32, 128, 128)[0] == 0         # the bench's varlen: 384 chains

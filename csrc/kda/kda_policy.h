@@ -184,25 +184,24 @@ inline double split_cost(const KdaProblem& p, int L, int bv, int sms) {
   const double t2 = static_cast<double>((c2 + slots - 1) / slots) * L * step;
   return intra + t1 + 1.5 * S + t2 + 12.0;
 }
-// A varlen batch splits only if its longest document has at least this many chunks. The model's
-// chain costs ~1.5 us per piece where the chain kernel measured ~5-6 us (447c4f4, long_b1_t32k_h8),
-// which matters where the pieces are few steps long; the fixed-length model is held by its measured
-// cases (it declines short sequences against the streamed forward), a varlen batch, which cannot
-// stream, is compared with the two kernels, and for documents under 128 chunks that margin is within
-// the chain's error (two documents of 2048 tokens at 8 heads: modelled 118 against 170 us, ~150 with
-// the chain as measured).
-constexpr long kSplitVarlenMinChunks = 128;
+// A forward that cannot stream (a varlen batch; a fixed-length one whose chains do not leave the
+// intra SMs: 125-132 chains at V = 64) is compared with its two kernels one after the other, and
+// splits only if its longest sequence has at least this many chunks. The model's chain costs ~1.5 us
+// per piece where the chain kernel measured ~5-6 us (447c4f4, long_b1_t32k_h8), which matters where
+// the pieces are few steps long: for sequences under 128 chunks the margin over the two kernels is
+// within that error (two documents of 2048 tokens at 8 heads: modelled 118 against 170 us, ~150 with
+// the chain as measured). Where the forward can stream, the streamed model's choice is the one to
+// beat, and it already declines short sequences.
+constexpr long kSplitUnstreamedMinChunks = 128;
 inline SplitChoice fwd_split_choice(const KdaProblem& p, int sms) {
   SplitChoice best;
   const int nts = static_cast<int>(longest_chunks(p));
   if (!fwd_split_possible(p) || nts == 0 || sms < 16) return best;
-  if (p.cu_seqlens && nts < kSplitVarlenMinChunks) return best;
-  // the forward it would replace: a varlen batch's two kernels one after the other (its longest
-  // document's chain after the intra); a fixed-length batch's streamed forward, or its two kernels
-  // where it could stream but the model declined (where it cannot stream at all, 125-132 chains at
-  // V = 64, cost_now is 0 and it does not split: as before varlen batches were served)
+  const bool streamable = fwd_stream_safe(p, 64, sms) || fwd_stream_safe(p, 128, sms);
+  if (!streamable && nts < kSplitUnstreamedMinChunks) return best;
+  // the forward it would replace: streamed where the model streams, else the two kernels
   const StreamChoice st = fwd_stream_choice(p, sms);
-  best.cost_other = st.bv ? st.cost : p.cu_seqlens ? fwd_two_kernel_cost(p, sms) : st.cost_now;
+  best.cost_other = st.bv ? st.cost : fwd_two_kernel_cost(p, sms);
   double cost = 0;
   int chunks = 0, width = 0;
   for (int bv : {64, 128}) {
@@ -269,18 +268,21 @@ inline bool bwd_pair_scans(const KdaProblem& p, int bv) {
 
 // The width of the dh scan when it runs as its own launch (kda_bwd_dh_scan: the backward's two scans
 // are not paired; paired, kda_bwd_scans runs both at the forward scan's width), given the forward
-// scan's (fwd_bv): 64 for varlen batches where V allows, where the forward scan takes 128
-// (scan_choice): on the H200 (2026-12-03, sixteenth session) the 6-document H32 case's dh scan took
-// 0.172 ms at 64 against 0.188 at 128, while its forward scan was 0.331 at 64 against 0.254 at 128.
-// Elsewhere both scans take the same width.
-inline int dh_scan_bv(const KdaProblem& p, int fwd_bv) { return p.cu_seqlens && p.V % 64 == 0 ? 64 : fwd_bv; }
-// The streamed dh scan's width (bwd_stream_wanted below): 128 where V allows. Its chains halve
-// (long_b1_t32k: 64 -> 32 CTAs on 132 SMs), which leaves the grads CTAs beside it 100 SMs instead of
-// 68; each chain step is longer (the dh scan 1.36 -> 1.95 ms there), the training call shorter.
-// Measured on the H100 (2026-12-05, thirty-seventh session; one process, two runs each, the forward
-// streamed as in production): long_b1_t32k 6.79 / 6.80 -> 6.71 / 6.67 ms, long_b1_t128k 26.32 /
-// 26.37 -> 26.01 / 26.06.
-inline int dh_stream_bv(const KdaProblem& p) { return p.V % 128 == 0 ? 128 : 64; }
+// scan's (fwd_bv), for the launcher (kda_bwd.cu's kda_bwd_dh_scan_bv) and the emulator alike:
+// - streamed (the grads kernel beside it, bwd_stream_wanted below): 128 where V allows. Its chains
+//   halve (long_b1_t32k: 64 -> 32 CTAs on 132 SMs), which leaves the grads CTAs beside it 100 SMs
+//   instead of 68; each chain step is longer (the dh scan 1.36 -> 1.95 ms there), the training call
+//   shorter. Measured on the H100 (2026-12-05, thirty-seventh session; one process, two runs each,
+//   the forward streamed as in production): long_b1_t32k 6.79 / 6.80 -> 6.71 / 6.67 ms,
+//   long_b1_t128k 26.32 / 26.37 -> 26.01 / 26.06.
+// - varlen batches: 64 where V allows, where the forward scan takes 128 (scan_choice): on the H200
+//   (2026-12-03, sixteenth session) the 6-document H32 case's dh scan took 0.172 ms at 64 against
+//   0.188 at 128, while its forward scan was 0.331 at 64 against 0.254 at 128.
+// - elsewhere both scans take the same width.
+inline int dh_scan_bv(const KdaProblem& p, int fwd_bv, bool streamed) {
+  if (streamed) return p.V % 128 == 0 ? 128 : 64;
+  return p.cu_seqlens && p.V % 64 == 0 ? 64 : fwd_bv;
+}
 
 // Batches per backward slice (bwd/kda_bwd_slice.h): B (one pass) for varlen or B = 1, else the
 // smallest slice whose two scans model no more time than one pass over the whole batch (a serial
@@ -304,14 +306,14 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // chains on 132 SMs), and the grads kernel, which needs a whole SM per CTA, runs on those SMs
 // meanwhile. It needs the states the forward saved (the dh scan alone, not paired with the
 // re-scan: save_states_pays below), and pays where at least half the SMs are free: the chains at
-// the dh scan's width at most kPolicySMs / 2 (counted at its width unstreamed; streamed it runs at
-// dh_stream_bv). The grads CTAs wait for the dh scan and never the other
+// the dh scan's width at most kPolicySMs / 2 (counted at its width unstreamed; streamed it runs
+// wider: dh_scan_bv). The grads CTAs wait for the dh scan and never the other
 // way round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch
 // starts only then), so a wait always ends. A pure function of the shape, so that the forward's
 // decision to save its states (save_states_pays) and the backward's to stream agree.
 inline bool bwd_stream_wanted(const KdaProblem& p) {
   if (!bwd_stream_possible(p)) return false;
-  const int bv = dh_scan_bv(p, scan_choice(p).bv);
+  const int bv = dh_scan_bv(p, scan_choice(p).bv, false);
   return static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs / 2;
 }
 

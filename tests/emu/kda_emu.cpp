@@ -429,8 +429,7 @@ void run_any(const KdaEmuArgs& a, bool bwd, bool fused = false) {
     using WT = typename decltype(wt)::type;
     constexpr int K = decltype(k)::value, BV = decltype(b)::value;
     EmuStages<WT, K, BV> stages{a.cu_int64 != 0, pr, fused, a.stream_stop};
-    // the dh scan's width as kda_bwd.cu's kda_bwd_dh_scan_bv (streamed: its own)
-    stages.dh_bv = a.bv ? BV : p.dh_ready ? kda::dh_stream_bv(p) : kda::dh_scan_bv(p, BV);
+    stages.dh_bv = a.bv ? BV : kda::dh_scan_bv(p, BV, p.dh_ready != nullptr);  // as kda_bwd_dh_scan_bv
     p.dh_bv = stages.dh_bv;  // the streamed backward's counters: the dh scan's slices (as kda_backward)
     stages.chain_cols = static_cast<int>(a.chain_cols);
     if (!bwd) return kda::forward_sequence(p, stages);

@@ -19,9 +19,8 @@ namespace kernel_fun::kda {
 int kda_bwd_dh_scan_bv(const KdaBwdParams& p) {
   if (p.split_bv) return p.split_bv;  // the split scans' width (csrc/api decided it once)
   const int forced = kda_scan_bv_override(p);  // the override sets both scans
-  if (forced) return forced;
-  // streamed (kda_backward keeps dh_ready only then): its own width
-  return p.dh_ready ? dh_stream_bv(p) : dh_scan_bv(p, kda_fwd_scan_bv(p));
+  // streamed: kda_backward keeps dh_ready only then
+  return forced ? forced : dh_scan_bv(p, kda_fwd_scan_bv(p), p.dh_ready != nullptr);
 }
 
 void kda_bwd_dh_scan(const KdaBwdParams& p, cudaStream_t stream) {
