@@ -717,7 +717,7 @@ print("serialised backward: same bits, streamed")
 
 
 # cu_seqlens of documents of one length: chunk_kda runs the fixed-length batch (kernel_fun.kda's
-# _equal_documents). One long document with few heads: the fixed-length policy streams its backward,
+# _documents). One long document with few heads: the fixed-length policy streams its backward,
 # which a varlen call never does, so the counter tells which path ran.
 EQUAL_DOCS_CASES = {
     "one-doc": dict(T=4096, H=4, V=128, cu=[0, 4096], gate="bounded16", h0=True),

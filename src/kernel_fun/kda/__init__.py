@@ -54,19 +54,18 @@ def _fail(exc, msg: str):
     raise exc(f"kernel_fun.kda.chunk_kda: {msg}")
 
 
-def _equal_documents(host_cu: torch.Tensor | None, T: int) -> tuple[int, int] | None:
-    """(N, L) where the validated host cu_seqlens cut T > 0 tokens into N documents of one length L
-    (one document: [0, T]), else None. Such a call is the fixed-length batch [N, L]: the inputs are
-    views of it (splitting the token dimension never copies), and the fixed-length launch policy
-    (the streamed forward and backward, the split scans, the backward's batch slices) applies, which
-    a varlen batch, whose documents the kernels see only on the device, does not take.
+def _documents(host_cu: torch.Tensor, T: int) -> tuple[tuple[int, int] | None, int]:
+    """(equal, longest) of the validated host cu_seqlens: longest, the longest document's tokens (the
+    launch model's KdaOptions::max_seq_len); equal, (N, L) where the documents cut T > 0 tokens into N
+    of one length L (one document: [0, T]), else None. Such a call is the fixed-length batch [N, L]: the
+    inputs are views of it (splitting the token dimension never copies), and the fixed-length launch
+    policy (the streamed forward and backward, the split scans, the backward's batch slices) applies,
+    which a varlen batch, whose documents the kernels see only on the device, does not take.
     KERNEL_FUN_KDA_VARLEN_AS_BATCH=0 keeps the varlen path."""
-    if host_cu is None or T == 0 or not _env.flag("KERNEL_FUN_KDA_VARLEN_AS_BATCH", True):
-        return None
-    N = host_cu.numel() - 1
-    if T % N != 0 or not bool((host_cu == torch.arange(0, T + 1, T // N, dtype=host_cu.dtype)).all()):
-        return None
-    return N, T // N
+    lengths = host_cu[1:] - host_cu[:-1]
+    longest = int(lengths.max())
+    equal = T > 0 and int(lengths.min()) == longest and _env.flag("KERNEL_FUN_KDA_VARLEN_AS_BATCH", True)
+    return ((lengths.numel(), longest) if equal else None), longest
 
 
 def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor | None:
@@ -432,7 +431,9 @@ def chunk_kda(
 
     # documents of one length are the fixed-length batch (h, the per-chunk states, keeps its varlen
     # layout: that path is left as it is)
-    docs = None if return_intermediate_states else _equal_documents(host_cu, q.shape[1])
+    docs, longest = (None, 0) if host_cu is None else _documents(host_cu, q.shape[1])
+    if return_intermediate_states:
+        docs = None
     if docs is not None:
         # unflatten + squeeze, not x[0]: their backwards are views of the gradient, where select's
         # fills a zero tensor of the input's size and copies the gradient in (measured: ~1 ms per
@@ -445,7 +446,7 @@ def chunk_kda(
     if reason is not None:
         return _dispatch.fallback(FAMILY, reason, *_FLA, orig_args, orig_kwargs)
     if host_cu is not None:  # eager varlen: the longest document, for the launch model
-        options = with_max_seq_len(options, host_cu)
+        options = with_max_seq_len(options, longest)
 
     from kernel_fun.kda import _kernel
 

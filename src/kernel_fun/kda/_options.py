@@ -90,10 +90,9 @@ class KdaOptions:
                 f"intermediate_states={int(self.intermediate_states)};max_seq_len={self.max_seq_len}")
 
 
-def with_max_seq_len(options: str, host_cu) -> str:
-    """The encoded options of a varlen call with its longest document's tokens from ``host_cu`` (the
-    validated host copy of cu_seqlens), where ``encode()`` left 0."""
-    longest = int((host_cu[1:] - host_cu[:-1]).max())
+def with_max_seq_len(options: str, longest: int) -> str:
+    """The encoded options of a varlen call with its longest document's tokens (read from the validated
+    host copy of cu_seqlens), where ``encode()`` left 0."""
     head, sep, tail = options.rpartition(";max_seq_len=")
     if not sep or tail != "0":
         raise ValueError(f"options without max_seq_len=0 at their end: {options!r}")
