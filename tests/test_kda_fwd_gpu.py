@@ -906,7 +906,7 @@ def test_varlen_split_is_the_models_choice_from_the_longest_document(monkeypatch
     """A varlen call's longest document (read from the host copy of cu_seqlens into the options'
     max_seq_len) lets the launch model split few long documents: 12288 + 4096 tokens at 4 heads split
     (counted as kda_fwd_split) in a training call through chunk_kda, whose output and gradients match
-    the KERNEL_FUN_KDA_SPLIT=0 call's; with use_graph (cu_seqlens never read on the host) it does not
+    the KERNEL_FUN_KDA_SPLIT=0 call's and whose o and final state match the fp64 reference; with use_graph (cu_seqlens never read on the host) it does not
     split."""
     from kernel_fun.kda import chunk_kda
 
@@ -929,6 +929,8 @@ def test_varlen_split_is_the_models_choice_from_the_longest_document(monkeypatch
     assert (n_split, n_whole) == (1, 0)
     for i, (a, b) in enumerate(zip(split, whole)):
         assert rel_rms(b.double(), a) < (5e-3 if i < 2 else STAGE_TOL), i
+    o_ref, ht_ref = reference(inputs, kw)  # and both against the fp64 reference, not only each other
+    assert rel_rms(o_ref, split[0]) <= KDA_TOL["o"] and rel_rms(ht_ref, split[1]) <= KDA_TOL["ht"]
     assert run("2", use_graph=True, max_num_seqs=2)[0] == 0
 
 
