@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The thirty-seventh session's device probe (written before a device was lent; its steps then ran as
-# calls 2-6 of that session: docs/notes/2026-12-05-chunk-size-and-equal-documents.md), as one file so
-# that a call's command line stays short. Each step goes on if one before it fails; results
-# land in $OUT (the device's output folder). gpu_run.sh runs it on the quiet GPU after the build and
-# before the GPU tests (KF_PYTEST).
-# The GPU suite alone takes ~300 s of a call's 600, so the suite and the probe go in separate calls:
-#   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_PYTEST="-n 2 tests" bash scripts/gpu_run.sh               # call 1
-#   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_PROBE='bash scripts/dev/next_call_probe.sh ab' \
-#     bash scripts/gpu_run.sh                                                                  # call 2
-#   ... KF_PROBE='bash scripts/dev/next_call_probe.sh rows' ...                                # call 3
-# ab: same-process A/Bs of three launch switches (no build); rows: the two new bench cases, ours and
-# fla's (fla compiles its kernels for each new shape: minutes); all (default): both.
+# The next session's device probe (written by the thirty-eighth, whose device calls never started:
+# docs/notes/2026-12-05-device-refusals-and-bwd-stream-width.md), as one file so that a call's command
+# line stays short. Each step goes on if one before it fails; results land in $OUT (the device's
+# output folder). gpu_run.sh runs it on the quiet GPU after the build and before the GPU tests.
+#   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_PROBE='bash scripts/dev/next_call_probe.sh ab' \
+#     KF_PYTEST="-n 2 tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py" bash scripts/gpu_run.sh  # call 1
+#   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_FLASHKDA=1 KF_PROBE='bash scripts/dev/next_call_probe.sh rows' \
+#     bash scripts/gpu_run.sh          # call 2, carry [".whl", ".prebuilt", ".flashkda"]; on an H200 above all
+# ab: the streamed backward wherever it is possible (=2) against the model (=1) on the shapes whose dh
+# scan has 67-132 chains at 64 columns (small; gva has 128 at 128, a check of the threshold), with the
+# forward streamed as in production; no build (scripts/dev/experiments/bwd-stream-width.patch is the
+# policy change that would follow a gain). rows: the bench rows that wait (fla compiles each new
+# shape: ~1 min a row), on an H200 the forward rows with FlashKDA first.
 set -u
 out=${OUT:-/tmp/next-call}
 part=${1:-all}
@@ -18,17 +19,19 @@ mkdir -p "$out"
 step() { echo "== $* ($(date +%T))"; }
 
 if [ "$part" = ab ] || [ "$part" = all ]; then
-step "one 32k-token document in cu_seqlens: the varlen path (0) against the fixed-length batch (1)"
-AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_VARLEN_AS_BATCH "0 1" long_b1_t32k_doc
-step "24576 + 8192 tokens at 8 heads: unsplit (0) against the model's split from the longest document (2)"
-AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_SPLIT "0 2" long_docs_h8
-step "the streamed backward's dh scan at BV 64 against 128 (the forward streamed as in production)"
-KERNEL_FUN_KDA_FWD_STREAMED=2 AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_SCAN_BV "64 128" long_b1_t32k \
-  long_b1_t128k
+step "the streamed backward forced (2) against the model (1): small (128 chains at 64), gva (128 at 128)"
+KERNEL_FUN_KDA_FWD_STREAMED=2 AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_BWD_STREAMED "1 2" small gva
 fi
 if [ "$part" = rows ] || [ "$part" = all ]; then
-step "bench rows with fla: long_b1_t32k_doc, long_docs_h8 (and long_b1_t32k beside them)"
-for c in long_b1_t32k long_b1_t32k_doc long_docs_h8; do
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+if echo "$gpu" | grep -q H200; then
+  step "H200: the KDA forward rows, ours and FlashKDA's (fla's are older: its compile costs minutes)"
+  python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s 240 --out "$out/rows/h200-fwd" \
+    > /dev/null 2>&1
+  grep "^| " "$out/rows/h200-fwd"/*.md | head -40
+fi
+step "bench rows with fla: long_b1_t32k_h8 (its fla rows and fwd+bwd never ran), small"
+for c in long_b1_t32k_h8 small; do
   python3 -m kernel_fun.bench --family kda --case "$c" --no-flashkda --out "$out/rows/$c" > /dev/null 2>&1
   grep "^| $c |" "$out/rows/$c"/*.md
 done
