@@ -7,6 +7,7 @@
 #     KF_PYTEST="-n 2 tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py" bash scripts/gpu_run.sh  # call 1
 #   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_FLASHKDA=1 KF_PROBE='bash scripts/dev/next_call_probe.sh rows' \
 #     bash scripts/gpu_run.sh          # call 2, carry [".whl", ".prebuilt", ".flashkda"]; on an H200 above all
+# ramp: dh-publish-ramp.patch (ab_alt) against this tree on the streamed backward's shapes.
 # ab: the streamed backward wherever it is possible (=2) against the model (=1) on the shapes whose dh
 # scan has 67-132 chains at 64 columns (small; gva has 128 at 128, a check of the threshold), with the
 # forward streamed as in production; no build (scripts/dev/experiments/bwd-stream-width.patch is the
@@ -21,6 +22,21 @@ step() { echo "== $* ($(date +%T))"; }
 if [ "$part" = ab ] || [ "$part" = all ]; then
 step "the streamed backward forced (2) against the model (1): small (128 chains at 64), gva (128 at 128)"
 KERNEL_FUN_KDA_FWD_STREAMED=2 AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_BWD_STREAMED "1 2" small gva
+fi
+if [ "$part" = ramp ]; then
+# carry [".whl", ".prebuilt", "ab_alt"] (ab_alt = HEAD + dh-publish-ramp.patch, prebuilt here)
+export KERNEL_FUN_KDA_FWD_STREAMED=2
+for i in 1 2; do
+  step "the dh scan's publication ramp: training calls, this tree then ab_alt, run $i"
+  python3 scripts/kda_stage_times.py --pass fwd+bwd long_b1_t32k long_b1_t128k bounded_b1 2>&1 | grep -v Warn
+  bash scripts/use_prebuilt.sh ab_alt > /dev/null 2>&1
+  PYTHONPATH="$PWD/ab_alt/src:${PYTHONPATH:-}" python3 ab_alt/scripts/kda_stage_times.py --pass fwd+bwd \
+    long_b1_t32k long_b1_t128k bounded_b1 2>&1 | grep -v Warn
+  step "bounded_b1 through a CUDA graph (the defaults' form), this tree then ab_alt, run $i"
+  python3 scripts/dev/graph_step_times.py bounded_b1 2>&1 | grep -v Warn
+  PYTHONPATH="$PWD/ab_alt/src:${PYTHONPATH:-}" python3 ab_alt/scripts/dev/graph_step_times.py bounded_b1 2>&1 \
+    | grep -v Warn
+done
 fi
 if [ "$part" = rows ] || [ "$part" = all ]; then
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
