@@ -54,17 +54,19 @@ def _fail(exc, msg: str):
     raise exc(f"kernel_fun.kda.chunk_kda: {msg}")
 
 
-def _documents(host_cu: torch.Tensor, T: int) -> tuple[tuple[int, int] | None, int]:
+def _documents(host_cu: torch.Tensor, T: int, intermediate_states: bool) -> tuple[tuple[int, int] | None, int]:
     """(equal, longest) of the validated host cu_seqlens: longest, the longest document's tokens (the
     launch model's KdaOptions::max_seq_len); equal, (N, L) where the documents cut T > 0 tokens into N
     of one length L (one document: [0, T]), else None. Such a call is the fixed-length batch [N, L]: the
     inputs are views of it (splitting the token dimension never copies), and the fixed-length launch
     policy (the streamed forward and backward, the split scans, the backward's batch slices) applies,
     which a varlen batch, whose documents the kernels see only on the device, does not take.
-    KERNEL_FUN_KDA_VARLEN_AS_BATCH=0 keeps the varlen path."""
+    Not for a call that returns the per-chunk states (intermediate_states: h keeps its varlen layout),
+    nor with KERNEL_FUN_KDA_VARLEN_AS_BATCH=0."""
     lengths = host_cu[1:] - host_cu[:-1]
     longest = int(lengths.max())
-    equal = T > 0 and int(lengths.min()) == longest and _env.flag("KERNEL_FUN_KDA_VARLEN_AS_BATCH", True)
+    equal = (T > 0 and not intermediate_states and int(lengths.min()) == longest
+             and _env.flag("KERNEL_FUN_KDA_VARLEN_AS_BATCH", True))
     return ((lengths.numel(), longest) if equal else None), longest
 
 
@@ -429,11 +431,8 @@ def chunk_kda(
                           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                           return_intermediate_states, state_v_first, cu_seqlens, kwargs)
 
-    # documents of one length are the fixed-length batch (h, the per-chunk states, keeps its varlen
-    # layout: that path is left as it is)
-    docs, longest = (None, 0) if host_cu is None else _documents(host_cu, q.shape[1])
-    if return_intermediate_states:
-        docs = None
+    # documents of one length are the fixed-length batch
+    docs, longest = (None, 0) if host_cu is None else _documents(host_cu, q.shape[1], return_intermediate_states)
     if docs is not None:
         # unflatten + squeeze, not x[0]: their backwards are views of the gradient, where select's
         # fills a zero tensor of the input's size and copies the gradient in (measured: ~1 ms per
