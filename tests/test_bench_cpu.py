@@ -584,7 +584,8 @@ def test_forward_rows_leave_no_inference_tensors_for_the_fwd_bwd_row(fake_cuda, 
 # ---------------------------------------------------------------- FlashKDA rows
 
 FLASHKDA_ROWS = {("bounded_b16", "fwd"), ("bounded_b8_h32", "fwd"), ("bounded_b1", "fwd"),
-                 ("long_b1_t32k", "fwd"), ("long_b1_t32k_doc", "fwd"), ("long_b1_t32k_h8", "fwd"), ("long_docs_h8", "fwd"), ("long_b1_t128k", "fwd"), ("varlen", "fwd")}
+                 ("long_b1_t32k", "fwd"), ("long_b1_t32k_doc", "fwd"), ("long_b1_t32k_h8", "fwd"),
+                 ("long_docs_h8", "fwd"), ("long_b1_t128k", "fwd"), ("varlen", "fwd")}
 
 
 def test_flashkda_rows_only_for_bounded_forward_k128_without_gva():

@@ -906,8 +906,8 @@ def test_varlen_split_is_the_models_choice_from_the_longest_document(monkeypatch
     """A varlen call's longest document (read from the host copy of cu_seqlens into the options'
     max_seq_len) lets the launch model split few long documents: 12288 + 4096 tokens at 4 heads split
     (counted as kda_fwd_split) in a training call through chunk_kda, whose output and gradients match
-    the KERNEL_FUN_KDA_SPLIT=0 call's and whose o and final state match the fp64 reference; with use_graph (cu_seqlens never read on the host) it does not
-    split."""
+    the KERNEL_FUN_KDA_SPLIT=0 call's and whose o and final state match the fp64 reference; with
+    use_graph (cu_seqlens never read on the host) it does not split."""
     from kernel_fun.kda import chunk_kda
 
     monkeypatch.delenv("KERNEL_FUN_KDA_SPLIT_CHUNKS", raising=False)
