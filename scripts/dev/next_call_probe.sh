@@ -26,10 +26,10 @@ fi
 if [ "$part" = ramp ]; then
 # carry [".whl", ".prebuilt", "ab_alt"] (ab_alt = HEAD + dh-publish-ramp.patch, prebuilt here)
 export KERNEL_FUN_KDA_FWD_STREAMED=2
+bash scripts/use_prebuilt.sh ab_alt || exit 1  # ab_alt's own build, in place once
 for i in 1 2; do
   step "the dh scan's publication ramp: training calls, this tree then ab_alt, run $i"
   python3 scripts/kda_stage_times.py --pass fwd+bwd long_b1_t32k long_b1_t128k bounded_b1 2>&1 | grep -v Warn
-  bash scripts/use_prebuilt.sh ab_alt > /dev/null 2>&1
   PYTHONPATH="$PWD/ab_alt/src:${PYTHONPATH:-}" python3 ab_alt/scripts/kda_stage_times.py --pass fwd+bwd \
     long_b1_t32k long_b1_t128k bounded_b1 2>&1 | grep -v Warn
   step "bounded_b1 through a CUDA graph (the defaults' form), this tree then ab_alt, run $i"
