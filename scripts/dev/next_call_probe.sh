@@ -7,6 +7,7 @@
 #     KF_PYTEST="-n 2 tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py" bash scripts/gpu_run.sh  # call 1
 #   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_FLASHKDA=1 KF_PROBE='bash scripts/dev/next_call_probe.sh rows' \
 #     bash scripts/gpu_run.sh          # call 2, carry [".whl", ".prebuilt", ".flashkda"]; on an H200 above all
+# bsw: the streamed-backward GPU tests on ab_bsw (HEAD + bwd-stream-width.patch).
 # ramp: dh-publish-ramp.patch (ab_alt) against this tree on the streamed backward's shapes.
 # ab: the streamed backward wherever it is possible (=2) against the model (=1) on the shapes whose dh
 # scan has 67-132 chains at 64 columns (small; gva has 128 at 128, a check of the threshold), with the
@@ -37,6 +38,15 @@ for i in 1 2; do
   PYTHONPATH="$PWD/ab_alt/src:${PYTHONPATH:-}" python3 ab_alt/scripts/dev/graph_step_times.py bounded_b1 2>&1 \
     | grep -v Warn
 done
+fi
+if [ "$part" = bsw ]; then
+# carry [".whl", ".prebuilt", "ab_bsw"] (ab_bsw = HEAD + bwd-stream-width.patch, prebuilt here): the
+# streamed-backward GPU tests on the patched tree (its new case among them), so that the patch can land
+# on the ab part's timing without another call
+bash scripts/use_prebuilt.sh ab_bsw || exit 1
+step "ab_bsw: the streamed-backward GPU tests"
+(cd ab_bsw && PYTHONPATH="$PWD/src:${PYTHONPATH:-}" timeout 240 python3 -m pytest -q -p no:cacheprovider \
+  tests/test_kda_bwd_gpu.py -k "stream or save or pair" 2>&1 | tail -15)
 fi
 if [ "$part" = rows ] || [ "$part" = all ]; then
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
