@@ -24,14 +24,23 @@
 namespace kernel_fun::kda {
 
 // The streamed backward (kda_policy.h's bwd_stream_wanted): the dh scan publishes how many chunks of
-// its slice it has stored, counted from the sequence's end, every kDhPublishEvery chunks and at the
-// end. Each publication costs every thread a fence on the chain (it waits for the thread's
-// outstanding stores); the grads CTAs consume far slower than the scan stores (~40 us per CTA on an
-// SM against a step of ~2.5 us per chunk row), so publishing every 16th chunk delays no grads CTA
-// that could run.
+// its slice it has stored, counted from the sequence's end, after 1, 2, 4 and 8 chunks, then every
+// kDhPublishEvery chunks, and at the end. Each publication costs every thread a fence on the chain
+// (it waits for the thread's outstanding stores). Once running, the grads CTAs consume far slower
+// than the scan stores (~40 us per CTA on an SM against a step of ~2.5-3.8 us per chunk row), so
+// every 16th chunk keeps them fed; but at the start no grads CTA can run before the first
+// publication, and with the first at chunk 16 the SMs beside the dh scan idled for 16 of its steps
+// (~60 us at BV = 128: ~1% of long_b1_t32k's backward, ~4% of bounded_b1's). The powers of two
+// before it hand out the last chunk rows as soon as they are stored, for four more fences per chain.
 // Thread 0 publishes with dev::store_release after a CTA barrier that follows every thread's
 // __threadfence(); the grads CTAs wait with dev::wait_at_least.
 constexpr int kDhPublishEvery = 16;
+__host__ __device__ constexpr bool dh_publishes_at(int i) {
+  return i > 0 && (i % kDhPublishEvery == 0 || (i < kDhPublishEvery && (i & (i - 1)) == 0));
+}
+static_assert(dh_publishes_at(1) && dh_publishes_at(2) && dh_publishes_at(8) && !dh_publishes_at(3) &&
+                  !dh_publishes_at(24) && dh_publishes_at(32) && !dh_publishes_at(64 + 4),
+              "the ramp, then every kDhPublishEvery chunks");
 
 // The chunks of one reverse chain, last to first, for this warp's 16 value columns: A-C of the
 // header per chunk on the landed stage, dhT carried from the state gradient at the sequence's end to
@@ -62,7 +71,7 @@ __device__ __forceinline__ void dh_scan_chunks(const KdaBwdParams& p, const dev:
     dev::cp_async_wait<0>();
     // the streamed backward: the checkpoints of chunks c + 1 .. nchunks - 1 (stored by every thread in
     // the steps before) visible at GPU scope before thread 0 publishes them after the barrier
-    const bool publish = kStores && progress != nullptr && i > 0 && i % kDhPublishEvery == 0;
+    const bool publish = kStores && progress != nullptr && dh_publishes_at(i);
     if (publish) __threadfence();
     // stage st landed for everyone; everyone is done with stage st ^ 1 (chunk c + 1)
     __syncthreads();
