@@ -192,19 +192,23 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     ((1, 32768, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),     # long_b1_t32k: 64 chains
     ((1, 131072, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),    # long_b1_t128k
     ((1, 8192, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),      # bounded_b1: 32 chains
-    ((4, 4096, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),    # small: 128 chains
+    ((4, 4096, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # small: 64 chains at 128
     ((16, 8192, 16, 16, 128, 256), 0, dict(stream=False, save_states=True, pair=False)),   # prod8192
     ((16, 8192, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),   # bounded_b16
     ((1, 32768, 8, 8, 128, 128), 16, dict(stream=False, save_states=True, pair=True)),     # split: never streams
-    ((2, 8192, 32, 32, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),    # 128 chains
+    ((2, 8192, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # 64 chains at 128
+    ((4, 4096, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # 128 chains at 128
+    ((8, 8192, 8, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),      # gva: 128 chains at 128
+    ((1, 8192, 64, 64, 128, 192), 0, dict(stream=False, save_states=True, pair=False)),    # V 192: 192 chains at 64
     ((1, 64 * 65536, 1, 1, 128, 128), 0, dict(stream=False, save_states=False, pair=True)),  # 65536 rows: pairs
 ])
 def test_backward_stream_policy(emu, shape, split, want):
-    """kda_policy.h's bwd_stream_wanted: fixed-length problems whose dh scan has at most 66 chains (at
-    its width: 64 columns for these) stream the backward, and their forward saves its states for it
-    (save_states_pays), where they used to pair the re-scan with the dh scan and save none; a split
-    problem, 128 chains or more than 65535 chunk rows do not stream (the last pairs as before). A pure
-    function of the shape and the split, as the forward and its backward must agree."""
+    """kda_policy.h's bwd_stream_wanted: fixed-length problems stream the backward wherever they can
+    (bwd_stream_possible) if V allows the 128-column dh scan, else where it has at most 66 chains at
+    64 columns, and their forward saves its states for it (save_states_pays), where some used to pair
+    the re-scan with the dh scan and save none; a split problem, more chains or more than 65535 chunk
+    rows do not stream (the last pairs as before). A pure function of the shape and the split, as the
+    forward and its backward must agree."""
     assert emu.bwd_policy(*shape, split_chunks=split) == want
 
 

@@ -660,6 +660,10 @@ STREAMED_BWD_CASES = {
     "unbounded-B2-T2000-dht": dict(B=2, T=2000, H=2, V=128, h0=True),  # + kda_bwd_grads_last_kernel beside it
     "fp16-K64-V256": dict(T=3000, H=2, K=64, V=256, dtype=torch.float16),
     "gva-vfirst": dict(T=1500, H=1, HV=2, V=128, h0=True, state_v_first=True),
+    # classes streamed since the thirty-ninth session: 128 chains at 64 columns, 64 at the 128 the dh
+    # scan streams at; and the most bwd_stream_possible allows, 128 chains at 128 (gva's)
+    "B4-H16-64-chains-at-128": dict(B=4, T=1100, H=16, V=128),
+    "gva-B8-128-chains-at-128": dict(B=8, T=700, H=8, HV=16, V=128),
 }
 
 

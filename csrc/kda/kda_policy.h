@@ -305,16 +305,22 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // checkpoint it reads is stored. Few chains leave most SMs idle during the dh scan (long_b1_t32k: 64
 // chains on 132 SMs), and the grads kernel, which needs a whole SM per CTA, runs on those SMs
 // meanwhile. It needs the states the forward saved (the dh scan alone, not paired with the
-// re-scan: save_states_pays below), and pays where at least half the SMs are free: the chains at
-// the dh scan's width at most kPolicySMs / 2 (counted at its width unstreamed; streamed it runs
-// wider: dh_scan_bv). The grads CTAs wait for the dh scan and never the other
-// way round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch
-// starts only then), so a wait always ends. A pure function of the shape, so that the forward's
-// decision to save its states (save_states_pays) and the backward's to stream agree.
+// re-scan: save_states_pays below). Measured on the H100 (2026-12-06, thirty-ninth session; training
+// calls, one process, two runs each, KERNEL_FUN_KDA_BWD_STREAMED=2 against the rule before, which
+// counted the chains at the unstreamed width, 64 columns, and streamed at most kPolicySMs / 2 of
+// them): small (B4 T4096 H16: 128 chains at 64, 64 at 128) 1.900 / 1.883 -> 1.876 / 1.872 ms, gva
+// (B8 T8192 HV16: 128 chains at 128) 7.731 / 7.712 -> 7.511 / 7.499.
+// So where V allows the 128-column dh scan that streaming takes (dh_scan_bv), every shape that can
+// stream does (bwd_stream_possible: at most 128 chains at 128); elsewhere (V not a multiple of 128,
+// the dh scan at 64 columns) at most kPolicySMs / 2 chains, the counts measured before. The grads
+// CTAs wait for the dh scan and never the other way round, and every dh-scan CTA is resident before
+// any grads CTA starts (the dependent launch starts only then), so a wait always ends. A pure
+// function of the shape, so that the forward's decision to save its states (save_states_pays) and
+// the backward's to stream agree.
 inline bool bwd_stream_wanted(const KdaProblem& p) {
   if (!bwd_stream_possible(p)) return false;
-  const int bv = dh_scan_bv(p, scan_choice(p).bv, false);
-  return static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs / 2;
+  const int bv = dh_scan_bv(p, scan_choice(p).bv, true);
+  return bv == 128 || static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs / 2;
 }
 
 // Whether a training forward's scan writes the state before every chunk for its backward (which then
