@@ -6,6 +6,11 @@
 # other, to OUTDIR/sanitize.log (one file: the device call brings back only a few).
 #   bash scripts/sanitize_kda.sh [OUTDIR]       (on the GPU machine, after the build; PYTHONPATH set)
 #   KF_SANITIZE_FUSED="0"  only the two-kernel forward's round (default "0 1": both rounds)
+#   KF_SANITIZE_TOOLS="racecheck"  a subset of the tools (default "memcheck racecheck synccheck")
+#   KF_SANITIZE_TIMEOUT=S  stop each tool after S seconds (default 0: no bound), so that the summary
+#                          lines and the partial logs still come back: a `timeout` around this script
+#                          kills it before it writes either (2026-12-06: the three tools at once took
+#                          more than 300 s on an H100)
 set -u
 out="${1:-${OUT:-/tmp}}"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -14,15 +19,15 @@ rc=0
 logs=$(mktemp -d)
 for fused in ${KF_SANITIZE_FUSED:-0 1}; do
   pids=()
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${KF_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     extra=()
     [ "$tool" = memcheck ] && extra=(--leak-check full)
-    KERNEL_FUN_KDA_FWD_FUSED=$fused "$cs" --tool "$tool" "${extra[@]}" --kernel-name kns=kda_ \
+    KERNEL_FUN_KDA_FWD_FUSED=$fused timeout "${KF_SANITIZE_TIMEOUT:-0}" "$cs" --tool "$tool" "${extra[@]}" --kernel-name kns=kda_ \
       --error-exitcode 3 python3 scripts/sanitize_kda.py > "$logs/${tool}_fused$fused.log" 2>&1 &
     pids+=($!)
   done
   i=0
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${KF_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     r=0; wait "${pids[$i]}" || r=$?
     i=$((i + 1))
     [ $r -ne 0 ] && rc=$r
