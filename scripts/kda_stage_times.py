@@ -8,6 +8,8 @@ same way, when flash_kda is importable: how its forward's time splits between it
     PYTHONPATH=src python3 scripts/kda_stage_times.py [--iters 5] [--pass fwd|fwd+bwd|all] [--flashkda] [--fp16] [CASE ...]
 
 --fp16 runs the forward with fp16 q, k, v, g, beta (the bench's are bf16); forward only.
+--shape times a shape that is not a bench case, after the named cases (repeatable):
+    --shape k64_b4:B=4,T=4096,H=16,HV=16,K=64,V=128,gate=unbounded   (gate: unbounded or bounded)
 """
 from __future__ import annotations
 
@@ -52,6 +54,22 @@ def _per_kernel(prof, iters: int, tag: str) -> dict:
     return per
 
 
+def _shape_case(spec: str) -> KdaCase:
+    """An ad-hoc case from NAME:B=..,T=..,H=..,HV=..,K=..,V=..,gate=unbounded|bounded."""
+    name, _, fields = spec.partition(":")
+    kv = dict(f.split("=", 1) for f in fields.split(",") if f)
+    gate = kv.pop("gate", "unbounded")
+    if gate not in ("unbounded", "bounded"):
+        raise SystemExit(f"--shape {spec!r}: gate must be unbounded or bounded")
+    dims = {k: int(v) for k, v in kv.items()}
+    dims.setdefault("HV", dims.get("H", 0))
+    missing = {"B", "T", "H", "K", "V"} - dims.keys()
+    if missing or not name:
+        raise SystemExit(f"--shape {spec!r}: want NAME:B=..,T=..,H=..,K=..,V=.. (missing {sorted(missing)})")
+    gate_kw = dict(lower_bound=-5.0, safe_gate=True) if gate == "bounded" else {}
+    return KdaCase(name, **dims, **gate_kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="*")
@@ -59,6 +77,8 @@ def main() -> None:
     ap.add_argument("--pass", dest="pass_", choices=("fwd", "fwd+bwd", "all"), default="all")
     ap.add_argument("--flashkda", action="store_true", help="also FlashKDA's kernels, where it serves the case")
     ap.add_argument("--fp16", action="store_true", help="fp16 q, k, v, g, beta; forward only")
+    ap.add_argument("--shape", action="append", default=[], metavar="NAME:B=..,T=..,...",
+                    help="an ad-hoc shape after the named cases (repeatable)")
     args = ap.parse_args()
     if args.fp16:
         args.pass_ = "fwd"
@@ -66,7 +86,9 @@ def main() -> None:
         print("no CUDA GPU: nothing to time")
         return
     passes = ("fwd", "fwd+bwd") if args.pass_ == "all" else (args.pass_,)
-    for case in [c for c in select("kda", args.cases or None) if isinstance(c, KdaCase)]:
+    extra = [_shape_case(s) for s in args.shape]
+    named = select("kda", args.cases or None) if args.cases or not extra else []
+    for case in [c for c in named if isinstance(c, KdaCase)] + extra:
         inp = make_inputs(case, torch, "cuda", 0)
         if args.fp16:
             inp["args"] = tuple(x.detach().half() for x in inp["args"])
