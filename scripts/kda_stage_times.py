@@ -82,11 +82,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.fp16:
         args.pass_ = "fwd"
+    extra = [_shape_case(s) for s in args.shape]
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time")
         return
     passes = ("fwd", "fwd+bwd") if args.pass_ == "all" else (args.pass_,)
-    extra = [_shape_case(s) for s in args.shape]
     named = select("kda", args.cases or None) if args.cases or not extra else []
     for case in [c for c in named if isinstance(c, KdaCase)] + extra:
         inp = make_inputs(case, torch, "cuda", 0)
