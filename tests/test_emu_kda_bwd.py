@@ -200,12 +200,16 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     ((4, 4096, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # 128 chains at 128
     ((8, 8192, 8, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),      # gva: 128 chains at 128
     ((1, 8192, 64, 64, 128, 192), 0, dict(stream=False, save_states=True, pair=False)),    # V 192: 192 chains at 64
+    ((2, 8192, 16, 16, 128, 192), 0, dict(stream=True, save_states=True, pair=False)),     # V 192: 96 chains at 64
+    ((7, 4096, 16, 16, 128, 64), 0, dict(stream=True, save_states=True, pair=False)),      # V 64: 112 chains
+    ((4, 4096, 32, 32, 128, 64), 0, dict(stream=False, save_states=True, pair=False)),     # V 64: 128 chains
+    ((4, 4096, 16, 16, 64, 128), 0, dict(stream=True, save_states=True, pair=True)),       # K 64: paired before
     ((1, 64 * 65536, 1, 1, 128, 128), 0, dict(stream=False, save_states=False, pair=True)),  # 65536 rows: pairs
 ])
 def test_backward_stream_policy(emu, shape, split, want):
     """kda_policy.h's bwd_stream_wanted: fixed-length problems stream the backward wherever they can
-    (bwd_stream_possible) if V allows the 128-column dh scan, else where it has at most 66 chains at
-    64 columns, and their forward saves its states for it (save_states_pays), where some used to pair
+    (bwd_stream_possible) if V allows the 128-column dh scan, else where it has at most 116 chains at
+    64 columns (an eighth of the SMs left), and their forward saves its states for it (save_states_pays), where some used to pair
     the re-scan with the dh scan and save none; a split problem, more chains or more than 65535 chunk
     rows do not stream (the last pairs as before). A pure function of the shape and the split, as the
     forward and its backward must agree."""

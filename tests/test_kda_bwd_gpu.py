@@ -664,6 +664,8 @@ STREAMED_BWD_CASES = {
     # scan streams at; and the most bwd_stream_possible allows, 128 chains at 128 (gva's)
     "B4-H16-64-chains-at-128": dict(B=4, T=1100, H=16, V=128),
     "gva-B8-128-chains-at-128": dict(B=8, T=700, H=8, HV=16, V=128),
+    # since the fortieth session: V not a multiple of 128 (the dh scan at 64 columns) up to 116 chains
+    "V64-B7-112-chains-at-64": dict(B=7, T=700, H=16, V=64),
 }
 
 

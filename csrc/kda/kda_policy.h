@@ -311,16 +311,26 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // them): small (B4 T4096 H16: 128 chains at 64, 64 at 128) 1.900 / 1.883 -> 1.876 / 1.872 ms, gva
 // (B8 T8192 HV16: 128 chains at 128) 7.731 / 7.712 -> 7.511 / 7.499.
 // So where V allows the 128-column dh scan that streaming takes (dh_scan_bv), every shape that can
-// stream does (bwd_stream_possible: at most 128 chains at 128); elsewhere (V not a multiple of 128,
-// the dh scan at 64 columns) at most kPolicySMs / 2 chains, the counts measured before. The grads
-// CTAs wait for the dh scan and never the other way round, and every dh-scan CTA is resident before
-// any grads CTA starts (the dependent launch starts only then), so a wait always ends. A pure
-// function of the shape, so that the forward's decision to save its states (save_states_pays) and
-// the backward's to stream agree.
+// stream does (bwd_stream_possible: at most 128 chains at 128); at K = 64 that class includes shapes
+// that paired their scans and saved no states before (67-128 chains at 64 columns; fortieth session,
+// KERNEL_FUN_KDA_SAVE_STATES=1 against =0: B4 T4096 H16 K64 V128 1.431 / 1.352 -> 1.312 / 1.302 ms,
+// B2 T8192 H32 K64 V128 2.646 / 2.620 -> 2.520 / 2.513). Elsewhere (V not a multiple of 128,
+// the dh scan at 64 columns) while the dh scan leaves at least an eighth of the SMs to the grads
+// CTAs (kStreamFreeSMs): measured on the H100 (2026-12-06, fortieth session; training calls, one
+// process, two runs each, =2 against the rule before, at most kPolicySMs / 2 chains; K = 128, V as
+// named): V 64 at 80 chains (B5 T8192 H16) 3.890 / 3.935 -> 3.857 / 3.869 ms, V 192 at 96
+// (B2 T8192 H16) 2.246 / 2.246 -> 2.206 / 2.211 and (B4 T8192 H8) 2.209 / 2.214 -> 2.190 / 2.196,
+// V 64 at 96 (B3 T8192 H32) 4.675 / 4.695 -> 4.649 / 4.659, at 112 (B7 T4096 H16) 2.761 / 2.751 ->
+// 2.748 / 2.749; at 128 chains no gain (B4 T4096 H32 3.151 / 3.151 -> 3.148 / 3.151, B2 T8192 H32
+// 3.198 / 3.196 -> 3.207 / 3.222). The grads CTAs wait for the dh scan and never the other way
+// round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch starts
+// only then), so a wait always ends. A pure function of the shape, so that the forward's decision to
+// save its states (save_states_pays) and the backward's to stream agree.
+constexpr int kStreamFreeSMs = kPolicySMs / 8;
 inline bool bwd_stream_wanted(const KdaProblem& p) {
   if (!bwd_stream_possible(p)) return false;
   const int bv = dh_scan_bv(p, scan_choice(p).bv, true);
-  return bv == 128 || static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs / 2;
+  return bv == 128 || static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs - kStreamFreeSMs;
 }
 
 // Whether a training forward's scan writes the state before every chunk for its backward (which then
