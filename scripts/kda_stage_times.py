@@ -61,8 +61,14 @@ def _shape_case(spec: str) -> KdaCase:
     gate = kv.pop("gate", "unbounded")
     if gate not in ("unbounded", "bounded"):
         raise SystemExit(f"--shape {spec!r}: gate must be unbounded or bounded")
-    dims = {k: int(v) for k, v in kv.items()}
+    try:
+        dims = {k: int(v) for k, v in kv.items()}
+    except ValueError:
+        raise SystemExit(f"--shape {spec!r}: every field but gate is an integer") from None
     dims.setdefault("HV", dims.get("H", 0))
+    unknown = dims.keys() - {"B", "T", "H", "HV", "K", "V"}
+    if unknown:
+        raise SystemExit(f"--shape {spec!r}: unknown field(s) {sorted(unknown)}")
     missing = {"B", "T", "H", "K", "V"} - dims.keys()
     if missing or not name:
         raise SystemExit(f"--shape {spec!r}: want NAME:B=..,T=..,H=..,K=..,V=.. (missing {sorted(missing)})")

@@ -209,8 +209,8 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
 def test_backward_stream_policy(emu, shape, split, want):
     """kda_policy.h's bwd_stream_wanted: fixed-length problems stream the backward wherever they can
     (bwd_stream_possible) if V allows the 128-column dh scan, else where it has at most 116 chains at
-    64 columns (an eighth of the SMs left), and their forward saves its states for it (save_states_pays), where some used to pair
-    the re-scan with the dh scan and save none; a split problem, more chains or more than 65535 chunk
+    64 columns (an eighth of the SMs left), and their forward saves its states for it
+    (save_states_pays), where some used to pair the re-scan with the dh scan and save none; a split problem, more chains or more than 65535 chunk
     rows do not stream (the last pairs as before). A pure function of the shape and the split, as the
     forward and its backward must agree."""
     assert emu.bwd_policy(*shape, split_chunks=split) == want
