@@ -187,33 +187,38 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
             assert_bitwise_same(whole, sliced, f"slice of {nb}, {what}")
 
 
-@pytest.mark.parametrize("shape, split, want", [
+@pytest.mark.parametrize("shape, split, want, bounded", [
     # (B, T, H, HV, K, V): the bench cases, as docs/kda-backward.md states them
-    ((1, 32768, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),     # long_b1_t32k: 64 chains
-    ((1, 131072, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),    # long_b1_t128k
-    ((1, 8192, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=True)),      # bounded_b1: 32 chains
-    ((4, 4096, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # small: 64 chains at 128
-    ((16, 8192, 16, 16, 128, 256), 0, dict(stream=False, save_states=True, pair=False)),   # prod8192
-    ((16, 8192, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False)),   # bounded_b16
-    ((1, 32768, 8, 8, 128, 128), 16, dict(stream=False, save_states=True, pair=True)),     # split: never streams
-    ((2, 8192, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # 64 chains at 128
-    ((4, 4096, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),     # 128 chains at 128
-    ((8, 8192, 8, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False)),      # gva: 128 chains at 128
-    ((1, 8192, 64, 64, 128, 192), 0, dict(stream=False, save_states=True, pair=False)),    # V 192: 192 chains at 64
-    ((2, 8192, 16, 16, 128, 192), 0, dict(stream=True, save_states=True, pair=False)),     # V 192: 96 chains at 64
-    ((7, 4096, 16, 16, 128, 64), 0, dict(stream=True, save_states=True, pair=False)),      # V 64: 112 chains
-    ((4, 4096, 32, 32, 128, 64), 0, dict(stream=False, save_states=True, pair=False)),     # V 64: 128 chains
-    ((4, 4096, 16, 16, 64, 128), 0, dict(stream=True, save_states=True, pair=True)),       # K 64: paired before
-    ((1, 64 * 65536, 1, 1, 128, 128), 0, dict(stream=False, save_states=False, pair=True)),  # 65536 rows: pairs
+    ((1, 32768, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True), True),     # long_b1_t32k: 64 chains
+    ((1, 131072, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True), True),    # long_b1_t128k
+    ((1, 8192, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=True), True),      # bounded_b1: 32 chains
+    ((4, 4096, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # small: 64 chains at 128
+    # sliced backwards stream slice by slice with the unbounded gate: prod8192 (4 slices of 4: 128
+    # chains at 128 each), k3_h32 (2 of 4); not bounded_b16 (2 of 8, the bounded-gate kernel)
+    ((16, 8192, 16, 16, 128, 256), 0, dict(stream=True, save_states=True, pair=False), False),    # prod8192
+    ((16, 8192, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False), True),    # bounded_b16
+    ((8, 8192, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # k3_h32
+    ((1, 32768, 8, 8, 128, 128), 16, dict(stream=False, save_states=True, pair=True), True),     # split: never streams
+    ((2, 8192, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # 64 chains at 128
+    ((4, 4096, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # 128 chains at 128
+    ((8, 8192, 8, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),      # gva: 128 chains at 128
+    ((1, 8192, 64, 64, 128, 192), 0, dict(stream=False, save_states=True, pair=False), False),    # V 192: 192 chains at 64
+    ((2, 8192, 16, 16, 128, 192), 0, dict(stream=True, save_states=True, pair=False), False),     # V 192: 96 chains at 64
+    ((7, 4096, 16, 16, 128, 64), 0, dict(stream=True, save_states=True, pair=False), False),      # V 64: 112 chains
+    ((4, 4096, 32, 32, 128, 64), 0, dict(stream=False, save_states=True, pair=False), False),     # V 64: 128 chains
+    ((4, 4096, 16, 16, 64, 128), 0, dict(stream=True, save_states=True, pair=True), False),       # K 64: paired before
+    ((1, 64 * 65536, 1, 1, 128, 128), 0, dict(stream=False, save_states=False, pair=True), False),  # 65536 rows: pairs
 ])
-def test_backward_stream_policy(emu, shape, split, want):
-    """kda_policy.h's bwd_stream_wanted: fixed-length problems stream the backward wherever they can
-    (bwd_stream_possible) if V allows the 128-column dh scan, else where it has at most 116 chains at
-    64 columns (an eighth of the SMs left), and their forward saves its states for it
-    (save_states_pays), where some used to pair the re-scan with the dh scan and save none; a split problem, more chains or more than 65535 chunk
-    rows do not stream (the last pairs as before). A pure function of the shape and the split, as the
-    forward and its backward must agree."""
-    assert emu.bwd_policy(*shape, split_chunks=split) == want
+def test_backward_stream_policy(emu, shape, split, want, bounded):
+    """kda_policy.h's bwd_pass_streams: each pass of the backward (the whole batch, or each batch
+    slice with the unbounded-gate grads kernel only) streams as bwd_stream_wanted says: fixed-length
+    problems stream wherever they can (bwd_stream_possible) if V allows the 128-column dh scan, else
+    where the pass has at most 116 chains at 64 columns (an eighth of the SMs left), and their
+    forward saves its states for it (save_states_pays), where some used to pair the re-scan with the
+    dh scan and save none; a split problem, more chains or more than 65535 chunk rows do not stream
+    (the last pairs as before). A pure function of the shape, the gate and the split, as the forward
+    and its backward must agree."""
+    assert emu.bwd_policy(*shape, split_chunks=split, bounded=bounded) == want
 
 
 @pytest.mark.parametrize("case,bv", [
@@ -244,6 +249,33 @@ def test_streamed_backward_is_bitwise_the_plain_one(emu, case, bv):
     counts = st["dh_ready"][: B * HV * (V // 64)]
     n_set = int((counts == nts).sum())
     assert n_set == B * HV * (V // bv) if bv else n_set in (B * HV * (V // 64), B * HV * (V // 128)), counts
+    assert (counts[:n_set] == nts).all() and (counts[n_set:] == 0).all(), counts
+
+
+@pytest.mark.parametrize("case,slice_b", [
+    (dict(B=3, T=1100, K=64, V=128, h0=True), 2),                       # an uneven last slice, dht
+    (dict(B=4, T=300, K=128, V=64, gate="bounded16"), 1),               # the bounded-gate kernel, 4 slices
+    (dict(B=2, T=150, H=1, HV=2, K=64, V=128, dtype=torch.float16), 1),  # GVA: group sums per slice
+])
+def test_streamed_backward_in_slices_is_bitwise_the_plain_one(emu, case, slice_b):
+    """A backward in batch slices streams slice by slice (kda_bwd_streams on a slice's shape: each
+    slice's dh scan zeroes the counters, its grads kernels wait for their chunks' counts): exactly the
+    gradients of the plain backward in one pass. The counters are the last slice's after it."""
+    inputs, kw = make_case(**case)
+    B, T, HV, V = inputs[2].shape
+    do, dht = _do_dht(inputs, kw, 17)
+    _, _, _, ws = emu.forward_stages(*inputs, **kw, save_states=True)
+    saved = (ws["Aqk"], ws["Akk"], ws["M"])
+    kept = {n: ws[n].clone() for n in ("w", "qg", "kg", "gdecay")}
+    args = dict(saved=saved, states=ws["h_ckpt"], workspace=kept)
+    plain = emu.backward_stages(*inputs, do, dht, **kw, **args)[0]
+    streamed, st = emu.backward_stages(*inputs, do, dht, **kw, **args, slice_b=slice_b, streamed=True)
+    assert_bitwise_same(plain, streamed, f"streamed in slices of {slice_b}")
+    last = B - (B - 1) // slice_b * slice_b  # batches in the last slice
+    nts = -(-T // 64)
+    counts = st["dh_ready"][: last * HV * (V // 64)]
+    n_set = int((counts == nts).sum())
+    assert n_set in (last * HV * (V // 64), last * HV * (V // 128)), counts
     assert (counts[:n_set] == nts).all() and (counts[n_set:] == 0).all(), counts
 
 

@@ -697,6 +697,38 @@ def test_streamed_backward_is_bitwise_the_plain_one(name, monkeypatch):
     assert rel_rms(ref["dk"], plain["dk"]) <= KDA_TOL["dk"]
 
 
+@pytest.mark.parametrize("case, slice_b", [
+    (dict(B=3, T=1100, H=4, V=128, h0=True), 2),           # an uneven last slice, dht (grads_last beside)
+    (dict(B=4, T=700, H=8, V=64, gate="bounded16"), 1),    # the bounded-gate kernel, the dh scan at 64
+])
+def test_streamed_backward_in_slices_is_bitwise_the_plain_one(case, slice_b, monkeypatch):
+    """A backward in batch slices (KERNEL_FUN_KDA_BWD_SLICE, as the policy slices prod8192 or
+    bounded_b16) streams slice by slice (KERNEL_FUN_KDA_BWD_STREAMED=2: the policy streams sliced
+    passes with the unbounded-gate kernel only): every gradient bit for bit as with =0 and the same
+    slices, over 3 training calls; counted as streamed."""
+    from kernel_fun.kda import chunk_kda
+
+    inputs, kw = make_case(**case)
+    do, dht = _do_dht(inputs, kw)
+    monkeypatch.setenv("KERNEL_FUN_KDA_SPLIT", "0")
+    monkeypatch.setenv("KERNEL_FUN_KDA_BWD_SLICE", str(slice_b))
+
+    def grads(streamed: bool):
+        monkeypatch.setenv("KERNEL_FUN_KDA_BWD_STREAMED", "2" if streamed else "0")
+        before = _ext.op_calls()
+        out = _grads_through(chunk_kda, inputs, kw, do, dht)
+        after = _ext.op_calls()
+        assert after["kda_bwd"] == before["kda_bwd"] + 1, "our backward did not run"
+        assert after["kda_bwd_streamed"] == before["kda_bwd_streamed"] + int(streamed), streamed
+        return out
+
+    plain = grads(False)
+    for _ in range(3):
+        assert_bitwise_same(plain, grads(True), f"slices of {slice_b}")
+    ref = _grads_naive(inputs, kw, do, dht)
+    assert rel_rms(ref["dk"], plain["dk"]) <= KDA_TOL["dk"]
+
+
 def test_streamed_backward_with_launches_serialised(tmp_path):
     """CUDA_LAUNCH_BLOCKING=1 (a subprocess): the dh scan ends before kda_bwd_grads starts, every count
     already final; the same bits as the plain backward, and no hang (bounded by the timeout)."""

@@ -325,12 +325,27 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // 3.198 / 3.196 -> 3.207 / 3.222). The grads CTAs wait for the dh scan and never the other way
 // round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch starts
 // only then), so a wait always ends. A pure function of the shape, so that the forward's decision to
-// save its states (save_states_pays) and the backward's to stream agree.
+// save its states (save_states_pays) and the backward's to stream agree. p is one pass of the
+// backward: bwd_pass_streams below.
 constexpr int kStreamFreeSMs = kPolicySMs / 8;
 inline bool bwd_stream_wanted(const KdaProblem& p) {
   if (!bwd_stream_possible(p)) return false;
   const int bv = dh_scan_bv(p, scan_choice(p).bv, true);
   return bv == 128 || static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs - kStreamFreeSMs;
+}
+
+// Whether the passes of a backward in slices of slice_B batches (the whole batch where it is not
+// sliced: kda_problem.h's backward_pass_problem) stream, each as bwd_stream_wanted says for its shape:
+// a sliced backward (bwd_slice_batches: prod8192 in 4 slices of 4 batches, k3_h32 in 2 of 4,
+// bounded_b16 in 2 of 8, each 128 chains at 128 columns) streams slice by slice, each slice's dh
+// scan zeroing the counters and each slice's grads kernels ending after its dh scan -- with the
+// unbounded-gate grads kernel only. Measured on the H100 (2026-12-06, fortieth session; training
+// calls, one process, two runs each, KERNEL_FUN_KDA_BWD_STREAMED=0 against the slices streamed):
+// prod8192 17.313 / 17.276 -> 17.146 / 17.152 ms, k3_h32 13.965 / 13.925 -> 13.681 / 13.702, but
+// bounded_b16 (the midpoint kernel, dev::block_midpoint_ok) 12.800 / 12.776 -> 12.967 / 12.983.
+inline bool bwd_pass_streams(const KdaProblem& p, int slice_B) {
+  if (!bwd_stream_wanted(backward_pass_problem(p, slice_B))) return false;
+  return !sliced_backward(p, slice_B) || !dev::block_midpoint_ok(p.opt);
 }
 
 // Whether a training forward's scan writes the state before every chunk for its backward (which then
@@ -349,9 +364,11 @@ inline bool bwd_stream_wanted(const KdaProblem& p) {
 // re-scan (passes 1 and 2 and the chain). A pure function of the shape and the options (the split
 // comes from them, not from the environment), so the forward and its backward always decide alike.
 inline bool save_states_pays(const KdaProblem& p) {
-  if (p.split_chunks > 0 || bwd_stream_wanted(p)) return true;
-  KdaProblem s = p;
-  if (!p.cu_seqlens) s.B = s.N = bwd_slice_batches(p);
+  if (p.split_chunks > 0) return true;
+  // one pass of the backward: the whole batch or its first slice (varlen: one pass)
+  const int slice_B = p.cu_seqlens ? 0 : bwd_slice_batches(p);
+  if (bwd_pass_streams(p, slice_B)) return true;
+  const KdaProblem s = backward_pass_problem(p, slice_B);
   return !bwd_pair_scans(s, scan_choice(s).bv);
 }
 

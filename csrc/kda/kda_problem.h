@@ -70,6 +70,20 @@ struct KdaOptions {
 // the offending key. Every key must be present exactly once; unknown keys are errors.
 std::string parse_options(const std::string& text, KdaOptions& out);
 
+namespace dev {
+// Whether the decays inside one 16-row block may be factorised through a row m of the block,
+// exp2(g_r - g_s) = exp2(g_r - g_m) exp2(g_m - g_s), with one factor of the pair > 1: only for the
+// bounded gate lower_bound * sigmoid(..) with lower_bound >= -5 (fla's safe_gate range,
+// docs/contract.md). Every per-step log2 decay then lies in (-5 / ln2, 0], so a factor over at most
+// 8 steps stays within 2^+-57.7, far inside fp32's (and tf32's) exponent range. Every other gate
+// is unbounded per step (exp(A_log) = 16, steps at -1000): one-sided only (docs/numerics.md). Used by
+// kda_bwd_grads (its diagonal blocks) and kda_fwd_intra (P2's diagonal blocks): each has a kernel per form.
+__host__ __device__ inline bool block_midpoint_ok(const KdaOptions& o) {
+  return (o.gate_mode == GateMode::kBounded || o.gate_mode == GateMode::kBoundedNoALog) && o.lower_bound >= -5.f &&
+         o.lower_bound < 0.f;
+}
+}  // namespace dev
+
 // Shapes, dtypes, the sequence map and the inputs: what the forward and the backward share.
 // Layouts (all contiguous): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
 // A_log [HV] fp32; dt_bias [HV * K] fp32; h0 [N, HV, K, V] ([N, HV, V, K] with state_v_first) fp32.
@@ -315,6 +329,15 @@ __host__ __device__ inline SplitLayout split_layout(const KdaProblem& p) {
 inline bool sliced_backward(const KdaProblem& p, int slice_B) {
   return !p.cu_seqlens && slice_B > 0 && slice_B < p.B;
 }
+// The problem one pass of that backward runs: p itself, or its first (largest) batch slice -- the
+// last may be smaller, and every per-pass choice (the streamed backward's) holds for a smaller one.
+inline KdaProblem backward_pass_problem(const KdaProblem& p, int slice_B) {
+  if (!sliced_backward(p, slice_B)) return p;
+  KdaProblem s = p;
+  s.B = s.N = slice_B;
+  s.max_chunks = static_cast<int>(int64_t{slice_B} * ((int64_t{p.T} + kChunk - 1) / kChunk));
+  return s;
+}
 
 // The forward (backward == false) or the whole backward's workspace. Buffers not needed for this
 // problem (GVA sums when HV == H, gate partials without an in-kernel gate, the factors the forward
@@ -387,10 +410,12 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kPA, "pA", {Cfull, HV}, f32});
   }
   if (chunked) push_split();
-  // the streamed backward's counters (bwd_stream_ints), where it can stream at all; used only where
-  // the launcher streams (kda_bwd.cu)
-  if (chunked && bwd_stream_possible(p) && !sliced)
-    b.push_back({WorkBuffer::kDhReady, "dh_ready", {bwd_stream_ints(p)}, f32, true});
+  // the streamed backward's counters (bwd_stream_ints), where one pass (the whole batch or a slice,
+  // which zeroes them before its dh scan) can stream at all; used only where the launcher streams
+  // (kda_bwd.cu)
+  const KdaProblem pass = backward_pass_problem(p, backward ? slice_B : 0);
+  if (chunked && bwd_stream_possible(pass))
+    b.push_back({WorkBuffer::kDhReady, "dh_ready", {bwd_stream_ints(pass)}, f32, true});
   return b;
 }
 

@@ -234,9 +234,11 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   // as kda_fwd_stream_bv: the split forward never streams (forward_sequence takes chunk_ready first)
   if (p.split_chunks && p.chunk_ready)
     throw std::invalid_argument("kda_emu: the split forward does not stream");
-  // as kda_bwd_streams: the streamed backward reads the forward's states, in one pass, where possible
-  if (p.dh_ready && (!p.saved_states || kda::sliced_backward(p, p.slice_B) || !kda::bwd_stream_possible(p)))
-    throw std::invalid_argument("kda_emu: the streamed backward takes saved states, one pass, and fixed length");
+  // as kda_bwd_streams: the streamed backward reads the forward's states, where a pass (the whole
+  // batch or each slice) can stream
+  if (p.dh_ready && (!p.saved_states || !kda::bwd_stream_possible(kda::backward_pass_problem(p, p.slice_B))))
+    throw std::invalid_argument("kda_emu: the streamed backward takes saved states and fixed length, within "
+                                "bwd_stream_possible per pass");
   return p;
 }
 
@@ -596,12 +598,16 @@ int kda_emu_split_choice_varlen(int64_t N, int64_t T, int64_t longest, int64_t H
 }
 
 // kda_policy.h's backward choices for a fixed-length problem chunked at 64 tokens, with the split of
-// `split_chunks` chunks (0: none): bit 0 bwd_stream_wanted, bit 1 save_states_pays, bit 2
-// bwd_pair_scans at the scan's width (on the whole batch).
-int kda_emu_bwd_policy(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t split_chunks) {
+// `split_chunks` chunks (0: none), the unbounded gate or (bounded != 0) the bounded one at lower_bound
+// -5: bit 0 bwd_pass_streams for the policy's batch slices (as kda_bwd_streams), bit 1
+// save_states_pays, bit 2 bwd_pair_scans at the scan's width (on the whole batch).
+int kda_emu_bwd_policy(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t split_chunks,
+                       int64_t bounded) {
   kda::KdaProblem p = fixed_problem(B, T, H, HV, K, V);
   p.split_chunks = static_cast<int>(split_chunks);
-  return (kda::bwd_stream_wanted(p) ? 1 : 0) | (kda::save_states_pays(p) ? 2 : 0) |
+  p.opt.gate_mode = bounded ? kda::GateMode::kBounded : kda::GateMode::kUnbounded;
+  p.opt.lower_bound = bounded ? -5.f : 0.f;
+  return (kda::bwd_pass_streams(p, kda::bwd_slice_batches(p)) ? 1 : 0) | (kda::save_states_pays(p) ? 2 : 0) |
          (kda::bwd_pair_scans(p, kda::scan_choice(p).bv) ? 4 : 0);
 }
 

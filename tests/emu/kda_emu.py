@@ -82,7 +82,7 @@ def lib():
         L.kda_emu_split_choice_varlen.argtypes = [ctypes.c_int64] * 8 + [vp]
         L.kda_emu_split_choice_varlen.restype = ctypes.c_int
         L.kda_emu_split_chain_cols.argtypes = [ctypes.c_int64] * 7
-        L.kda_emu_bwd_policy.argtypes = [ctypes.c_int64] * 7
+        L.kda_emu_bwd_policy.argtypes = [ctypes.c_int64] * 8
         L.kda_emu_bwd_policy.restype = ctypes.c_int
         L.kda_emu_short_chunks.argtypes = [ctypes.c_int64] * 8
         L.kda_emu_short_chunks.restype = ctypes.c_int
@@ -129,10 +129,11 @@ def split_choice_varlen(N, T, longest, H, HV, K, V, sms=132):
     return chunks, int(out[0]), out[1], out[2]
 
 
-def bwd_policy(B, T, H, HV, K, V, split_chunks=0):
-    """kda_policy.h's backward choices for a fixed-length problem: {stream: bwd_stream_wanted, save_states:
-    save_states_pays, pair: bwd_pair_scans}, with a split of split_chunks chunks (0: none)."""
-    bits = lib().kda_emu_bwd_policy(B, T, H, HV, K, V, split_chunks)
+def bwd_policy(B, T, H, HV, K, V, split_chunks=0, bounded=False):
+    """kda_policy.h's backward choices for a fixed-length problem: {stream: bwd_pass_streams (the whole
+    batch or each of its slices), save_states: save_states_pays, pair: bwd_pair_scans}, with a split of
+    split_chunks chunks (0: none), the unbounded gate or the bounded one (lower_bound -5)."""
+    bits = lib().kda_emu_bwd_policy(B, T, H, HV, K, V, split_chunks, int(bounded))
     return {"stream": bool(bits & 1), "save_states": bool(bits & 2), "pair": bool(bits & 4)}
 
 

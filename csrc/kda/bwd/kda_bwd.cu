@@ -89,10 +89,12 @@ int kda_bwd_slice_batches(const KdaProblem& p) {
 }
 
 bool kda_bwd_streams(const KdaBwdParams& p) {
-  // KERNEL_FUN_KDA_BWD_STREAMED: 0 never, 2 wherever possible (tests), else kda_policy.h's choice
+  // KERNEL_FUN_KDA_BWD_STREAMED: 0 never, 2 wherever a pass can (tests), else kda_policy.h's choice.
+  // A sliced backward streams slice by slice (each dh scan zeroes the counters, and each grads
+  // kernel ends after its dh scan): decided on a slice's shape.
   const int mode = env_int("KERNEL_FUN_KDA_BWD_STREAMED", 1);
-  if (mode <= 0 || !p.dh_ready || !p.saved_states || p.recurrent || sliced_backward(p, p.slice_B)) return false;
-  return mode == 2 ? bwd_stream_possible(p) : bwd_stream_wanted(p);
+  if (mode <= 0 || !p.dh_ready || !p.saved_states || p.recurrent) return false;
+  return mode == 2 ? bwd_stream_possible(backward_pass_problem(p, p.slice_B)) : bwd_pass_streams(p, p.slice_B);
 }
 
 bool kda_backward(const KdaBwdParams& p_in, cudaStream_t stream) {

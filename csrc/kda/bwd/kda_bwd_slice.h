@@ -13,7 +13,9 @@
 // same problem with B = N = nb and every per-token / per-sequence pointer advanced by b0 rows;
 // the per-chunk gate partials (pbias, pA) stay full-size (kda_bwd_gate_params sums all of them
 // once, after the last slice) and are advanced by the slice's first chunk. Each CTA computes the
-// same values whatever the slicing: results are bitwise identical for every slice size.
+// same values whatever the slicing: results are bitwise identical for every slice size. The
+// streamed backward (kda_bwd.cu's kda_bwd_streams) runs slice by slice: the counters (dh_ready) are
+// sized for one slice and zeroed before each slice's dh scan.
 #pragma once
 
 #include <cstdint>

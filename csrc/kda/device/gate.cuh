@@ -20,17 +20,8 @@ namespace kernel_fun::kda::dev {
 constexpr float kRcpLn2 = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Whether the decays inside one 16-row block may be factorised through a row m of the block,
-// exp2(g_r - g_s) = exp2(g_r - g_m) exp2(g_m - g_s), with one factor of the pair > 1: only for the
-// bounded gate lower_bound * sigmoid(..) with lower_bound >= -5 (fla's safe_gate range,
-// docs/contract.md). Every per-step log2 decay then lies in (-5 / ln2, 0], so a factor over at most
-// 8 steps stays within 2^+-57.7, far inside fp32's (and tf32's) exponent range. Every other gate
-// is unbounded per step (exp(A_log) = 16, steps at -1000): one-sided only (docs/numerics.md). Used by
-// kda_bwd_grads (its diagonal blocks) and kda_fwd_intra (P2's diagonal blocks): each has a kernel per form.
-__host__ __device__ inline bool block_midpoint_ok(const KdaOptions& o) {
-  return (o.gate_mode == GateMode::kBounded || o.gate_mode == GateMode::kBoundedNoALog) && o.lower_bound >= -5.f &&
-         o.lower_bound < 0.f;
-}
+// block_midpoint_ok (whether a 16-row block's decays may be factorised through its midpoint row):
+// kda_problem.h, beside the options it reads, so that the launch policy can name the kernel form.
 
 // Gate activations without libm's log1pf / expf / IEEE division (a libm softplus is ~70
 // instructions per element, which made the gate the costliest part of the forward intra):
