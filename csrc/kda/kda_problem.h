@@ -77,7 +77,8 @@ namespace dev {
 // docs/contract.md). Every per-step log2 decay then lies in (-5 / ln2, 0], so a factor over at most
 // 8 steps stays within 2^+-57.7, far inside fp32's (and tf32's) exponent range. Every other gate
 // is unbounded per step (exp(A_log) = 16, steps at -1000): one-sided only (docs/numerics.md). Used by
-// kda_bwd_grads (its diagonal blocks) and kda_fwd_intra (P2's diagonal blocks): each has a kernel per form.
+// kda_bwd_grads (its diagonal blocks) and kda_fwd_intra (P2's diagonal blocks): each has a kernel per form;
+// and by the launch policy, which streams a sliced backward with the other form only (bwd_pass_streams).
 __host__ __device__ inline bool block_midpoint_ok(const KdaOptions& o) {
   return (o.gate_mode == GateMode::kBounded || o.gate_mode == GateMode::kBoundedNoALog) && o.lower_bound >= -5.f &&
          o.lower_bound < 0.f;

@@ -7,11 +7,22 @@
 #     bash scripts/gpu_run.sh          # carry [".whl", ".prebuilt", ".flashkda"]
 # rows: the forward rows of every KDA case, ours and FlashKDA's (no fla: its compile costs ~1 min a
 # row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target).
+# bnd (any card): the bounded-gate grads kernel streamed at 128 chains at 128 columns unsliced, which
+# the policy does untimed (it lost 1.4% sliced, at bounded_b16: docs/notes/2026-12-06-stream-bounds-and-bench.md),
+# and gva's unbounded shape beside it as the control:
+#   KF_PREBUILT=1 KF_TESTS=none KF_PROBE='bash scripts/dev/next_call_probe.sh bnd' bash scripts/gpu_run.sh
 set -u
 out=${OUT:-/tmp/next-call}
 part=${1:-all}
 mkdir -p "$out"
 step() { echo "== $* ($(date +%T))"; }
+
+if [ "$part" = bnd ] || [ "$part" = all ]; then
+step "the streamed backward at 128 chains at 128 columns, bounded and unbounded (0 = unstreamed)"
+AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_BWD_STREAMED "0 1" \
+  --shape bnd_b8_h16:B=8,T=8192,H=16,K=128,V=128,gate=bounded \
+  --shape unb_b8_h16:B=8,T=8192,H=16,K=128,V=128,gate=unbounded
+fi
 
 if [ "$part" = rows ] || [ "$part" = all ]; then
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
