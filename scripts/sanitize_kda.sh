@@ -17,9 +17,10 @@ cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize_kda: no compute-sanitizer"; exit 1; }
 rc=0
 logs=$(mktemp -d)
+tools=${KF_SANITIZE_TOOLS:-memcheck racecheck synccheck}
 for fused in ${KF_SANITIZE_FUSED:-0 1}; do
   pids=()
-  for tool in ${KF_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+  for tool in $tools; do
     extra=()
     [ "$tool" = memcheck ] && extra=(--leak-check full)
     KERNEL_FUN_KDA_FWD_FUSED=$fused timeout "${KF_SANITIZE_TIMEOUT:-0}" "$cs" --tool "$tool" "${extra[@]}" --kernel-name kns=kda_ \
@@ -27,7 +28,7 @@ for fused in ${KF_SANITIZE_FUSED:-0 1}; do
     pids+=($!)
   done
   i=0
-  for tool in ${KF_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+  for tool in $tools; do
     r=0; wait "${pids[$i]}" || r=$?
     i=$((i + 1))
     [ $r -ne 0 ] && rc=$r

@@ -193,8 +193,8 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     ((1, 131072, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=True), True),    # long_b1_t128k
     ((1, 8192, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=True), True),      # bounded_b1: 32 chains
     ((4, 4096, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # small: 64 chains at 128
-    # sliced backwards stream slice by slice with the unbounded gate: prod8192 (4 slices of 4: 128
-    # chains at 128 each), k3_h32 (2 of 4); not bounded_b16 (2 of 8, the bounded-gate kernel)
+    # sliced backwards stream slice by slice: prod8192 (4 slices of 4: 128 chains at 128 each), k3_h32
+    # (2 of 4); not bounded_b16 (2 of 8): the bounded-gate kernel streams up to 116 chains only
     ((16, 8192, 16, 16, 128, 256), 0, dict(stream=True, save_states=True, pair=False), False),    # prod8192
     ((16, 8192, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False), True),    # bounded_b16
     ((8, 8192, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # k3_h32
@@ -202,6 +202,8 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
     ((2, 8192, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # 64 chains at 128
     ((4, 4096, 32, 32, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),     # 128 chains at 128
     ((8, 8192, 8, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False), False),      # gva: 128 chains at 128
+    ((8, 8192, 16, 16, 128, 128), 0, dict(stream=False, save_states=True, pair=False), True),     # bounded: 128 chains
+    ((6, 8192, 16, 16, 128, 128), 0, dict(stream=True, save_states=True, pair=False), True),      # bounded: 96 chains
     ((1, 8192, 64, 64, 128, 192), 0, dict(stream=False, save_states=True, pair=False), False),    # V 192: 192 chains at 64
     ((2, 8192, 16, 16, 128, 192), 0, dict(stream=True, save_states=True, pair=False), False),     # V 192: 96 chains at 64
     ((7, 4096, 16, 16, 128, 64), 0, dict(stream=True, save_states=True, pair=False), False),      # V 64: 112 chains
@@ -211,9 +213,9 @@ def test_backward_in_batch_slices_is_bitwise_the_whole_batch(emu, case):
 ])
 def test_backward_stream_policy(emu, shape, split, want, bounded):
     """kda_policy.h's bwd_pass_streams: each pass of the backward (the whole batch, or each batch
-    slice with the unbounded-gate grads kernel only) streams as bwd_stream_wanted says: fixed-length
-    problems stream wherever they can (bwd_stream_possible) if V allows the 128-column dh scan, else
-    where the pass has at most 116 chains at 64 columns (an eighth of the SMs left), and their
+    slice) streams as bwd_stream_wanted says: fixed-length problems stream wherever they can
+    (bwd_stream_possible) if V allows the 128-column dh scan and the grads kernel is the
+    unbounded-gate one, else where the pass has at most 116 chains (an eighth of the SMs left), and their
     forward saves its states for it (save_states_pays), where some used to pair the re-scan with the
     dh scan and save none; a split problem, more chains or more than 65535 chunk rows do not stream
     (the last pairs as before). A pure function of the shape, the gate and the split, as the forward

@@ -703,8 +703,8 @@ def test_streamed_backward_is_bitwise_the_plain_one(name, monkeypatch):
 ])
 def test_streamed_backward_in_slices_is_bitwise_the_plain_one(case, slice_b, monkeypatch):
     """A backward in batch slices (KERNEL_FUN_KDA_BWD_SLICE, as the policy slices prod8192 or
-    bounded_b16) streams slice by slice (KERNEL_FUN_KDA_BWD_STREAMED=2: the policy streams sliced
-    passes with the unbounded-gate kernel only): every gradient bit for bit as with =0 and the same
+    bounded_b16) streams slice by slice (KERNEL_FUN_KDA_BWD_STREAMED=2: the policy streams the
+    bounded-gate kernel only up to 116 chains): every gradient bit for bit as with =0 and the same
     slices, over 3 training calls; counted as streamed."""
     from kernel_fun.kda import chunk_kda
 

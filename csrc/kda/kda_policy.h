@@ -310,42 +310,37 @@ inline int bwd_slice_batches(const KdaProblem& p) {
 // counted the chains at the unstreamed width, 64 columns, and streamed at most kPolicySMs / 2 of
 // them): small (B4 T4096 H16: 128 chains at 64, 64 at 128) 1.900 / 1.883 -> 1.876 / 1.872 ms, gva
 // (B8 T8192 HV16: 128 chains at 128) 7.731 / 7.712 -> 7.511 / 7.499.
-// So where V allows the 128-column dh scan that streaming takes (dh_scan_bv), every shape that can
-// stream does (bwd_stream_possible: at most 128 chains at 128); at K = 64 that class includes shapes
-// that paired their scans and saved no states before (67-128 chains at 64 columns; fortieth session,
-// KERNEL_FUN_KDA_SAVE_STATES=1 against =0: B4 T4096 H16 K64 V128 1.431 / 1.352 -> 1.312 / 1.302 ms,
-// B2 T8192 H32 K64 V128 2.646 / 2.620 -> 2.520 / 2.513). Elsewhere (V not a multiple of 128,
-// the dh scan at 64 columns) while the dh scan leaves at least an eighth of the SMs to the grads
-// CTAs (kStreamFreeSMs): measured on the H100 (2026-12-06, fortieth session; training calls, one
-// process, two runs each, =2 against the rule before, at most kPolicySMs / 2 chains; K = 128, V as
-// named): V 64 at 80 chains (B5 T8192 H16) 3.890 / 3.935 -> 3.857 / 3.869 ms, V 192 at 96
-// (B2 T8192 H16) 2.246 / 2.246 -> 2.206 / 2.211 and (B4 T8192 H8) 2.209 / 2.214 -> 2.190 / 2.196,
-// V 64 at 96 (B3 T8192 H32) 4.675 / 4.695 -> 4.649 / 4.659, at 112 (B7 T4096 H16) 2.761 / 2.751 ->
-// 2.748 / 2.749; at 128 chains no gain (B4 T4096 H32 3.151 / 3.151 -> 3.148 / 3.151, B2 T8192 H32
-// 3.198 / 3.196 -> 3.207 / 3.222). The grads CTAs wait for the dh scan and never the other way
-// round, and every dh-scan CTA is resident before any grads CTA starts (the dependent launch starts
-// only then), so a wait always ends. A pure function of the shape, so that the forward's decision to
-// save its states (save_states_pays) and the backward's to stream agree. p is one pass of the
-// backward: bwd_pass_streams below.
+// So where V allows the 128-column dh scan that streaming takes (dh_scan_bv) and the grads kernel is
+// the unbounded-gate one, every pass that can stream does (bwd_stream_possible: at most 128 chains at
+// 128); at K = 64 that class includes shapes that paired their scans and saved no states before
+// (67-128 chains at 64 columns: -4% to -8%, fortieth session). Elsewhere -- V not a multiple of 128
+// (the dh scan at 64 columns), or the bounded-gate (midpoint, dev::block_midpoint_ok) grads kernel --
+// while the dh scan leaves at least an eighth of the SMs to the grads CTAs (kStreamFreeSMs). Measured
+// on the H100 (2026-12-06, fortieth session; training calls, one process, two runs each): V 64 / 192
+// at 80-112 chains 0.3-1.8% faster streamed, at 128 chains no faster; the bounded-gate kernel at 128
+// chains at 128 columns (bounded_b16's batch slices) 12.800 / 12.776 -> 12.967 / 12.983 ms streamed,
+// where the unbounded one gained there (prod8192's slices 17.313 / 17.276 -> 17.146 / 17.152, k3_h32's
+// 13.965 / 13.925 -> 13.681 / 13.702); the bounded kernel with few chains gains (bounded_b1,
+// long_b1_t32k). docs/notes/2026-12-06-stream-bounds-and-bench.md has every row. The grads CTAs wait
+// for the dh scan and never the other way round, and every dh-scan CTA is resident before any grads
+// CTA starts (the dependent launch starts only then), so a wait always ends. A pure function of the
+// pass's shape and gate, so that the forward's decision to save its states (save_states_pays) and the
+// backward's to stream agree.
 constexpr int kStreamFreeSMs = kPolicySMs / 8;
 inline bool bwd_stream_wanted(const KdaProblem& p) {
   if (!bwd_stream_possible(p)) return false;
   const int bv = dh_scan_bv(p, scan_choice(p).bv, true);
-  return bv == 128 || static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs - kStreamFreeSMs;
+  if (bv == 128 && !dev::block_midpoint_ok(p.opt)) return true;
+  return static_cast<long>(p.HV) * p.N * (p.V / bv) <= kPolicySMs - kStreamFreeSMs;
 }
 
-// Whether the passes of a backward in slices of slice_B batches (the whole batch where it is not
-// sliced: kda_problem.h's backward_pass_problem) stream, each as bwd_stream_wanted says for its shape:
-// a sliced backward (bwd_slice_batches: prod8192 in 4 slices of 4 batches, k3_h32 in 2 of 4,
-// bounded_b16 in 2 of 8, each 128 chains at 128 columns) streams slice by slice, each slice's dh
-// scan zeroing the counters and each slice's grads kernels ending after its dh scan -- with the
-// unbounded-gate grads kernel only. Measured on the H100 (2026-12-06, fortieth session; training
-// calls, one process, two runs each, KERNEL_FUN_KDA_BWD_STREAMED=0 against the slices streamed):
-// prod8192 17.313 / 17.276 -> 17.146 / 17.152 ms, k3_h32 13.965 / 13.925 -> 13.681 / 13.702, but
-// bounded_b16 (the midpoint kernel, dev::block_midpoint_ok) 12.800 / 12.776 -> 12.967 / 12.983.
+// Whether the passes of a backward in slices of slice_B batches stream: each pass (the whole batch
+// where it is not sliced, else each batch slice: kda_problem.h's backward_pass_problem) as
+// bwd_stream_wanted says for its shape. A sliced backward (bwd_slice_batches: prod8192 in 4 slices
+// of 4 batches, k3_h32 in 2 of 4, bounded_b16 in 2 of 8) streams slice by slice, each slice's dh
+// scan zeroing the counters and each slice's grads kernels ending after its dh scan.
 inline bool bwd_pass_streams(const KdaProblem& p, int slice_B) {
-  if (!bwd_stream_wanted(backward_pass_problem(p, slice_B))) return false;
-  return !sliced_backward(p, slice_B) || !dev::block_midpoint_ok(p.opt);
+  return bwd_stream_wanted(backward_pass_problem(p, slice_B));
 }
 
 // Whether a training forward's scan writes the state before every chunk for its backward (which then
@@ -366,7 +361,7 @@ inline bool bwd_pass_streams(const KdaProblem& p, int slice_B) {
 inline bool save_states_pays(const KdaProblem& p) {
   if (p.split_chunks > 0) return true;
   // one pass of the backward: the whole batch or its first slice (varlen: one pass)
-  const int slice_B = p.cu_seqlens ? 0 : bwd_slice_batches(p);
+  const int slice_B = bwd_slice_batches(p);
   if (bwd_pass_streams(p, slice_B)) return true;
   const KdaProblem s = backward_pass_problem(p, slice_B);
   return !bwd_pair_scans(s, scan_choice(s).bv);

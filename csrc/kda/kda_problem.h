@@ -330,13 +330,16 @@ __host__ __device__ inline SplitLayout split_layout(const KdaProblem& p) {
 inline bool sliced_backward(const KdaProblem& p, int slice_B) {
   return !p.cu_seqlens && slice_B > 0 && slice_B < p.B;
 }
+// A fixed-length problem's shape cut to nb of its batches (a backward slice: bwd/kda_bwd_slice.h).
+inline void keep_batches(KdaProblem& s, int nb) {
+  s.B = s.N = nb;
+  s.max_chunks = static_cast<int>(int64_t{nb} * ((int64_t{s.T} + kChunk - 1) / kChunk));
+}
 // The problem one pass of that backward runs: p itself, or its first (largest) batch slice -- the
 // last may be smaller, and every per-pass choice (the streamed backward's) holds for a smaller one.
 inline KdaProblem backward_pass_problem(const KdaProblem& p, int slice_B) {
-  if (!sliced_backward(p, slice_B)) return p;
   KdaProblem s = p;
-  s.B = s.N = slice_B;
-  s.max_chunks = static_cast<int>(int64_t{slice_B} * ((int64_t{p.T} + kChunk - 1) / kChunk));
+  if (sliced_backward(p, slice_B)) keep_batches(s, slice_B);
   return s;
 }
 

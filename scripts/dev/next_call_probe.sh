@@ -8,8 +8,9 @@
 # rows: the forward rows of every KDA case, ours and FlashKDA's (no fla: its compile costs ~1 min a
 # row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target).
 # bnd (any card): the bounded-gate grads kernel streamed at 128 chains at 128 columns unsliced, which
-# the policy does untimed (it lost 1.4% sliced, at bounded_b16: docs/notes/2026-12-06-stream-bounds-and-bench.md),
-# and gva's unbounded shape beside it as the control:
+# the policy keeps unstreamed on the measurement of the same shape as bounded_b16's batch slices (1.4%
+# slower streamed: docs/notes/2026-12-06-stream-bounds-and-bench.md), and the unbounded shape beside
+# it as the control:
 #   KF_PREBUILT=1 KF_TESTS=none KF_PROBE='bash scripts/dev/next_call_probe.sh bnd' bash scripts/gpu_run.sh
 set -u
 out=${OUT:-/tmp/next-call}

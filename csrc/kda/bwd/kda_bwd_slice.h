@@ -39,9 +39,8 @@ inline int64_t dtype_bytes(DType t) {
 // already be sized for nb batches: they are used as they are, from row 0.
 inline KdaBwdParams kda_bwd_batch_slice(const KdaBwdParams& full, int b0, int nb) {
   KdaBwdParams s = full;
-  s.B = s.N = nb;
+  keep_batches(s, nb);
   const int64_t nts = (full.T + kChunk - 1) / kChunk;
-  s.max_chunks = static_cast<int>(nb * nts);
   const int64_t tok = static_cast<int64_t>(b0) * full.T;  // first token row of the slice
   const int64_t wt = dtype_bytes(full.dtype);
   auto adv = [](const void* p, int64_t bytes) -> const char* {
