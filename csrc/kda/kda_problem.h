@@ -78,7 +78,7 @@ namespace dev {
 // 8 steps stays within 2^+-57.7, far inside fp32's (and tf32's) exponent range. Every other gate
 // is unbounded per step (exp(A_log) = 16, steps at -1000): one-sided only (docs/numerics.md). Used by
 // kda_bwd_grads (its diagonal blocks) and kda_fwd_intra (P2's diagonal blocks): each has a kernel per form;
-// and by the launch policy, which streams a sliced backward with the other form only (bwd_pass_streams).
+// and by the launch policy, which streams the bounded form's backward with fewer chains (bwd_stream_wanted).
 __host__ __device__ inline bool block_midpoint_ok(const KdaOptions& o) {
   return (o.gate_mode == GateMode::kBounded || o.gate_mode == GateMode::kBoundedNoALog) && o.lower_bound >= -5.f &&
          o.lower_bound < 0.f;
