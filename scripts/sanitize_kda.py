@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
+import threading
+import types
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +162,11 @@ def _print_live_blocks() -> None:
 
 def main() -> None:
     # KF_MEMHIST=1: record the allocations' stacks and print the blocks still live after the calls
-    # (memcheck's leak report of 2026-12-03: 8,178,688 bytes still allocated here, not yet explained)
+    # and what holds them. Under compute-sanitizer the calls' tensors stay allocated (48.8 MB on
+    # 2026-12-06, 0 bytes without it): the Python frames of the calls hold them, and those frames are
+    # held outside the garbage collector's sight; torch's own custom ops do the same under the
+    # sanitizer without kernel_fun (scripts/dev/sanitizer_frames.py,
+    # bench/results/ab/2026-12-06-sanitizer-frames-h100.txt), so it is not a leak of ours.
     memhist = os.environ.get("KF_MEMHIST") == "1"
     if memhist:
         torch.cuda.memory._record_memory_history(max_entries=200000)
@@ -175,7 +182,39 @@ def main() -> None:
     live = torch.cuda.memory_allocated()
     print(f"done (allocated after the calls: {live} bytes)", flush=True)
     if memhist and live:
+        _print_holders()
         _print_live_blocks()
+
+
+def _print_holders() -> None:
+    """Whether Python still holds the live blocks: the CUDA tensors the garbage collector can reach,
+    and what refers to a few of them (nothing here means the blocks are held outside Python)."""
+    stats = torch.cuda.memory_stats()
+    print(f"allocator {torch.cuda.get_allocator_backend()}: active blocks {stats.get('active.all.current')}, "
+          f"segments {stats.get('segment.all.current')}, reserved {torch.cuda.memory_reserved()} bytes", flush=True)
+    tensors = [o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda]
+    print(f"CUDA tensors the garbage collector reaches: {len(tensors)}", flush=True)
+    for t in tensors[:3]:
+        holders = [type(r).__name__ for r in gc.get_referrers(t) if r is not tensors]
+        print(f"  {tuple(t.shape)} {t.dtype}: held by {holders[:6]}", flush=True)
+    # the frames that hold them, and what holds those frames (a traceback, a thread, another frame)
+    frames = [r for r in gc.get_referrers(tensors[0]) if isinstance(r, types.FrameType)] if tensors else []
+    for f in frames[:6]:
+        print(f"  frame {f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})", flush=True)
+        for r in gc.get_referrers(f):
+            if r is frames:
+                continue
+            what = type(r).__name__
+            if isinstance(r, types.FrameType):
+                what += f" {r.f_code.co_name}"
+            elif isinstance(r, types.TracebackType):
+                tb_refs = [type(x).__name__ + (f" {x!r:.120}" if isinstance(x, BaseException) else "")
+                           for x in gc.get_referrers(r)]
+                what += f" <- {tb_refs[:4]}"
+            print(f"    held by {what}", flush=True)
+    del frames, tensors
+    print(f"threads: {[t.name for t in threading.enumerate()]}; last_exc: {getattr(sys, 'last_exc', None)!r:.200}",
+          flush=True)
 
 
 if __name__ == "__main__":
