@@ -199,7 +199,8 @@ def _print_holders() -> None:
         print(f"  {tuple(t.shape)} {t.dtype}: held by {holders[:6]}", flush=True)
     # the frames that hold them, and what holds those frames (a traceback, a thread, another frame)
     frames = [r for r in gc.get_referrers(tensors[0]) if isinstance(r, types.FrameType)] if tensors else []
-    for f in frames[:6]:
+    for i in range(min(6, len(frames))):  # (no slice or enumerate: their list / tuple would hold f too)
+        f = frames[i]
         print(f"  frame {f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})", flush=True)
         for r in gc.get_referrers(f):
             if r is frames:
