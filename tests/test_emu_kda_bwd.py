@@ -223,6 +223,17 @@ def test_backward_stream_policy(emu, shape, split, want, bounded):
     assert emu.bwd_policy(*shape, split_chunks=split, bounded=bounded) == want
 
 
+def _assert_every_chain_counted(dh_ready, n_seq, HV, V, T, bv=0):
+    """Every dh-scan chain of n_seq sequences counted every chunk of its sequence ([sequence][value head]
+    [slice] at the dh scan's width: bv, or the launcher's 64 or 128 when bv is 0); the counters a
+    narrower width would use stay 0."""
+    nts = -(-T // 64)
+    counts = dh_ready[: n_seq * HV * (V // 64)]
+    n_set = int((counts == nts).sum())
+    assert n_set == n_seq * HV * (V // bv) if bv else n_set in (n_seq * HV * (V // 64), n_seq * HV * (V // 128)), counts
+    assert (counts[:n_set] == nts).all() and (counts[n_set:] == 0).all(), counts
+
+
 @pytest.mark.parametrize("case,bv", [
     (dict(B=2, T=1100, K=64, V=128, h0=True), 64),                   # 18 chunks: a publication mid-chain, two slices
     (dict(T=1030, K=128, V=128, gate="bounded16", h0=True), 128),     # the bounded-gate kernel (kLoLast)
@@ -245,13 +256,7 @@ def test_streamed_backward_is_bitwise_the_plain_one(emu, case, bv):
     plain = emu.backward_stages(*inputs, do, dht, **kw, **args)[0]
     streamed, st = emu.backward_stages(*inputs, do, dht, **kw, **args, streamed=True)
     assert_bitwise_same(plain, streamed, "streamed")
-    # every dh-scan slice counted every chunk of its sequence ([sequence][value head][slice] at the dh
-    # scan's width: the launcher's when bv is 0); the counters a narrower width would use stay 0
-    nts = -(-T // 64)
-    counts = st["dh_ready"][: B * HV * (V // 64)]
-    n_set = int((counts == nts).sum())
-    assert n_set == B * HV * (V // bv) if bv else n_set in (B * HV * (V // 64), B * HV * (V // 128)), counts
-    assert (counts[:n_set] == nts).all() and (counts[n_set:] == 0).all(), counts
+    _assert_every_chain_counted(st["dh_ready"], B, HV, V, T, bv)
 
 
 @pytest.mark.parametrize("case,slice_b", [
@@ -273,12 +278,7 @@ def test_streamed_backward_in_slices_is_bitwise_the_plain_one(emu, case, slice_b
     plain = emu.backward_stages(*inputs, do, dht, **kw, **args)[0]
     streamed, st = emu.backward_stages(*inputs, do, dht, **kw, **args, slice_b=slice_b, streamed=True)
     assert_bitwise_same(plain, streamed, f"streamed in slices of {slice_b}")
-    last = B - (B - 1) // slice_b * slice_b  # batches in the last slice
-    nts = -(-T // 64)
-    counts = st["dh_ready"][: last * HV * (V // 64)]
-    n_set = int((counts == nts).sum())
-    assert n_set in (last * HV * (V // 64), last * HV * (V // 128)), counts
-    assert (counts[:n_set] == nts).all() and (counts[n_set:] == 0).all(), counts
+    _assert_every_chain_counted(st["dh_ready"], B - (B - 1) // slice_b * slice_b, HV, V, T)  # the last slice's
 
 
 @pytest.mark.parametrize("case,bv", [

@@ -360,11 +360,10 @@ inline bool bwd_pass_streams(const KdaProblem& p, int slice_B) {
 // comes from them, not from the environment), so the forward and its backward always decide alike.
 inline bool save_states_pays(const KdaProblem& p) {
   if (p.split_chunks > 0) return true;
-  // one pass of the backward: the whole batch or its first slice (varlen: one pass)
-  const int slice_B = bwd_slice_batches(p);
-  if (bwd_pass_streams(p, slice_B)) return true;
-  const KdaProblem s = backward_pass_problem(p, slice_B);
-  return !bwd_pair_scans(s, scan_choice(s).bv);
+  // one pass of the backward: the whole batch or its first slice (varlen: one pass); as
+  // bwd_pass_streams, on the pass's shape formed once here
+  const KdaProblem s = backward_pass_problem(p, bwd_slice_batches(p));
+  return bwd_stream_wanted(s) || !bwd_pair_scans(s, scan_choice(s).bv);
 }
 
 // The fp32 token recurrence (recur/kda_recur.cuh) instead of the chunk kernels, for problems whose
