@@ -13,6 +13,10 @@
 # it as the control (ran on an H100 on 2026-12-06: equal within +-0.3%, the policy stays;
 # docs/notes/2026-12-06-sanitizer-frames-and-rows.md):
 #   KF_PREBUILT=1 KF_TESTS=none KF_PROBE='bash scripts/dev/next_call_probe.sh bnd' bash scripts/gpu_run.sh
+# grads (any card): kda_bwd_grads' phase cycles at prod8192 and bounded_b16, then ncu of its first
+# launch in prod8192's training call (per-instruction stall samples; split them per phase here with
+# scripts/ncu_phases.py): where the kernel's ~74k cycles per CTA wait, on today's code (the last
+# ncu of it predates the wgmma V phase).
 set -u
 out=${OUT:-/tmp/next-call}
 part=${1:-rows}  # bnd has run; "all" runs both
@@ -26,7 +30,15 @@ AB_RUNS=2 bash scripts/ab_env.sh KERNEL_FUN_KDA_BWD_STREAMED "0 1" \
   --shape unb_b8_h16:B=8,T=8192,H=16,K=128,V=128,gate=unbounded
 fi
 
-if [ "$part" = rows ] || [ "$part" = all ]; then
+if [ "$part" = grads ] || [ "$part" = "grads rows" ]; then
+step "kda_bwd_grads: phase cycles per CTA"
+PYTHONPATH=src python3 scripts/kda_phases.py --kernel grads prod8192 bounded_b16
+step "kda_bwd_grads: ncu at prod8192"
+bash scripts/ncu_kda.sh prod8192 kda_bwd_grads
+python3 scripts/ncu_phases.py "$out/ncu_kda_bwd_grads_sass.csv.gz" --top 4 || true
+fi
+
+if [ "$part" = rows ] || [ "$part" = all ] || [ "$part" = "grads rows" ]; then
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 if ! echo "$gpu" | grep -q H200; then
   echo "next_call_probe: $gpu is not an H200; the rows left are the H200's"
@@ -37,6 +49,10 @@ python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s 240 --ou
   > /dev/null 2>&1
 grep "^| " "$out/rows/h200-fwd"/*.md | head -40
 step "H200: prod8192 with fla (the training call's 3x target)"
-python3 -m kernel_fun.bench --family kda --case prod8192 --no-flashkda --out "$out/rows/prod8192" > /dev/null 2>&1
+if [ "${KF_ROWS_FLA:-1}" = 1 ]; then
+  python3 -m kernel_fun.bench --family kda --case prod8192 --no-flashkda --out "$out/rows/prod8192" > /dev/null 2>&1
+else  # ours only (fla's compile does not fit the call): fla's H200 row is an earlier process's
+  python3 -m kernel_fun.bench --family kda --case prod8192 --no-flashkda --no-fla --out "$out/rows/prod8192" > /dev/null 2>&1
+fi
 grep "^| prod8192 |" "$out/rows/prod8192"/*.md
 fi
