@@ -1419,6 +1419,35 @@ __device__ __forceinline__ GradsCell grads_cell(const KdaBwdParams& p) {
   cell.ok = dev::chunk_of(p, blockIdx.x, cell.n, cell.ci);
   return cell;
 }
+// Whether the counters p[0 .. n) (n <= 8) have all reached `need` now, read in one round trip: the
+// counters past the first by relaxed loads issued ahead of the first one's acquire load, all in flight
+// at once (wait_at_least on each in turn costs a round trip per counter: an acquire's L1 invalidate,
+// CCTL.IVALL, waits for its own load, and the next load issues after it). The first counter is
+// acquired; the others are seen in L2, the coherence point, where their writers' release (after every
+// writing thread's __threadfence) put them after their data, and the caller issues its reads of that
+// data only after this returns (the check depends on every value), through L2 (cp.async.cg): the
+// forward's flag prefetch relies on the same (dev::prefetch_flag, device/sequence.cuh). false is no
+// verdict: the caller then waits on each counter with wait_at_least. At prod8192 (two dh slices) the
+// per-counter waits were 3.9% of the streamed kernel's stall samples (ncu, 2026-12-06).
+__device__ __forceinline__ bool grads_counts_reached(const int* p, int n, int need) {
+#ifdef KF_EMU
+  for (int i = 0; i < n; ++i)
+    if (__atomic_load_n(p + i, __ATOMIC_ACQUIRE) < need) return false;
+  return true;
+#else
+  int v[8];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) {
+    v[i] = need;
+    if (i < n) asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v[i]) : "l"(p + i) : "memory");
+  }
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v[0]) : "l"(p) : "memory");
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ok = ok && v[i] >= need;
+  return ok;
+#endif
+}
 // Waits until every dh-scan slice of (sequence n, value head hv) has stored chunk ci's checkpoint
 // dh_{ci+1} (stored at the reverse chain's step for chunk ci, so once nchunks - ci chunks are counted).
 // Every thread waits for itself with an acquire load, so its own copies of dh_ckpt issued after it
@@ -1432,6 +1461,7 @@ constexpr long long kDhWaitNs = 4000000000LL;  // 4 s
 __device__ __forceinline__ void grads_wait_dh(const KdaBwdParams& p, int n, int hv, int ci, int nchunks) {
   const int slices = p.V / p.dh_bv, need = nchunks - ci;
   const int* cnt = p.dh_ready + (static_cast<int64_t>(n) * p.HV + hv) * slices;
+  if (grads_counts_reached(cnt, slices, need)) return;  // (slices <= V / 64 <= 8)
   for (int s = 0; s < slices; ++s) {
     if (dev::wait_at_least(cnt + s, need, kDhWaitNs, 256)) continue;
 #ifdef KF_EMU
@@ -1442,20 +1472,22 @@ __device__ __forceinline__ void grads_wait_dh(const KdaBwdParams& p, int n, int 
 #endif
   }
 }
-// The end of every CTA of a grads kernel in the streamed backward: the last CTA to finish waits for
-// the previous kernel on the stream (griddepcontrol.wait), so that this kernel never completes before
-// it and the stream's next kernel sees both. Only the last: a wait in every CTA would hold its SM
-// until the dh scan ends. `done`: this kernel's counter in p.dh_ready (bwd_stream_done_offset + 0
-// for kda_bwd_grads_last_kernel, + 1 for kda_bwd_grads_kernel). scratch: the dynamic shared memory,
-// dead by now (a static __shared__ would cost the 1024-aligned plan up to 1 KB).
-__device__ __forceinline__ void grads_stream_end(const KdaBwdParams& p, int which, int* scratch) {
-  __syncthreads();  // every thread is done with the shared memory (and with the CTA's work)
-  if (threadIdx.x == 0) {
-    const unsigned total = gridDim.x * gridDim.y * gridDim.z;
-    *scratch = static_cast<unsigned>(atomicAdd(p.dh_ready + bwd_stream_done_offset(p) + which, 1)) == total - 1;
-  }
-  __syncthreads();
-  if (*scratch) dev::wait_previous();
+// The end of every CTA of a grads kernel in the streamed backward: the kernel must not complete
+// before the previous kernel on the stream (the stream's next kernel then sees both), so thread 0 of
+// the CTAs the grid hands out last waits for it (griddepcontrol.wait): the last chunk row of the main
+// kernel (the sequences' first chunks, which wait for the dh scan's last steps anyway), the last
+// (sequence, head) of kda_bwd_grads_last_kernel. Any one waiting CTA keeps its grid from completing;
+// every other thread exits at once. Each CTA still counts itself done (`which`: its kernel's counter
+// in p.dh_ready, bwd_stream_done_offset + 0 for kda_bwd_grads_last_kernel, + 1 for kda_bwd_grads_kernel;
+// the emulator checks every CTA counted) without waiting for the count: the CTA that found itself last
+// by a returning atomic, as before, kept all 16 warps at a barrier for that round trip (0.9% of the
+// stall samples at prod8192) while its SM could not take the next CTA.
+__device__ __forceinline__ void grads_stream_end(const KdaBwdParams& p, int which) {
+  if (threadIdx.x != 0) return;
+  atomicAdd(p.dh_ready + bwd_stream_done_offset(p) + which, 1);  // (result unused: a reduction)
+  const bool last = blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1 && blockIdx.z == gridDim.z - 1;
+  const bool last_row = which == 1 ? blockIdx.z == gridDim.z - 1 : last;
+  if (last_row) dev::wait_previous();
 }
 
 // ---------------------------------------------------------------- the kernel
@@ -1562,7 +1594,7 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
 // lets the main kernel start beside it (LaunchShape::overlap_previous), which skips those chunks.
 //
 // kStreamed: the streamed backward's copy (kda_policy.h's bwd_stream_wanted; p.dh_ready set): the
-// grid (1, HV, chunk rows), the wait for the dh scan's checkpoint, and the last CTA's wait for the
+// grid (1, HV, chunk rows), the wait for the dh scan's checkpoint, and the last row's wait for the
 // previous kernel (grads_stream_end). Its own instantiation, not a runtime branch: with the branch the
 // plain kernels spilled more (bf16 K = 128: 32 / 52 -> 52 / 68 bytes unbounded, 12 / 20 -> 32 / 32
 // bounded, reloads inside the V loop among them) and grew by ~330 instructions.
@@ -1573,10 +1605,11 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   const int n = cell.n, ci = cell.ci;
   // Where a previous kernel overlaps this one (kda_bwd_grads_last_kernel, the streamed backward's dh
   // scan), this kernel must not complete before it (the next kernel reads both): in the streamed
-  // backward its last CTA waits; otherwise every CTA that can overlap at all (unbounded gates, bf16).
+  // backward thread 0 of its last chunk row waits; otherwise every CTA that can overlap at all (unbounded
+  // gates, bf16).
   constexpr bool kOverlapsLast = std::is_same_v<WT, __nv_bfloat16> && !kMid;
   auto finish = [&] {
-    if constexpr (kStreamed) grads_stream_end(p, 1, reinterpret_cast<int*>(smem_grads));
+    if constexpr (kStreamed) grads_stream_end(p, 1);
     else if constexpr (kOverlapsLast) dev::wait_previous();
   };
   if (!cell.ok) return;  // past the chunk map's end (varlen: max_chunks is a bound; never streamed)
@@ -1602,7 +1635,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 }
 
 // The last chunk of sequence blockIdx.x (unbounded gates, bf16, with dht), value head blockIdx.y.
-// kStreamed: beside the dh scan too (its chunks are the first the dh scan stores); its last CTA waits
+// kStreamed: beside the dh scan too (its chunks are the first the dh scan stores); its last CTA (in grid order) waits
 // for the dh scan (grads_stream_end).
 template <typename WT, int K, bool kStreamed>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(const KdaBwdParams p) {
@@ -1612,11 +1645,11 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(co
   const dev::SeqInfo seq = dev::seq_info(p, n);
   // (the early return as it was: the plain kernel's SASS stays the same)
   if (seq.len == 0) {
-    if constexpr (kStreamed) grads_stream_end(p, 0, reinterpret_cast<int*>(smem_grads));
+    if constexpr (kStreamed) grads_stream_end(p, 0);
     return;
   }
   grads_cta<WT, K, false, kLoAlways, kStreamed>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk, seq);
-  if constexpr (kStreamed) grads_stream_end(p, 0, reinterpret_cast<int*>(smem_grads));
+  if constexpr (kStreamed) grads_stream_end(p, 0);
 }
 
 // The kernel a problem runs (the launcher's and the emulator's one choice).
