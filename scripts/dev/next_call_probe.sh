@@ -6,7 +6,8 @@
 #   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_FLASHKDA=1 KF_PROBE='bash scripts/dev/next_call_probe.sh rows' \
 #     bash scripts/gpu_run.sh          # carry [".whl", ".prebuilt", ".flashkda"]
 # rows: the forward rows of every KDA case, ours and FlashKDA's (no fla: its compile costs ~1 min a
-# row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target).
+# row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target;
+# KF_ROWS_FLA=0: ours alone, where fla's compile on a fresh machine would not fit the call).
 # bnd (any card): the bounded-gate grads kernel streamed at 128 chains at 128 columns unsliced, which
 # the policy keeps unstreamed on the measurement of the same shape as bounded_b16's batch slices (1.4%
 # slower streamed: docs/notes/2026-12-06-stream-bounds-and-bench.md), and the unbounded shape beside

@@ -1428,7 +1428,8 @@ __device__ __forceinline__ GradsCell grads_cell(const KdaBwdParams& p) {
 // data only after this returns (the check depends on every value), through L2 (cp.async.cg): the
 // forward's flag prefetch relies on the same (dev::prefetch_flag, device/sequence.cuh). false is no
 // verdict: the caller then waits on each counter with wait_at_least. At prod8192 (two dh slices) the
-// per-counter waits were 3.9% of the streamed kernel's stall samples (ncu, 2026-12-06).
+// per-counter waits were 3.9% of the streamed kernel's stall samples (ncu; docs/notes/2026-12-06-grads-
+// stream-waits.md).
 __device__ __forceinline__ bool grads_counts_reached(const int* p, int n, int need) {
 #ifdef KF_EMU
   for (int i = 0; i < n; ++i)
@@ -1450,8 +1451,9 @@ __device__ __forceinline__ bool grads_counts_reached(const int* p, int n, int ne
 }
 // Waits until every dh-scan slice of (sequence n, value head hv) has stored chunk ci's checkpoint
 // dh_{ci+1} (stored at the reverse chain's step for chunk ci, so once nchunks - ci chunks are counted).
-// Every thread waits for itself with an acquire load, so its own copies of dh_ckpt issued after it
-// see the stores (the dh scan fenced them before its release). The dh scan waits for nothing and all
+// Every thread reads all the counts itself, in one round trip (grads_counts_reached), so that its own
+// copies of dh_ckpt issued after it see the stores (the dh scan fenced them before its release); a
+// count short of `need` there, it waits on each slice's with acquire loads. The dh scan waits for nothing and all
 // of its CTAs are resident before this kernel starts (or, where the launches are serialised, done),
 // so the wait ends: a dh scan's whole chain takes ~2.5 us per chunk (5 ms for 131072 tokens). A wait
 // past kDhWaitNs can only be a broken count, and it traps (a launch error the caller sees) rather
@@ -1605,8 +1607,8 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   const int n = cell.n, ci = cell.ci;
   // Where a previous kernel overlaps this one (kda_bwd_grads_last_kernel, the streamed backward's dh
   // scan), this kernel must not complete before it (the next kernel reads both): in the streamed
-  // backward thread 0 of its last chunk row waits; otherwise every CTA that can overlap at all (unbounded
-  // gates, bf16).
+  // backward thread 0 of its last chunk row waits; otherwise every CTA that can overlap at all
+  // (unbounded gates, bf16).
   constexpr bool kOverlapsLast = std::is_same_v<WT, __nv_bfloat16> && !kMid;
   auto finish = [&] {
     if constexpr (kStreamed) grads_stream_end(p, 1);
@@ -1635,8 +1637,8 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 }
 
 // The last chunk of sequence blockIdx.x (unbounded gates, bf16, with dht), value head blockIdx.y.
-// kStreamed: beside the dh scan too (its chunks are the first the dh scan stores); its last CTA (in grid order) waits
-// for the dh scan (grads_stream_end).
+// kStreamed: beside the dh scan too (its chunks are the first the dh scan stores); its last CTA in grid
+// order waits for the dh scan (grads_stream_end).
 template <typename WT, int K, bool kStreamed>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(const KdaBwdParams p) {
   dev::launch_dependents();  // the main kernel never reads what this one writes
