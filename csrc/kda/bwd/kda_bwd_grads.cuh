@@ -1479,7 +1479,10 @@ __device__ __forceinline__ void grads_wait_dh(const KdaBwdParams& p, int n, int 
 // the CTAs the grid hands out last waits for it (griddepcontrol.wait): the last chunk row of the main
 // kernel (the sequences' first chunks, which wait for the dh scan's last steps anyway), the last
 // (sequence, head) of kda_bwd_grads_last_kernel. Any one waiting CTA keeps its grid from completing;
-// every other thread exits at once. Each CTA still counts itself done (`which`: its kernel's counter
+// every other thread exits at once. The waits end even where a whole row (HV CTAs, up to 256) waits:
+// the previous grid called launch_dependents at the start of every one of its CTAs (the dh scan,
+// kda_bwd_grads_last_kernel), so all of them had started before any CTA of this grid, and none
+// needs an SM that a waiting CTA holds. Each CTA still counts itself done (`which`: its kernel's counter
 // in p.dh_ready, bwd_stream_done_offset + 0 for kda_bwd_grads_last_kernel, + 1 for kda_bwd_grads_kernel;
 // the emulator checks every CTA counted) without waiting for the count: the CTA that found itself last
 // by a returning atomic, as before, kept all 16 warps at a barrier for that round trip (0.9% of the
