@@ -754,6 +754,37 @@ print("serialised backward: same bits, streamed")
 """
 
 
+def test_streamed_backward_with_a_last_row_wider_than_the_gpu(tmp_path):
+    """The streamed backward forced (KERNEL_FUN_KDA_BWD_STREAMED=2) on 256 chains (B1 H256 K = V = 64,
+    the most bwd_stream_possible allows, final-state gradient: kda_bwd_grads_last_kernel runs first):
+    the main grads kernel's last chunk row has 256 CTAs, more than the GPU has SMs, and thread 0 of
+    each waits for the previous kernel (grads_stream_end), as does the last-chunk kernel's last CTA.
+    In a subprocess, so that a hang fails the test at its timeout: the call ends, is counted as
+    streamed, and gives the plain backward's bits."""
+    run_serialised(_WIDE_ROW_BWD, tmp_path, "wide last row: same bits, streamed", timeout=240, blocking=False)
+
+
+_WIDE_ROW_BWD = r"""
+import os, sys, torch
+sys.path.insert(0, os.path.join(os.environ["KF_ROOT"], "tests"))
+import test_kda_bwd_gpu as t
+from kernel_fun import _ext
+from kernel_fun.kda import chunk_kda
+inputs, kw = t.make_case(B=1, T=200, H=256, K=64, V=64, h0=True)
+do, dht = t._do_dht(inputs, kw)
+assert dht is not None
+os.environ["KERNEL_FUN_KDA_BWD_STREAMED"] = "0"
+plain = t._grads_through(chunk_kda, inputs, kw, do, dht)
+os.environ["KERNEL_FUN_KDA_BWD_STREAMED"] = "2"
+for _ in range(2):
+    n0 = _ext.op_calls()["kda_bwd_streamed"]
+    streamed = t._grads_through(chunk_kda, inputs, kw, do, dht)
+    assert _ext.op_calls()["kda_bwd_streamed"] == n0 + 1, "did not stream"
+    t.assert_bitwise_same(plain, streamed, "wide last row")
+print("wide last row: same bits, streamed")
+"""
+
+
 # cu_seqlens of documents of one length: chunk_kda runs the fixed-length batch (kernel_fun.kda's
 # _documents). One long document with few heads: the fixed-length policy streams its backward,
 # which a varlen call never does, so the counter tells which path ran.
