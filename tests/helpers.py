@@ -91,24 +91,27 @@ def our_launches(**want: int):
     assert got == want, f"our kernel ops launched {dict(counts)}, expected {want}"
 
 
-def run_serialised(script: str, tmp_path, want: str, timeout: int = 120, blocking: bool = True) -> None:
-    """Runs `script` in a subprocess with CUDA_LAUNCH_BLOCKING=1 (every launch waits for the one before:
-    the streamed kernels' overlap cannot happen, as under a serialising tool; blocking=False leaves the
-    launches as they are, for a script that could hang on the GPU) and the split scans off, KF_ROOT set
-    to the repository; asserts it exits 0 (no hang: bounded by `timeout`) and prints `want`."""
+def run_gpu_script(script: str, tmp_path, want: str, timeout: int = 120, **env_extra: str) -> None:
+    """Runs `script` in a subprocess (a GPU hang then fails the test at `timeout` instead of stalling the
+    session) with the split scans off, KF_ROOT set to the repository and `env_extra` added to the
+    environment; asserts it exits 0 and prints `want`."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, KF_ROOT=str(root), KERNEL_FUN_KDA_SPLIT="0")
-    if blocking:
-        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    env = dict(os.environ, KF_ROOT=str(root), KERNEL_FUN_KDA_SPLIT="0", **env_extra)
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     assert want in r.stdout, r.stdout[-2000:]
+
+
+def run_serialised(script: str, tmp_path, want: str, timeout: int = 120) -> None:
+    """run_gpu_script with CUDA_LAUNCH_BLOCKING=1: every launch waits for the one before, so the
+    streamed kernels' overlap cannot happen, as under a serialising tool."""
+    run_gpu_script(script, tmp_path, want, timeout, CUDA_LAUNCH_BLOCKING="1")
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:

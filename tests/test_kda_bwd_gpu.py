@@ -14,7 +14,7 @@ import torch
 from kernel_fun import _ext
 from kernel_fun.bench import accuracy as acc
 from helpers import (DA_LOG_TOL, KDA_TOL, KDA_VARLEN_TOL, assert_bitwise_same, kda_bwd_reference, kda_reference,
-                     rel_rms, run_serialised)
+                     rel_rms, run_gpu_script, run_serialised)
 from test_kda_fwd_gpu import make_case, options
 
 pytestmark = pytest.mark.gpu
@@ -760,8 +760,8 @@ def test_streamed_backward_with_a_last_row_wider_than_the_gpu(tmp_path):
     the main grads kernel's last chunk row has 256 CTAs, more than the GPU has SMs, and thread 0 of
     each waits for the previous kernel (grads_stream_end), as does the last-chunk kernel's last CTA.
     In a subprocess, so that a hang fails the test at its timeout: the call ends, is counted as
-    streamed, and gives the plain backward's bits."""
-    run_serialised(_WIDE_ROW_BWD, tmp_path, "wide last row: same bits, streamed", timeout=240, blocking=False)
+    streamed, gives the plain backward's bits, and dq / dk / dv match the fp64 recurrence."""
+    run_gpu_script(_WIDE_ROW_BWD, tmp_path, "wide last row: same bits, streamed", timeout=240)
 
 
 _WIDE_ROW_BWD = r"""
@@ -781,6 +781,9 @@ for _ in range(2):
     streamed = t._grads_through(chunk_kda, inputs, kw, do, dht)
     assert _ext.op_calls()["kda_bwd_streamed"] == n0 + 1, "did not stream"
     t.assert_bitwise_same(plain, streamed, "wide last row")
+ref = t._grads_naive(inputs, kw, do, dht)
+for name in ("dq", "dk", "dv"):
+    assert t.rel_rms(ref[name], plain[name]) <= t.KDA_TOL[name], name
 print("wide last row: same bits, streamed")
 """
 
