@@ -1431,23 +1431,17 @@ __device__ __forceinline__ GradsCell grads_cell(const KdaBwdParams& p) {
 // per-counter waits were 3.9% of the streamed kernel's stall samples (ncu; docs/notes/2026-12-06-grads-
 // stream-waits.md).
 __device__ __forceinline__ bool grads_counts_reached(const int* p, int n, int need) {
-#ifdef KF_EMU
-  for (int i = 0; i < n; ++i)
-    if (__atomic_load_n(p + i, __ATOMIC_ACQUIRE) < need) return false;
-  return true;
-#else
   int v[8];
 #pragma unroll
   for (int i = 1; i < 8; ++i) {
     v[i] = need;
-    if (i < n) asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v[i]) : "l"(p + i) : "memory");
+    if (i < n) v[i] = dev::load_relaxed(p + i);
   }
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v[0]) : "l"(p) : "memory");
+  v[0] = dev::load_acquire(p);
   bool ok = true;
 #pragma unroll
   for (int i = 0; i < 8; ++i) ok = ok && v[i] >= need;
   return ok;
-#endif
 }
 // Waits until every dh-scan slice of (sequence n, value head hv) has stored chunk ci's checkpoint
 // dh_{ci+1} (stored at the reverse chain's step for chunk ci, so once nchunks - ci chunks are counted).

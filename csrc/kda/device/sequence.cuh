@@ -183,18 +183,36 @@ __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
 }
+// The counter's two reads at GPU scope: acquire (this thread's later loads see what the releasing
+// writer stored before its release) and relaxed (the value alone, no ordering of its own).
+__device__ __forceinline__ int load_acquire(const int* p) {
+#ifdef KF_EMU
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#else
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+__device__ __forceinline__ int load_relaxed(const int* p) {
+#ifdef KF_EMU
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+#else
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
 // Whether *p reached `need` within timeout_ns (polled every ~sleep_ns); false on the timeout.
 __device__ __forceinline__ bool wait_at_least(const int* p, int need, long long timeout_ns, unsigned sleep_ns) {
 #ifdef KF_EMU
   (void)timeout_ns;
   (void)sleep_ns;
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= need;
+  return load_acquire(p) >= need;
 #else
   long long t0 = -1;
   for (;;) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    if (v >= need) return true;
+    if (load_acquire(p) >= need) return true;
     long long now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (t0 < 0) t0 = now;
