@@ -185,24 +185,19 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 }
 // The counter's two reads at GPU scope: acquire (this thread's later loads see what the releasing
 // writer stored before its release) and relaxed (the value alone, no ordering of its own).
-__device__ __forceinline__ int load_acquire(const int* p) {
+template <bool kAcquire>
+__device__ __forceinline__ int load_counter(const int* p) {
 #ifdef KF_EMU
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  return __atomic_load_n(p, kAcquire ? __ATOMIC_ACQUIRE : __ATOMIC_RELAXED);
 #else
   int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if constexpr (kAcquire) asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 #endif
 }
-__device__ __forceinline__ int load_relaxed(const int* p) {
-#ifdef KF_EMU
-  return __atomic_load_n(p, __ATOMIC_RELAXED);
-#else
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-#endif
-}
+__device__ __forceinline__ int load_acquire(const int* p) { return load_counter<true>(p); }
+__device__ __forceinline__ int load_relaxed(const int* p) { return load_counter<false>(p); }
 // Whether *p reached `need` within timeout_ns (polled every ~sleep_ns); false on the timeout.
 __device__ __forceinline__ bool wait_at_least(const int* p, int need, long long timeout_ns, unsigned sleep_ns) {
 #ifdef KF_EMU
