@@ -164,6 +164,43 @@ def test_backward_does_not_depend_on_the_thread_schedule(emu, name):
 
 
 @pytest.mark.parametrize("case", [
+    dict(T=130, H=1, HV=2, K=64, V=64, h0=True, l2norm=False),          # the sum alone: bitwise
+    dict(T=130, H=1, HV=2, K=64, V=64, h0=True),                        # l2norm's backward after it
+    dict(T=200, H=2, HV=8, K=128, V=64, gate="bounded", l2norm=False),  # chains of four heads
+    dict(T=300, H=1, HV=4, cu=[0, 15, 100, 101, 300], h0=True, l2norm=False),  # varlen, a one-token document
+])
+def test_gva_chain_is_the_group_sum(emu, case):
+    """GVA's dq^ / dk^ summed over each group along a chain of kda_bwd_grads' CTAs (KdaBwdParams::
+    gva_flags) against kda_bwd_group_sum's sum of the per-head workspace: the same order of fp32 adds,
+    so without l2norm dq / dk are bit for bit the same, with it within rounding (the l2norm backward's
+    row dot is reduced in another order); every other gradient bit for bit. Each flag ends at G - 1
+    (every head after the first waited for the one before it) and the group's last head leaves its
+    dq^ / dk^ rows unwritten (NaN-poisoned), so kda_bwd_group_sum, which would read them, did not run."""
+    inputs, kw = make_case(**case)
+    do, dht = _do_dht(inputs, kw, 5)
+    H, HV = inputs[0].shape[2], inputs[2].shape[2]
+    G = HV // H
+    chain, st = emu.backward_stages(*inputs, do, dht, **kw)
+    summed = emu.backward_stages(*inputs, do, dht, **kw, gva_chain=False)[0]
+    exact = not case.get("l2norm", True)
+    for key, t in summed.items():
+        if t is None:
+            continue
+        assert torch.isfinite(chain[key]).all(), key
+        if key in ("dq", "dk") and not exact:
+            assert rel_rms(t.double(), chain[key].double()) < 2e-3, key
+        else:
+            assert torch.equal(t, chain[key]), key
+    cu = kw.get("cu_seqlens")
+    lens = [case["T"]] if cu is None else [int(b - a) for a, b in zip(cu[:-1], cu[1:])]
+    chunks = sum(-(-n // 64) for n in lens)
+    flags = st["gva_flags"]
+    assert (flags[:chunks] == G - 1).all()
+    last = st["dqhat"].reshape(-1, HV, st["dqhat"].shape[-1])[:, G - 1::G]
+    assert torch.isnan(last).all()
+
+
+@pytest.mark.parametrize("case", [
     dict(B=3, T=130, K=64, V=64, h0=True),                                  # uneven last slice
     dict(B=4, T=70, H=1, HV=2, K=64, V=64, h0=True, gate="bounded"),        # GVA group sums per slice
     dict(B=3, T=100, K=128, V=128, h0=True, neg_eig=True, state_v_first=True),

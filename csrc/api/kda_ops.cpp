@@ -259,6 +259,7 @@ std::vector<Tensor> alloc_workspace(const Tensor& q, KdaBwdParams& p, bool backw
       case WorkBuffer::kSplitMap: p.split_map = static_cast<int*>(ptr); break;
       case WorkBuffer::kSplitState: p.split_state = static_cast<float*>(ptr); break;
       case WorkBuffer::kDhReady: p.dh_ready = static_cast<int*>(ptr); break;
+      case WorkBuffer::kGvaFlags: p.gva_flags = static_cast<int*>(ptr); break;
       case WorkBuffer::kCount: break;
     }
     out.push_back(std::move(t));

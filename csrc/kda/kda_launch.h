@@ -11,7 +11,8 @@
 //   backward  kda_chunk_map -> kda_bwd_prep (from the forward's saved Aqk, Akk, M; without them
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
 //             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
-//             -> (GVA) group sums, per batch slice
+//             (GVA: summing each group along a chain of its CTAs, its flags zeroed first by
+//             kda_bwd_gva_clear; with KERNEL_FUN_KDA_GVA_CHAIN=0 the group sums after it), per batch slice
 //             (bwd/kda_bwd_slice.h); then kda_bwd_gate_params (bwd/kda_bwd_finish.cuh)
 //   every sequence in one chunk (p.recurrent): kda_chunk_map -> kda_recur_fwd; backward
 //             kda_chunk_map -> kda_recur_bwd (the slices, then their shares' sum) -> group sums
@@ -97,6 +98,8 @@ bool kda_bwd_pair_scans(const KdaBwdParams& p);
 void kda_bwd_grads(const KdaBwdParams& p, cudaStream_t stream);
 // GVA: dq / dk summed over each query head's value heads (a no-op when HV == H).
 void kda_bwd_group_sums(const KdaBwdParams& p, cudaStream_t stream);
+// Zeroes the grads kernel's GVA chain flags (KdaBwdParams::gva_flags) for one pass.
+void kda_bwd_gva_clear(const KdaBwdParams& p, cudaStream_t stream);
 // dA_log / ddt_bias from the per-chunk partials (a no-op without them).
 void kda_bwd_gate_params(const KdaBwdParams& p, cudaStream_t stream);
 
@@ -129,6 +132,7 @@ struct StreamStages {
   void scans(const KdaBwdParams& p) { kda_bwd_scans(p, stream); }
   void dh_scan(const KdaBwdParams& p) { kda_bwd_dh_scan(p, stream); }
   void grads(const KdaBwdParams& p) { kda_bwd_grads(p, stream); }
+  void gva_clear(const KdaBwdParams& p) { kda_bwd_gva_clear(p, stream); }
   void group_sums(const KdaBwdParams& p) { kda_bwd_group_sums(p, stream); }
   void gate_params(const KdaBwdParams& p) { kda_bwd_gate_params(p, stream); }
 };

@@ -231,6 +231,15 @@ struct KdaBwdParams : KdaFwdParams {
                                // Off: on the H200 bit 1 made the kernel ~2% slower (its hand-over
                                // moves the cost past I1's barrier) and bit 2 changed nothing
                                // (docs/notes/2026-12-01-kda-backward.md, ninth session)
+  // GVA (HV != H): one flag per (chunk, q/k head) [chunks of the pass, H], zeroed at the start of each
+  // pass (kda_bwd_gva_clear): kda_bwd_grads sums dq^ / dk^ over the group along a chain of its CTAs (the
+  // flag counts the value heads that have added theirs; grads_gva_chain), and kda_bwd_group_sum does
+  // not run; dqhat / dkhat then hold the running sums (the group's last head writes none). Null:
+  // every head's dq^ / dk^ goes to dqhat / dkhat and kda_bwd_group_sum finishes (the recurrence, or
+  // KERNEL_FUN_KDA_GVA_CHAIN=0).
+  // (Last in the struct: the fields before it keep their parameter offsets, and the kernels without
+  // the chain their SASS.)
+  int* gva_flags = nullptr;
 };
 
 // ---------------------------------------------------------------- workspace
@@ -238,13 +247,18 @@ struct KdaBwdParams : KdaFwdParams {
 // place the workspace is described (csrc/api allocates from this list).
 struct WorkBuffer {
   enum Id : int { kW, kQg, kKg, kAqk, kAkk, kM, kGdecay, kChunkOffsets, kHCkpt, kDhCkpt, kDqhat, kDkhat,
-                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kSplitMap, kSplitState, kDhReady, kCount };
+                  kPbias, kPA, kChunkReady, kScanSave, kRecurState, kSplitMap, kSplitState, kDhReady, kGvaFlags,
+                  kCount };
   Id id;
   const char* name;
   std::vector<int64_t> shape;
   DType dtype;       // kFloat32 for fp32 buffers, the problem's dtype for 16-bit ones
   bool is_int = false;  // chunk_offsets (int32)
 };
+
+// gva_flags' length for one backward pass (a batch slice's chunks, or all of them): a flag per (chunk,
+// q/k head).
+__host__ __device__ inline int64_t gva_flag_count(const KdaProblem& p) { return int64_t{p.max_chunks} * p.H; }
 
 // The chunks the streamed forward publishes, one flag per chunk and value head: every chunk at the
 // call's size (p.fwd_chunk: the 64-token or the 32-token forward streams alike).
@@ -409,6 +423,8 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
     b.push_back({WorkBuffer::kDqhat, "dqhat", {rows, HV, K}, f32});
     b.push_back({WorkBuffer::kDkhat, "dkhat", {rows, HV, K}, f32});
   }
+  // the GVA chain's flags (KdaBwdParams::gva_flags), one per (chunk of the pass, q/k head)
+  if (p.HV != p.H && chunked) b.push_back({WorkBuffer::kGvaFlags, "gva_flags", {C, p.H}, f32, true});
   if (p.opt.gate_mode != GateMode::kPrecomputed) {
     b.push_back({WorkBuffer::kPbias, "pbias", {Cfull, HV, K}, f32});
     b.push_back({WorkBuffer::kPA, "pA", {Cfull, HV}, f32});

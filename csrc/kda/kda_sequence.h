@@ -73,6 +73,7 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
 // the group sums.
 template <typename Stages>
 void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
+  if (p.gva_flags) s.gva_clear(p);  // the grads kernel's GVA chain counts up from zero in every pass
   if (!p.saved_workspace) {
     if (p.saved_factors) s.prep(p);
     else s.intra(p);

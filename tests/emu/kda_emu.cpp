@@ -129,6 +129,8 @@ struct KdaEmuArgs {
   void* o_id;             // their outputs [B, T, HV, id_cols], with id_cols
   int32_t* dh_ready;      // backward: the streamed backward's counters (kda_problem.h's bwd_stream_ints,
                           // zeroed here), or null; needs saved_states, as kda_bwd_streams
+  int32_t* gva_flags;     // backward, GVA: the grads kernel's chain flags (KdaBwdParams::gva_flags, zeroed
+                          // here before each grads stage), or null: kda_bwd_group_sum sums the group
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }
@@ -199,6 +201,7 @@ kda::KdaBwdParams make_params(const KdaEmuArgs& a) {
   p.chunk_ready = a.chunk_ready;
   p.scan_save = a.scan_save;
   p.dh_ready = a.dh_ready;
+  p.gva_flags = a.gva_flags;
   p.B = static_cast<int>(a.B);
   p.T = static_cast<int>(a.T);
   p.H = static_cast<int>(a.H);
@@ -412,6 +415,7 @@ struct EmuStages {
       throw std::runtime_error("streamed backward: a grads kernel's done counter is not its CTA count");
   }
   void group_sums(const kda::KdaBwdParams& p) { ::group_sums<WT>(p); }
+  void gva_clear(const kda::KdaBwdParams& p) { std::fill(p.gva_flags, p.gva_flags + kda::gva_flag_count(p), 0); }
   void gate_params(const kda::KdaBwdParams& p) { ::gate_params<WT>(p); }
 };
 

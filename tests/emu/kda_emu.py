@@ -45,7 +45,7 @@ class KdaEmuArgs(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in _PTRS] + [(n, ctypes.c_int64) for n in _INTS] +
                 [("split_chunks", ctypes.c_int64), ("split_map", ctypes.c_void_p), ("split_state", ctypes.c_void_p),
                  ("fwd_chunk", ctypes.c_int64), ("chain_cols", ctypes.c_int64), ("id_cols", ctypes.c_int64),
-                 ("o_id", ctypes.c_void_p), ("dh_ready", ctypes.c_void_p)])
+                 ("o_id", ctypes.c_void_p), ("dh_ready", ctypes.c_void_p), ("gva_flags", ctypes.c_void_p)])
 
 
 def lib():
@@ -523,7 +523,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, A_log=None,
                     dt_bias=None, bv=None, misalign=False, saved=None, slice_b=0, pair_scans=0, balance=-1,
                     recurrent=False, states=None, workspace=None, split_chunks=0, chain_cols=0,
-                    streamed=False, **_ignored):
+                    streamed=False, gva_chain=True, **_ignored):
     """(grads, st) as kernel_fun.kda._kernel.backward_stages, on the emulator: grads = {dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0} (None where not applicable), st = {dA, dL, and the workspace}.
     saved: the forward's (Aqk, Akk, M) (from forward_stages' ws): kda_bwd_prep instead of the intra.
@@ -540,7 +540,10 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     on the GPU kda_bwd_grads runs beside the dh scan): st["dh_ready"] holds the counters after it.
     split_chunks=L > 0: the split scans (the re-scan and the dh scan in pieces of L chunks), whatever
     the launch policy says; st["split_map"], st["split_state"], st["split_layout"] and chain_cols as
-    forward_stages'."""
+    forward_stages'.
+    gva_chain (GVA): the grads kernel sums dq^ / dk^ over each group along a chain of its CTAs
+    (KdaBwdParams::gva_flags; st["gva_flags"] holds the flags after it); False: kda_bwd_group_sum
+    does (KERNEL_FUN_KDA_GVA_CHAIN=0 on the GPU)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -572,6 +575,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     if streamed:  # kda_problem.h's bwd_stream_ints: a counter per (sequence, value head, 64 columns), 2 done
         ws["dh_ready"] = gz.alloc("dh_ready", (B * HV * (V // 64) + 2,), torch.int32, fill=-1)
         a.dh_ready = _ptr(ws["dh_ready"])
+    if gva_chain and HV != H and not recurrent:  # kda_problem.h's gva_flag_count (max_chunks covers a slice's)
+        ws["gva_flags"] = gz.alloc("gva_flags", (f["max_chunks"], H), torch.int32, fill=-1)
+        a.gva_flags = _ptr(ws["gva_flags"])
     L = lib()
     _split_buffers(a, gz, ws, split_chunks, chain_cols)
     if L.kda_emu_backward(ctypes.byref(a)):

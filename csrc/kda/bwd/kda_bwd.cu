@@ -72,6 +72,10 @@ void kda_bwd_grads(const KdaBwdParams& p_in, cudaStream_t stream) {
   });
 }
 
+void kda_bwd_gva_clear(const KdaBwdParams& p, cudaStream_t stream) {
+  KF_CUDA_CHECK(cudaMemsetAsync(p.gva_flags, 0, sizeof(int) * static_cast<size_t>(gva_flag_count(p)), stream));
+}
+
 void kda_bwd_gate_params(const KdaBwdParams& p, cudaStream_t stream) {
   for_each_gate_params_pass(p, [&](auto kern, const LaunchShape& s) { dev::launch(kern, s, p, stream); });
 }
@@ -100,6 +104,8 @@ bool kda_bwd_streams(const KdaBwdParams& p) {
 bool kda_backward(const KdaBwdParams& p_in, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
   KdaBwdParams p = p_in;
+  // KERNEL_FUN_KDA_GVA_CHAIN=0 (A/B timing): GVA's dq^ / dk^ summed by kda_bwd_group_sum instead
+  if (env_int("KERNEL_FUN_KDA_GVA_CHAIN", 1) == 0) p.gva_flags = nullptr;
   if (kda_bwd_streams(p)) {
     p.dh_bv = kda_bwd_dh_scan_bv(p);  // the counters' slices, the dh scan's width
     p.dbg_clock = nullptr;  // the phase clocks index a 2-D grid (dev::cta_clock_row); the streamed one is 3-D

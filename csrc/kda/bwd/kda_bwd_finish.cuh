@@ -179,11 +179,12 @@ void for_each_gate_params_pass(const KdaBwdParams& p, Launch&& launch) {
   launch(kda_bwd_gate_segments_kernel, gate_segments_launch(p));
   launch(kda_bwd_gate_params_kernel, gate_params_launch(p));
 }
-// group_sum: per batch slice, where dq^ / dk^ went to the workspace (GVA, HV != H; and every call of
-// the token recurrence), one warp per (token, q/k head) item.
+// group_sum: per batch slice, where dq^ / dk^ went to the workspace (GVA, HV != H, without the
+// grads kernel's chain, KdaBwdParams::gva_flags; and every call of the token recurrence), one warp per
+// (token, q/k head) item.
 inline LaunchShape group_sum_launch(const KdaBwdParams& p) {
   constexpr int kItemsPerCta = kGroupSumThreads / 32;
-  const int64_t items = p.dqhat ? static_cast<int64_t>(p.B) * p.T * p.H : 0;
+  const int64_t items = p.dqhat && !p.gva_flags ? static_cast<int64_t>(p.B) * p.T * p.H : 0;
   return {dim3(static_cast<unsigned>((items + kItemsPerCta - 1) / kItemsPerCta)), kGroupSumThreads, 0};
 }
 

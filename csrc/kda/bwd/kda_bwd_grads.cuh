@@ -1186,10 +1186,132 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 }
 
 // ---------------------------------------------------------------- F
+// F's last steps for row r, lane s (8 lanes per row, 4 columns each per 32). grads_hat_dot: the
+// normalised q^ / k^ of the row's columns 4 s + 32 m (qh, kh) and their dots with dx^ (xq, xk: dq^ /
+// dk^ of the q / k head, this CTA's own or its group's sum). grads_store_dqdk: dq / dk through the l2norm
+// backward x' = r (dx^ - x^ (x^ . dx^)) where the forward normalised, stored in the input dtype. Rows
+// past the sequence's end compute on stale values (every lane takes part in the row dots' shuffles)
+// and store nothing.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_hat_dot(const GradsCtx<WT, K>& c, int r, int s, int m, float rq, float rk,
+                                              const float (&xq)[4],
+                                              const float (&xk)[4], float (&qh)[4], float (&kh)[4], float& dq_dot,
+                                              float& dk_dot) {
+  using S = GradsSmem<WT, K>;
+  using E = dev::Elem<WT>;
+  const int cc = 4 * s + 32 * m;
+  const uint2 uq = *reinterpret_cast<const uint2*>(c.sQ() + r * S::KQ + cc);
+  const uint2 uk = *reinterpret_cast<const uint2*>(c.sK() + r * S::KQ + cc);
+  const float2 q01 = E::to_float2(uq.x), q23 = E::to_float2(uq.y);
+  const float2 k01 = E::to_float2(uk.x), k23 = E::to_float2(uk.y);
+  qh[0] = q01.x * rq; qh[1] = q01.y * rq; qh[2] = q23.x * rq; qh[3] = q23.y * rq;
+  kh[0] = k01.x * rk; kh[1] = k01.y * rk; kh[2] = k23.x * rk; kh[3] = k23.y * rk;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    dq_dot = fmaf(qh[e], xq[e], dq_dot);
+    dk_dot = fmaf(kh[e], xk[e], dk_dot);
+  }
+}
+template <typename WT, int K>
+__device__ __forceinline__ void grads_store_dqdk(const GradsCtx<WT, K>& c, const float (&xq)[K / 32][4],
+                                                 const float (&xk)[K / 32][4], const float (&qh)[K / 32][4],
+                                                 const float (&kh)[K / 32][4], float rq, float rk, float dq_dot,
+                                                 float dk_dot, int r, int s) {
+  using E = dev::Elem<WT>;
+  constexpr int NM = K / 32;
+  const KdaBwdParams& p = c.p;
+  // the row's 8 lanes are adjacent and 8-aligned in the warp: xor 1, 2, 4 stays inside the row
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) {
+    dq_dot += __shfl_xor_sync(0xffffffffu, dq_dot, o);
+    dk_dot += __shfl_xor_sync(0xffffffffu, dk_dot, o);
+  }
+  const int64_t off = ((c.tok0 + r) * p.H + c.h) * K + 4 * s;
+#pragma unroll
+  for (int m = 0; m < NM && r < c.len; ++m) {
+    float oq[4], ok[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      oq[e] = p.opt.l2norm ? rq * (xq[m][e] - qh[m][e] * dq_dot) : xq[m][e];
+      ok[e] = p.opt.l2norm ? rk * (xk[m][e] - kh[m][e] * dk_dot) : xk[m][e];
+    }
+    dev::stg8(reinterpret_cast<WT*>(p.dq) + off + 32 * m, make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3])));
+    dev::stg8(reinterpret_cast<WT*>(p.dk) + off + 32 * m, make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3])));
+  }
+}
+
+// GVA (HV = G H) inside the grads kernel: the G CTAs of one chunk whose value heads share a q / k head
+// sum their dq^ / dk^ (xq, xk; row r of this thread) along a chain in head order, through the
+// workspace rows dqhat / dkhat and one flag per (chunk, q / k head) (p.gva_flags, zero before the
+// launch). Head rg > 0 of the group waits until the flag counts rg (head rg - 1 stored the running sum
+// of heads 0 .. rg - 1), adds it to its own; every head but the last stores its running sum and
+// counts the flag up; the last one returns true: it holds the group's sum and finishes dq / dk (the
+// flags are zeroed before every pass: kda_sequence.h's backward_pass_sequence). The adds are ((x_0 + x_1) + x_2) ..., the order kda_bwd_group_sum adds the workspace rows
+// in, so the sums are bit for bit the same. The wait has no timeout: head rg - 1's CTA is earlier in
+// grid order in both grids (chunk fastest, then value head; the streamed grid's rows hold every head
+// of a chunk in head order), so the hardware handed it to an SM before this one, and it waits for
+// nothing later than itself. A compile-time variant (kda_bwd_grads_kernel's kGva): with the chain
+// behind a runtime branch every grads kernel grew by ~200 instructions and ptxas moved its spills
+// (the GVA training call gained 3.1% in one build, but only ~1.4% against the unbranched kernels;
+// docs/notes/2026-12-06-tri-skip-and-suites.md).
+template <typename WT, int K>
+__device__ __forceinline__ bool grads_gva_chain(const GradsCtx<WT, K>& c, float (&xq)[K / 32][4], float (&xk)[K / 32][4],
+                                                int64_t hat, int r) {
+  constexpr int NM = K / 32;
+  const KdaBwdParams& p = c.p;
+  const int G = c.HV / p.H, rg = c.hv - c.h * G;  // rg: this value head's place in its group
+  int* flag = p.gva_flags + static_cast<int64_t>(c.gchunk) * p.H + c.h;
+  if (rg > 0) {
+    if (c.tid == 0) dev::wait_earlier_cta(flag, rg);
+    __syncthreads();  // carries thread 0's acquire to every thread's loads below
+#pragma unroll
+    for (int m = 0; m < NM && r < c.len; ++m) {
+      const float4 a = dev::ldg_cg16(p.dqhat + hat - K + 32 * m);  // head rg - 1's row: K floats earlier
+      const float4 b = dev::ldg_cg16(p.dkhat + hat - K + 32 * m);
+      xq[m][0] = a.x + xq[m][0]; xq[m][1] = a.y + xq[m][1]; xq[m][2] = a.z + xq[m][2]; xq[m][3] = a.w + xq[m][3];
+      xk[m][0] = b.x + xk[m][0]; xk[m][1] = b.y + xk[m][1]; xk[m][2] = b.z + xk[m][2]; xk[m][3] = b.w + xk[m][3];
+    }
+  }
+  if (rg == G - 1) return true;
+#pragma unroll
+  for (int m = 0; m < NM && r < c.len; ++m) {
+    dev::stg16(p.dqhat + hat + 32 * m, xq[m][0], xq[m][1], xq[m][2], xq[m][3]);
+    dev::stg16(p.dkhat + hat + 32 * m, xk[m][0], xk[m][1], xk[m][2], xk[m][3]);
+  }
+  __threadfence();  // every thread's stores visible at GPU scope before the release below
+  __syncthreads();
+  if (c.tid == 0) dev::store_release(flag, rg + 1);
+  return false;
+}
+
+// kGva's dq / dk (grads_finish): this head's dq^ / dk^ rows from X (Xq, Xk in shared memory), the chain
+// over the group (grads_gva_chain), and in the group's last head dq / dk from the group's sum.
+template <typename WT, int K>
+__device__ __forceinline__ void grads_dqdk_gva(const GradsCtx<WT, K>& c, const float* Xq, const float* Xk) {
+  using Ctx = GradsCtx<WT, K>;
+  constexpr int NM = K / 32;
+  const int r = c.tid >> 3, s = c.tid & 7;
+  float xq[NM][4], xk[NM][4], qh[NM][4], kh[NM][4];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {
+    const int cc = 4 * s + 32 * m;
+    const float4 a = *reinterpret_cast<const float4*>(Xq + Ctx::xs(r, cc));
+    const float4 b = *reinterpret_cast<const float4*>(Xk + Ctx::xs(r, cc));
+    xq[m][0] = a.x; xq[m][1] = a.y; xq[m][2] = a.z; xq[m][3] = a.w;
+    xk[m][0] = b.x; xk[m][1] = b.y; xk[m][2] = b.z; xk[m][3] = b.w;
+  }
+  if (!grads_gva_chain(c, xq, xk, ((c.tok0 + r) * c.HV + c.hv) * K + 4 * s, r)) return;
+  const float rq = c.sRq()[r], rk = c.sRk()[r];
+  float dq_dot = 0.f, dk_dot = 0.f;
+#pragma unroll
+  for (int m = 0; m < NM; ++m) grads_hat_dot(c, r, s, m, rq, rk, xq[m], xk[m], qh[m], kh[m], dq_dot, dk_dot);
+  grads_store_dqdk(c, xq, xk, qh, kh, rq, rk, dq_dot, dk_dot, r, s);
+}
+
 // dG at the last valid row, the reverse cumsum of dg^ (one thread per (column, block), the later
 // blocks' sums as its carry), the gate backward elementwise (8 columns per item, 16-byte loads of
 // g), dbeta, and dq / dk (l2norm backward, or dq^ / dk^ per value head with GVA).
-template <typename WT, int K>
+template <typename WT, int K, bool kGva>
 __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   using S = GradsSmem<WT, K>;
   using Ctx = GradsCtx<WT, K>;
@@ -1331,6 +1453,10 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       store_any(p.dbeta, p.beta_dtype, bi, db);
     }
   }
+  if constexpr (kGva) {
+    grads_dqdk_gva(c, Xq, Xk);  // the group's sum along the chain, then dq / dk in its last head
+    return;
+  }
   // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (l2norm; dx' = dx^ without), or dq^ / dk^ per value head
   // to the workspace (GVA: kda_bwd_finish sums the group first). One pass, one item per thread:
   // 8 lanes per row, lane s holding columns 4 s + 32 m (m < K / 32) in registers, so the row dots
@@ -1372,26 +1498,7 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
         dev::stg16(p.dkhat + off + 32 * m, xk[m][0], xk[m][1], xk[m][2], xk[m][3]);
       }
     } else {
-      // the row's 8 lanes are adjacent and 8-aligned in the warp: xor 1, 2, 4 stays inside the row
-#pragma unroll
-      for (int o = 1; o < 8; o <<= 1) {
-        dq_dot += __shfl_xor_sync(0xffffffffu, dq_dot, o);
-        dk_dot += __shfl_xor_sync(0xffffffffu, dk_dot, o);
-      }
-      const int64_t off = ((tok0 + r) * p.H + c.h) * K + 4 * s;
-#pragma unroll
-      for (int m = 0; m < NM && r < len; ++m) {
-        float oq[4], ok[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          oq[e] = p.opt.l2norm ? rq * (xq[m][e] - qh[m][e] * dq_dot) : xq[m][e];
-          ok[e] = p.opt.l2norm ? rk * (xk[m][e] - kh[m][e] * dk_dot) : xk[m][e];
-        }
-        dev::stg8(reinterpret_cast<WT*>(p.dq) + off + 32 * m,
-                  make_uint2(E::pack2(oq[0], oq[1]), E::pack2(oq[2], oq[3])));
-        dev::stg8(reinterpret_cast<WT*>(p.dk) + off + 32 * m,
-                  make_uint2(E::pack2(ok[0], ok[1]), E::pack2(ok[2], ok[3])));
-      }
+      grads_store_dqdk(c, xq, xk, qh, kh, rq, rk, dq_dot, dk_dot, r, s);
     }
   }
 }
@@ -1497,7 +1604,7 @@ enum GradsLo { kLoNever, kLoLast, kLoAlways };
 
 // One CTA: chunk ci of sequence n, value head blockIdx.y. kStreamed: the streamed backward's
 // (p.dh_ready), which waits for the dh scan's checkpoint.
-template <typename WT, int K, bool kMid, GradsLo kLo, bool kStreamed>
+template <typename WT, int K, bool kMid, GradsLo kLo, bool kStreamed, bool kGva>
 __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int n, int ci, const dev::SeqInfo& seq) {
   using S = GradsSmem<WT, K>;
   constexpr int NTH = kGradsThreads, NTK = K / 32;
@@ -1576,7 +1683,7 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
   __syncthreads();
 
   // F
-  grads_finish(c);
+  grads_finish<WT, K, kGva>(c);
   KF_GRADS_PHASE(8);
 }
 
@@ -1597,7 +1704,10 @@ __device__ __forceinline__ void grads_cta(const KdaBwdParams& p, char* smem, int
 // previous kernel (grads_stream_end). Its own instantiation, not a runtime branch: with the branch the
 // plain kernels spilled more (bf16 K = 128: 32 / 52 -> 52 / 68 bytes unbounded, 12 / 20 -> 32 / 32
 // bounded, reloads inside the V loop among them) and grew by ~330 instructions.
-template <typename WT, int K, bool kMid, bool kStreamed>
+//
+// kGva: GVA's group sum along a chain of this grid's CTAs (grads_gva_chain; p.gva_flags set), its own
+// instantiation for the same reason: behind a runtime branch it grew every grads kernel.
+template <typename WT, int K, bool kMid, bool kStreamed, bool kGva>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const KdaBwdParams p) {
   KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
   const GradsCell cell = grads_cell<kStreamed>(p);
@@ -1624,11 +1734,11 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
   const dev::SeqInfo seq = dev::seq_info(p, n);
   char* smem = reinterpret_cast<char*>(smem_grads);
   if constexpr (!std::is_same_v<WT, __nv_bfloat16>) {  // fp16 keeps 8x more of each value: no low halves
-    grads_cta<WT, K, kMid, kLoNever, kStreamed>(p, smem, n, ci, seq);
+    grads_cta<WT, K, kMid, kLoNever, kStreamed, kGva>(p, smem, n, ci, seq);
   } else if constexpr (kMid) {
-    grads_cta<WT, K, kMid, kLoLast, kStreamed>(p, smem, n, ci, seq);
+    grads_cta<WT, K, kMid, kLoLast, kStreamed, kGva>(p, smem, n, ci, seq);
   } else {
-    grads_cta<WT, K, kMid, kLoNever, kStreamed>(p, smem, n, ci, seq);
+    grads_cta<WT, K, kMid, kLoNever, kStreamed, kGva>(p, smem, n, ci, seq);
   }
   finish();
 }
@@ -1636,7 +1746,7 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_kernel(const K
 // The last chunk of sequence blockIdx.x (unbounded gates, bf16, with dht), value head blockIdx.y.
 // kStreamed: beside the dh scan too (its chunks are the first the dh scan stores); its last CTA in grid
 // order waits for the dh scan (grads_stream_end).
-template <typename WT, int K, bool kStreamed>
+template <typename WT, int K, bool kStreamed, bool kGva>
 __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(const KdaBwdParams p) {
   dev::launch_dependents();  // the main kernel never reads what this one writes
   KF_DYN_SMEM_1024(float4, smem_grads);  // 1024-aligned: the swizzled V-phase tiles
@@ -1647,16 +1757,22 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(co
     if constexpr (kStreamed) grads_stream_end(p, 0);
     return;
   }
-  grads_cta<WT, K, false, kLoAlways, kStreamed>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk, seq);
+  grads_cta<WT, K, false, kLoAlways, kStreamed, kGva>(p, reinterpret_cast<char*>(smem_grads), n, (seq.len - 1) / kChunk, seq);
   if constexpr (kStreamed) grads_stream_end(p, 0);
 }
 
-// The kernel a problem runs (the launcher's and the emulator's one choice).
+// The kernel a problem runs (the launcher's and the emulator's one choice): kGva where the GVA chain
+// sums the group (p.gva_flags set).
+template <typename WT, int K, bool kGva>
+auto grads_kernel_pick(const KdaBwdParams& p) {
+  const bool mid = dev::block_midpoint_ok(p.opt);
+  if (p.dh_ready)
+    return mid ? kda_bwd_grads_kernel<WT, K, true, true, kGva> : kda_bwd_grads_kernel<WT, K, false, true, kGva>;
+  return mid ? kda_bwd_grads_kernel<WT, K, true, false, kGva> : kda_bwd_grads_kernel<WT, K, false, false, kGva>;
+}
 template <typename WT, int K>
 auto grads_kernel_for(const KdaBwdParams& p) {
-  const bool mid = dev::block_midpoint_ok(p.opt);
-  if (p.dh_ready) return mid ? kda_bwd_grads_kernel<WT, K, true, true> : kda_bwd_grads_kernel<WT, K, false, true>;
-  return mid ? kda_bwd_grads_kernel<WT, K, true, false> : kda_bwd_grads_kernel<WT, K, false, false>;
+  return p.gva_flags ? grads_kernel_pick<WT, K, true>(p) : grads_kernel_pick<WT, K, false>(p);
 }
 
 // The launch (kda_launch_shape.h): one CTA of kGradsThreads per (chunk, value head).
@@ -1681,12 +1797,11 @@ void for_each_grads_launch(const KdaBwdParams& p, F&& f) {
   if constexpr (std::is_same_v<WT, __nv_bfloat16>) {
     if (!dev::block_midpoint_ok(p.opt) && p.dht != nullptr) {
       LaunchShape last{dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV)), kGradsThreads, shape.smem};
-      if (p.dh_ready) {  // beside the dh scan in the streamed backward
-        last.overlap_previous = true;
-        f(kda_bwd_grads_last_kernel<WT, K, true>, last);
-      } else {
-        f(kda_bwd_grads_last_kernel<WT, K, false>, last);
-      }
+      if (p.dh_ready) last.overlap_previous = true;  // beside the dh scan in the streamed backward
+      const bool streamed = p.dh_ready != nullptr, gva = p.gva_flags != nullptr;
+      f(streamed ? (gva ? kda_bwd_grads_last_kernel<WT, K, true, true> : kda_bwd_grads_last_kernel<WT, K, true, false>)
+                 : (gva ? kda_bwd_grads_last_kernel<WT, K, false, true> : kda_bwd_grads_last_kernel<WT, K, false, false>),
+        last);
       shape.overlap_previous = true;
     }
   }

@@ -152,6 +152,21 @@ __device__ __forceinline__ void stg16(void* p, const uint4& v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 #endif
 }
+// One 16-byte global load through L2 only (ld.global.cg): for data another CTA of the same grid
+// wrote and released after this kernel started (an L1 line of it would be stale). "memory" clobber:
+// it must stay after the acquire that orders it.
+__device__ __forceinline__ float4 ldg_cg16(const float* p) {
+#ifdef KF_EMU
+  return *reinterpret_cast<const float4*>(p);
+#else
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+#endif
+}
 // One 8-byte global store (the same splitting: two 4-byte stores). p must be 8-byte aligned.
 __device__ __forceinline__ void stg8(void* p, const uint2& v) {
 #ifdef KF_EMU

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#ifdef KF_EMU
+#include <thread>
+#endif
 
 #include "kda/device/primitives.cuh"
 #include "kda/kda_launch_shape.h"
@@ -217,6 +220,21 @@ __device__ __forceinline__ bool wait_at_least(const int* p, int need, long long 
 #endif
 }
 __device__ __forceinline__ bool wait_chunk_ready(const int* flag) { return wait_at_least(flag, 1, kStreamWaitNs, 100); }
+
+// A wait on another CTA of the SAME grid (thread 0), one that comes earlier in the grid's order and so
+// was handed out to an SM before this one (the hardware hands out CTAs in grid order, which the
+// streamed kernels rely on too): it always runs to its release, whatever this CTA does, so the wait
+// has no timeout. In the host emulator the blocks start in grid order, one at a time per worker, so
+// the earlier block has started too; it may still be running on another worker: spin, yielding.
+__device__ __forceinline__ void wait_earlier_cta(const int* p, int need) {
+  while (load_acquire(p) < need) {
+#ifdef KF_EMU
+    std::this_thread::yield();
+#else
+    __nanosleep(200);
+#endif
+  }
+}
 
 // The scan side, one chunk ahead (thread 0): a 16-byte cp.async.cg of the aligned group of four
 // flags that holds chunk cc's, into `slot`, issued while the chunk before cc computes, so that when

@@ -307,7 +307,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     ddt_bias flat fp32 for the prepared A_log / dt_bias); st = {dA: scale * dAqk (i >= j), dL:
     -(M^T dM M^T) (i > j), both [B*T, HV, 64] fp32; h_ckpt, dh_ckpt: [max_chunks, HV, V, K], the state
     before chunk c and the state gradient dh_{c+1} chunk c reads; M, and the recomputed forward
-    workspace; with profile also clock: kda_bwd_grads' clock64() at its phase boundaries, [CTAs, 16]}.
+    workspace (with GVA dqhat / dkhat, where value head r of a group holds the running sum of dq^ / dk^
+    over the group's heads 0 .. r and the last head's rows are unwritten, and gva_flags: the grads
+    kernel's chain, kda_bwd_grads.cuh's grads_gva_chain); with profile also clock: kda_bwd_grads' clock64() at its phase boundaries, [CTAs, 16]}.
     pbias / pA (the per-chunk gate partials) come back as the gate-parameter passes leave them: rows
     0, 64, 128, ... hold the sums of their 64-chunk segments (kda_bwd_finish.cuh works in place).
     saved: the forward's (Aqk, Akk, M) (kda_bwd_prep rebuilds the rest), or None (the forward intra
@@ -324,7 +326,7 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     st = dict(dA=dA, dL=dL)
     ws = out[10:]
     base = [n for n in _BWD_WS if saved is None or n not in ("Aqk", "Akk", "M")]
-    names = base + (["dqhat", "dkhat"] if v.shape[2] != q.shape[2] else []) + \
+    names = base + (["dqhat", "dkhat", "gva_flags"] if v.shape[2] != q.shape[2] else []) + \
         (["pbias", "pA"] if opts.gate != "precomputed" else []) + ["split_map", "split_state"]
     if profile:
         st["clock"] = ws[-1].view(-1, 16)
