@@ -1193,6 +1193,15 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 // past the sequence's end compute on stale values (every lane takes part in the row dots' shuffles)
 // and store nothing.
 template <typename WT, int K>
+__device__ __forceinline__ void grads_load_x(const float* Xq, const float* Xk, int r, int s, int m, float (&xq)[4],
+                                             float (&xk)[4]) {
+  const int cc = 4 * s + 32 * m;
+  const float4 a = *reinterpret_cast<const float4*>(Xq + GradsCtx<WT, K>::xs(r, cc));
+  const float4 b = *reinterpret_cast<const float4*>(Xk + GradsCtx<WT, K>::xs(r, cc));
+  xq[0] = a.x; xq[1] = a.y; xq[2] = a.z; xq[3] = a.w;
+  xk[0] = b.x; xk[1] = b.y; xk[2] = b.z; xk[3] = b.w;
+}
+template <typename WT, int K>
 __device__ __forceinline__ void grads_hat_dot(const GradsCtx<WT, K>& c, int r, int s, int m, float rq, float rk,
                                               const float (&xq)[4],
                                               const float (&xk)[4], float (&qh)[4], float (&kh)[4], float& dq_dot,
@@ -1288,18 +1297,11 @@ __device__ __forceinline__ bool grads_gva_chain(const GradsCtx<WT, K>& c, float 
 // over the group (grads_gva_chain), and in the group's last head dq / dk from the group's sum.
 template <typename WT, int K>
 __device__ __forceinline__ void grads_dqdk_gva(const GradsCtx<WT, K>& c, const float* Xq, const float* Xk) {
-  using Ctx = GradsCtx<WT, K>;
   constexpr int NM = K / 32;
   const int r = c.tid >> 3, s = c.tid & 7;
   float xq[NM][4], xk[NM][4], qh[NM][4], kh[NM][4];
 #pragma unroll
-  for (int m = 0; m < NM; ++m) {
-    const int cc = 4 * s + 32 * m;
-    const float4 a = *reinterpret_cast<const float4*>(Xq + Ctx::xs(r, cc));
-    const float4 b = *reinterpret_cast<const float4*>(Xk + Ctx::xs(r, cc));
-    xq[m][0] = a.x; xq[m][1] = a.y; xq[m][2] = a.z; xq[m][3] = a.w;
-    xk[m][0] = b.x; xk[m][1] = b.y; xk[m][2] = b.z; xk[m][3] = b.w;
-  }
+  for (int m = 0; m < NM; ++m) grads_load_x<WT, K>(Xq, Xk, r, s, m, xq[m], xk[m]);
   if (!grads_gva_chain(c, xq, xk, ((c.tok0 + r) * c.HV + c.hv) * K + 4 * s, r)) return;
   const float rq = c.sRq()[r], rk = c.sRk()[r];
   float dq_dot = 0.f, dk_dot = 0.f;
@@ -1453,16 +1455,16 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
       store_any(p.dbeta, p.beta_dtype, bi, db);
     }
   }
+  // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (l2norm; dx' = dx^ without). With GVA dx^ is the sum over
+  // the q / k head's group: kGva sums it along a chain of this chunk's CTAs (grads_dqdk_gva); without
+  // the chain (KERNEL_FUN_KDA_GVA_CHAIN=0) each value head's dq^ / dk^ goes to the workspace and
+  // kda_bwd_group_sum finishes. One pass, one item per thread: 8 lanes per row, lane s holding
+  // columns 4 s + 32 m (m < K / 32) in registers, so the row dots are a 3-step shuffle and nothing
+  // goes back through smem. Each quarter-warp reads one row's 128 contiguous bytes of X per float4
+  // load (the XOR swizzle keeps them on distinct banks).
   if constexpr (kGva) {
     grads_dqdk_gva(c, Xq, Xk);  // the group's sum along the chain, then dq / dk in its last head
-    return;
-  }
-  // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (l2norm; dx' = dx^ without), or dq^ / dk^ per value head
-  // to the workspace (GVA: kda_bwd_finish sums the group first). One pass, one item per thread:
-  // 8 lanes per row, lane s holding columns 4 s + 32 m (m < K / 32) in registers, so the row dots
-  // are a 3-step shuffle and nothing goes back through smem. Each quarter-warp reads one row's 128
-  // contiguous bytes of X per float4 load (the XOR swizzle keeps them on distinct banks).
-  {
+  } else {
     constexpr int NM = K / 32;
     const int r = tid >> 3, s = tid & 7;
     static_assert(kChunk * 8 == NTH, "one (row, lane) item per thread");
@@ -1473,22 +1475,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
     float dq_dot = 0.f, dk_dot = 0.f;
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
-      const int cc = 4 * s + 32 * m;
-      const float4 a = *reinterpret_cast<const float4*>(Xq + Ctx::xs(r, cc));
-      const float4 b = *reinterpret_cast<const float4*>(Xk + Ctx::xs(r, cc));
-      xq[m][0] = a.x; xq[m][1] = a.y; xq[m][2] = a.z; xq[m][3] = a.w;
-      xk[m][0] = b.x; xk[m][1] = b.y; xk[m][2] = b.z; xk[m][3] = b.w;
-      const uint2 uq = *reinterpret_cast<const uint2*>(c.sQ() + r * S::KQ + cc);
-      const uint2 uk = *reinterpret_cast<const uint2*>(c.sK() + r * S::KQ + cc);
-      const float2 q01 = E::to_float2(uq.x), q23 = E::to_float2(uq.y);
-      const float2 k01 = E::to_float2(uk.x), k23 = E::to_float2(uk.y);
-      qh[m][0] = q01.x * rq; qh[m][1] = q01.y * rq; qh[m][2] = q23.x * rq; qh[m][3] = q23.y * rq;
-      kh[m][0] = k01.x * rk; kh[m][1] = k01.y * rk; kh[m][2] = k23.x * rk; kh[m][3] = k23.y * rk;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dq_dot = fmaf(qh[m][e], xq[m][e], dq_dot);
-        dk_dot = fmaf(kh[m][e], xk[m][e], dk_dot);
-      }
+      grads_load_x<WT, K>(Xq, Xk, r, s, m, xq[m], xk[m]);
+      grads_hat_dot(c, r, s, m, rq, rk, xq[m], xk[m], qh[m], kh[m], dq_dot, dk_dot);
     }
     if (gva) {
       const int64_t off = ((tok0 + r) * HV + hv) * K + 4 * s;
