@@ -130,7 +130,7 @@ struct KdaEmuArgs {
   int32_t* dh_ready;      // backward: the streamed backward's counters (kda_problem.h's bwd_stream_ints,
                           // zeroed here), or null; needs saved_states, as kda_bwd_streams
   int32_t* gva_flags;     // backward, GVA: the grads kernel's chain flags (KdaBwdParams::gva_flags, zeroed
-                          // here before each grads stage), or null: kda_bwd_group_sum sums the group
+                          // per pass by the gva_clear stage), or null: kda_bwd_group_sum sums the group
 };
 
 int kda_emu_args_size() { return static_cast<int>(sizeof(KdaEmuArgs)); }

@@ -1186,9 +1186,10 @@ __device__ __forceinline__ void grads_diag(const GradsCtx<WT, K>& c, float (&dqh
 }
 
 // ---------------------------------------------------------------- F
-// F's last steps for row r, lane s (8 lanes per row, 4 columns each per 32). grads_hat_dot: the
-// normalised q^ / k^ of the row's columns 4 s + 32 m (qh, kh) and their dots with dx^ (xq, xk: dq^ /
-// dk^ of the q / k head, this CTA's own or its group's sum). grads_store_dqdk: dq / dk through the l2norm
+// F's last steps for row r, lane s (8 lanes per row, 4 columns each per 32). grads_load_x: this
+// head's dq^ / dk^ of the columns 4 s + 32 m from X (Xq, Xk in shared memory). grads_hat_dot: the
+// normalised q^ / k^ of those columns (qh, kh) and their dots with dx^ (xq, xk: dq^ / dk^ of the
+// q / k head, this CTA's own or its group's sum). grads_store_dqdk: dq / dk through the l2norm
 // backward x' = r (dx^ - x^ (x^ . dx^)) where the forward normalised, stored in the input dtype. Rows
 // past the sequence's end compute on stale values (every lane takes part in the row dots' shuffles)
 // and store nothing.
@@ -1203,9 +1204,8 @@ __device__ __forceinline__ void grads_load_x(const float* Xq, const float* Xk, i
 }
 template <typename WT, int K>
 __device__ __forceinline__ void grads_hat_dot(const GradsCtx<WT, K>& c, int r, int s, int m, float rq, float rk,
-                                              const float (&xq)[4],
-                                              const float (&xk)[4], float (&qh)[4], float (&kh)[4], float& dq_dot,
-                                              float& dk_dot) {
+                                              const float (&xq)[4], const float (&xk)[4], float (&qh)[4],
+                                              float (&kh)[4], float& dq_dot, float& dk_dot) {
   using S = GradsSmem<WT, K>;
   using E = dev::Elem<WT>;
   const int cc = 4 * s + 32 * m;
@@ -1250,13 +1250,14 @@ __device__ __forceinline__ void grads_store_dqdk(const GradsCtx<WT, K>& c, const
 }
 
 // GVA (HV = G H) inside the grads kernel: the G CTAs of one chunk whose value heads share a q / k head
-// sum their dq^ / dk^ (xq, xk; row r of this thread) along a chain in head order, through the
-// workspace rows dqhat / dkhat and one flag per (chunk, q / k head) (p.gva_flags, zero before the
-// launch). Head rg > 0 of the group waits until the flag counts rg (head rg - 1 stored the running sum
-// of heads 0 .. rg - 1), adds it to its own; every head but the last stores its running sum and
-// counts the flag up; the last one returns true: it holds the group's sum and finishes dq / dk (the
-// flags are zeroed before every pass: kda_sequence.h's backward_pass_sequence). The adds are ((x_0 + x_1) + x_2) ..., the order kda_bwd_group_sum adds the workspace rows
-// in, so the sums are bit for bit the same. The wait has no timeout: head rg - 1's CTA is earlier in
+// sum their dq^ / dk^ (xq, xk; row r of this thread, `hat` its offset in dqhat / dkhat) along a chain
+// in head order, through the workspace rows dqhat / dkhat and one flag per (chunk, q / k head)
+// (p.gva_flags, zeroed before every pass: kda_sequence.h's backward_pass_sequence). Head rg > 0 of the
+// group waits until the flag counts rg (head rg - 1 stored the running sum of heads 0 .. rg - 1) and
+// adds that sum to its own; every head but the last stores its running sum and counts the flag up;
+// the last one returns true: it holds the group's sum and finishes dq / dk. The adds are
+// ((x_0 + x_1) + x_2) ..., the order kda_bwd_group_sum adds the workspace rows in, so the sums are
+// bit for bit the same. The wait has no timeout: head rg - 1's CTA is earlier in
 // grid order in both grids (chunk fastest, then value head; the streamed grid's rows hold every head
 // of a chunk in head order), so the hardware handed it to an SM before this one, and it waits for
 // nothing later than itself. A compile-time variant (kda_bwd_grads_kernel's kGva): with the chain
