@@ -14,4 +14,12 @@ struct TypeTag {
 template <int N>
 using IntTag = std::integral_constant<int, N>;
 
+// f(std::true_type{}) or f(std::false_type{}): a run-time flag as a kernel's compile-time variant
+// (f names it decltype(tag)::value); nested calls pick among the variants of several flags.
+template <typename F>
+decltype(auto) dispatch_bool(bool b, F&& f) {
+  if (b) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
 }  // namespace kernel_fun

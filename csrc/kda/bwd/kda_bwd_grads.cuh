@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/dispatch_tags.h"
 #include "kda/bwd/kda_bwd_launch.h"
 #include "kda/device/gate.cuh"
 #include "kda/device/primitives.cuh"
@@ -1750,20 +1751,6 @@ __global__ void __launch_bounds__(kGradsThreads, 1) kda_bwd_grads_last_kernel(co
   if constexpr (kStreamed) grads_stream_end(p, 0);
 }
 
-// The kernel a problem runs (the launcher's and the emulator's one choice): kGva where the GVA chain
-// sums the group (p.gva_flags set).
-template <typename WT, int K, bool kGva>
-auto grads_kernel_pick(const KdaBwdParams& p) {
-  const bool mid = dev::block_midpoint_ok(p.opt);
-  if (p.dh_ready)
-    return mid ? kda_bwd_grads_kernel<WT, K, true, true, kGva> : kda_bwd_grads_kernel<WT, K, false, true, kGva>;
-  return mid ? kda_bwd_grads_kernel<WT, K, true, false, kGva> : kda_bwd_grads_kernel<WT, K, false, false, kGva>;
-}
-template <typename WT, int K>
-auto grads_kernel_for(const KdaBwdParams& p) {
-  return p.gva_flags ? grads_kernel_pick<WT, K, true>(p) : grads_kernel_pick<WT, K, false>(p);
-}
-
 // The launch (kda_launch_shape.h): one CTA of kGradsThreads per (chunk, value head).
 // In the streamed backward (p.dh_ready set) the chunk rows are the grid's z (grads_cell) and the kernel
 // starts beside the dh scan (programmatic dependent launch: the dh scan's CTAs trigger it at their start).
@@ -1777,24 +1764,33 @@ inline LaunchShape grads_launch(const KdaBwdParams& p) {
   return s;
 }
 
-// Every launch of the stage, in order, as f(kernel, shape): the launcher's and the emulator's. With
-// unbounded gates, bf16 and dht, first the last chunks (one CTA per sequence and value head), then
-// the main kernel, allowed to start beside them.
+// Every launch of the stage, in order, as f(kernel, shape): the launcher's and the emulator's one
+// choice of kernels. With unbounded gates, bf16 and dht, first the last chunks (one CTA per sequence
+// and value head), then the main kernel, allowed to start beside them. The variants: kMid (bounded
+// gates, dev::block_midpoint_ok), kStreamed (p.dh_ready set), kGva (the GVA chain: p.gva_flags set).
 template <typename WT, int K, typename F>
 void for_each_grads_launch(const KdaBwdParams& p, F&& f) {
   LaunchShape shape = grads_launch<WT, K>(p);
+  const bool streamed = p.dh_ready != nullptr, gva = p.gva_flags != nullptr;
   if constexpr (std::is_same_v<WT, __nv_bfloat16>) {
     if (!dev::block_midpoint_ok(p.opt) && p.dht != nullptr) {
       LaunchShape last{dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV)), kGradsThreads, shape.smem};
-      if (p.dh_ready) last.overlap_previous = true;  // beside the dh scan in the streamed backward
-      const bool streamed = p.dh_ready != nullptr, gva = p.gva_flags != nullptr;
-      f(streamed ? (gva ? kda_bwd_grads_last_kernel<WT, K, true, true> : kda_bwd_grads_last_kernel<WT, K, true, false>)
-                 : (gva ? kda_bwd_grads_last_kernel<WT, K, false, true> : kda_bwd_grads_last_kernel<WT, K, false, false>),
-        last);
+      last.overlap_previous = streamed;  // beside the dh scan in the streamed backward
+      dispatch_bool(streamed, [&](auto st) {
+        dispatch_bool(gva, [&](auto gv) {
+          f(kda_bwd_grads_last_kernel<WT, K, decltype(st)::value, decltype(gv)::value>, last);
+        });
+      });
       shape.overlap_previous = true;
     }
   }
-  f(grads_kernel_for<WT, K>(p), shape);
+  dispatch_bool(dev::block_midpoint_ok(p.opt), [&](auto mid) {
+    dispatch_bool(streamed, [&](auto st) {
+      dispatch_bool(gva, [&](auto gv) {
+        f(kda_bwd_grads_kernel<WT, K, decltype(mid)::value, decltype(st)::value, decltype(gv)::value>, shape);
+      });
+    });
+  });
 }
 
 #ifndef KF_EMU

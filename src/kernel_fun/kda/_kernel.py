@@ -309,7 +309,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     before chunk c and the state gradient dh_{c+1} chunk c reads; M, and the recomputed forward
     workspace (with GVA dqhat / dkhat, where value head r of a group holds the running sum of dq^ / dk^
     over the group's heads 0 .. r and the last head's rows are unwritten, and gva_flags: the grads
-    kernel's chain, kda_bwd_grads.cuh's grads_gva_chain); with profile also clock: kda_bwd_grads' clock64() at its phase boundaries, [CTAs, 16]}.
+    kernel's chain, kda_bwd_grads.cuh's grads_gva_chain); with profile also clock: kda_bwd_grads'
+    clock64() at its phase boundaries, [CTAs, 16]}.
     pbias / pA (the per-chunk gate partials) come back as the gate-parameter passes leave them: rows
     0, 64, 128, ... hold the sums of their 64-chunk segments (kda_bwd_finish.cuh works in place).
     saved: the forward's (Aqk, Akk, M) (kda_bwd_prep rebuilds the rest), or None (the forward intra
