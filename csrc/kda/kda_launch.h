@@ -12,7 +12,7 @@
 //             kda_fwd_intra recomputes everything, + M) -> kda_fwd_scan (re-scan, states only)
 //             -> kda_bwd_dh_scan (or both scans in one launch: kda_bwd_scans) -> kda_bwd_grads
 //             (GVA: summing each group along a chain of its CTAs, its flags zeroed first by
-//             kda_bwd_gva_clear; with KERNEL_FUN_KDA_GVA_CHAIN=0 the group sums after it), per batch slice
+//             kda_bwd_gva_clear), per batch slice
 //             (bwd/kda_bwd_slice.h); then kda_bwd_gate_params (bwd/kda_bwd_finish.cuh)
 //   every sequence in one chunk (p.recurrent): kda_chunk_map -> kda_recur_fwd; backward
 //             kda_chunk_map -> kda_recur_bwd (the slices, then their shares' sum) -> group sums

@@ -208,8 +208,8 @@ struct KdaBwdParams : KdaFwdParams {
   void* dh_ckpt = nullptr;     // [max_chunks, HV, V, K] WT: dh_{c+1}, the state gradient chunk c reads
   int slice_B = 0;             // batches per backward slice (kda_bwd_slice.h; 0 or >= B: one pass),
                                // the size the per-slice workspace buffers were allocated for
-  float* dqhat = nullptr;      // [B*T, HV, K] fp32: d(normalised q) per value head (GVA), or null
-  float* dkhat = nullptr;      // [B*T, HV, K] fp32
+  float* dqhat = nullptr;      // GVA or the recurrence, else null, fp32: d(normalised q) per value head,
+  float* dkhat = nullptr;      //   [B*T, HV, K]; with gva_flags [B*T, HV - H, K] (gva_hat_row)
   float* pbias = nullptr;      // [max_chunks, HV, K] per-chunk sums of d(g + dt_bias), or null
   float* pA = nullptr;         // [max_chunks, HV] per-chunk sums of dgate * d(gate)/d(A_log), or null
   float* recur_state = nullptr;  // the recurrence's backward (p.recurrent): [N, HV, V / 32] x recur_slice_floats(K) fp32
@@ -234,9 +234,10 @@ struct KdaBwdParams : KdaFwdParams {
   // GVA (HV != H): one flag per (chunk, q/k head) [chunks of the pass, H], zeroed at the start of each
   // pass (kda_bwd_gva_clear): kda_bwd_grads sums dq^ / dk^ over the group along a chain of its CTAs (the
   // flag counts the value heads that have added theirs; grads_gva_chain), and kda_bwd_group_sum does
-  // not run; dqhat / dkhat then hold the running sums (the group's last head writes none). Null:
-  // every head's dq^ / dk^ goes to dqhat / dkhat and kda_bwd_group_sum finishes (the recurrence, or
-  // KERNEL_FUN_KDA_GVA_CHAIN=0).
+  // not run; dqhat / dkhat then hold the running sums of heads 0 .. G - 2 of each group (the last head
+  // writes none, so it has no rows: gva_hat_row). Null: every head's dq^ / dk^ goes to dqhat / dkhat
+  // ([B*T, HV, K]) and kda_bwd_group_sum finishes (the one-chunk recurrence, and the host emulator's
+  // reference for the chain).
   // (Last in the struct: the fields before it keep their parameter offsets, and the kernels without
   // the chain their SASS.)
   int* gva_flags = nullptr;
@@ -255,6 +256,14 @@ struct WorkBuffer {
   DType dtype;       // kFloat32 for fp32 buffers, the problem's dtype for 16-bit ones
   bool is_int = false;  // chunk_offsets (int32)
 };
+
+// The GVA chain's row of value head hv (not its group's last) at token row `tok` in dqhat / dkhat
+// ([rows, HV - H, K]: the G - 1 running sums of each q / k head's group, in head order; the group's
+// last head holds the whole sum in registers and stores none), in floats.
+__host__ __device__ inline int64_t gva_hat_row(int64_t tok, int H, int HV, int hv, int K) {
+  const int G = HV / H, h = hv / G;
+  return (tok * (HV - H) + hv - h) * K;  // hv - h = h (G - 1) + (hv - h G): slot rg of group h
+}
 
 // gva_flags' length for one backward pass (a batch slice's chunks, or all of them): a flag per (chunk,
 // q/k head).
@@ -419,9 +428,12 @@ inline std::vector<WorkBuffer> workspace(const KdaProblem& p, bool backward, boo
   } else {
     b.push_back({WorkBuffer::kRecurState, "recur_state", {p.N, HV, V / kRecurCols, recur_slice_floats(p.K)}, f32});
   }
+  // GVA's running sums along the grads kernel's chain (gva_hat_row: none for a group's last head), or
+  // the recurrence's dq^ / dk^ of every value head, which kda_bwd_group_sum finishes
   if (p.HV != p.H || !chunked) {
-    b.push_back({WorkBuffer::kDqhat, "dqhat", {rows, HV, K}, f32});
-    b.push_back({WorkBuffer::kDkhat, "dkhat", {rows, HV, K}, f32});
+    const int64_t heads = chunked ? HV - p.H : HV;
+    b.push_back({WorkBuffer::kDqhat, "dqhat", {rows, heads, K}, f32});
+    b.push_back({WorkBuffer::kDkhat, "dkhat", {rows, heads, K}, f32});
   }
   // the GVA chain's flags (KdaBwdParams::gva_flags), one per (chunk of the pass, q/k head)
   if (p.HV != p.H && chunked) b.push_back({WorkBuffer::kGvaFlags, "gva_flags", {C, p.H}, f32, true});

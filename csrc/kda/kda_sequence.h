@@ -70,8 +70,7 @@ void forward_sequence(const KdaFwdParams& p, Stages& s) {
 // One batch slice: rebuild the forward's workspace (unless the training forward kept its w, qg, kg
 // and gdecay: from its saved Aqk / Akk / M, or all of it with M) and the state before every chunk
 // (unless the forward saved the states), then the reverse scan and the per-chunk gradients, which
-// with GVA sum each group along a chain of their CTAs (its flags zeroed first; with
-// KERNEL_FUN_KDA_GVA_CHAIN=0 the group sums after them instead).
+// with GVA sum each group along a chain of their CTAs (its flags zeroed first).
 template <typename Stages>
 void backward_pass_sequence(const KdaBwdParams& p, Stages& s) {
   if (p.gva_flags) s.gva_clear(p);  // the grads kernel's GVA chain counts up from zero in every pass

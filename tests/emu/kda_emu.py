@@ -542,8 +542,9 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     the launch policy says; st["split_map"], st["split_state"], st["split_layout"] and chain_cols as
     forward_stages'.
     gva_chain (GVA): the grads kernel sums dq^ / dk^ over each group along a chain of its CTAs
-    (KdaBwdParams::gva_flags; st["gva_flags"] holds the flags after it); False: kda_bwd_group_sum
-    does (KERNEL_FUN_KDA_GVA_CHAIN=0 on the GPU)."""
+    (KdaBwdParams::gva_flags; st["gva_flags"] holds the flags after it, st["dqhat"] / ["dkhat"] the
+    running sums of each group's heads 0 .. G - 2); False: every head's dq^ / dk^ to the workspace and
+    kda_bwd_group_sum sums them (the chain's reference; the GPU always chains)."""
     opts = _options(q, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, A_log, state_v_first)
     B, T, H, K = q.shape
@@ -578,6 +579,10 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state
     if gva_chain and HV != H and not recurrent:  # kda_problem.h's gva_flag_count (max_chunks covers a slice's)
         ws["gva_flags"] = gz.alloc("gva_flags", (f["max_chunks"], H), torch.int32, fill=-1)
         a.gva_flags = _ptr(ws["gva_flags"])
+        # the chain's running sums: rows of each group's heads 0 .. G - 2 only (kda_problem.h's gva_hat_row)
+        for name in ("dqhat", "dkhat"):
+            ws[name] = gz.alloc(name + " (chain)", (B * T, HV - H, K), torch.float32)
+            setattr(a, name, _ptr(ws[name]))
     L = lib()
     _split_buffers(a, gz, ws, split_chunks, chain_cols)
     if L.kda_emu_backward(ctypes.byref(a)):

@@ -104,8 +104,6 @@ bool kda_bwd_streams(const KdaBwdParams& p) {
 bool kda_backward(const KdaBwdParams& p_in, cudaStream_t stream) {
   // p.o / p.ht / p.h_states are null here.
   KdaBwdParams p = p_in;
-  // KERNEL_FUN_KDA_GVA_CHAIN=0 (A/B timing): GVA's dq^ / dk^ summed by kda_bwd_group_sum instead
-  if (env_int("KERNEL_FUN_KDA_GVA_CHAIN", 1) == 0) p.gva_flags = nullptr;
   if (kda_bwd_streams(p)) {
     p.dh_bv = kda_bwd_dh_scan_bv(p);  // the counters' slices, the dh scan's width
     p.dbg_clock = nullptr;  // the phase clocks index a 2-D grid (dev::cta_clock_row); the streamed one is 3-D

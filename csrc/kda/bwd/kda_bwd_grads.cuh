@@ -1258,10 +1258,12 @@ __device__ __forceinline__ void grads_store_dqdk(const GradsCtx<WT, K>& c, const
 // adds that sum to its own; every head but the last stores its running sum and counts the flag up;
 // the last one returns true: it holds the group's sum and finishes dq / dk. The adds are
 // ((x_0 + x_1) + x_2) ..., the order kda_bwd_group_sum adds the workspace rows in, so the sums are
-// bit for bit the same. The wait has no timeout: head rg - 1's CTA is earlier in
-// grid order in both grids (chunk fastest, then value head; the streamed grid's rows hold every head
-// of a chunk in head order), so the hardware handed it to an SM before this one, and it waits for
-// nothing later than itself. A compile-time variant (kda_bwd_grads_kernel's kGva): with the chain
+// bit for bit the same. The wait cannot deadlock: head rg - 1's CTA is earlier in grid order in both
+// grids (chunk fastest, then value head; the streamed grid's rows hold every head of a chunk in head
+// order), so the hardware handed it to an SM before this one, and it waits for nothing later than
+// itself (dev::wait_earlier_cta traps only past a bound no working chain reaches). The running sums
+// live in dqhat / dkhat rows of heads 0 .. G - 2 only (gva_hat_row), so head rg - 1's row is the K
+// floats before head rg's slot. A compile-time variant (kda_bwd_grads_kernel's kGva): with the chain
 // behind a runtime branch every grads kernel grew by ~200 instructions and ptxas moved its spills
 // (the GVA training call gained 3.1% in one build, but only ~1.4% against the unbranched kernels;
 // docs/notes/2026-12-06-tri-skip-and-suites.md).
@@ -1277,7 +1279,7 @@ __device__ __forceinline__ bool grads_gva_chain(const GradsCtx<WT, K>& c, float 
     __syncthreads();  // carries thread 0's acquire to every thread's loads below
 #pragma unroll
     for (int m = 0; m < NM && r < c.len; ++m) {
-      const float4 a = dev::ldg_cg16(p.dqhat + hat - K + 32 * m);  // head rg - 1's row: K floats earlier
+      const float4 a = dev::ldg_cg16(p.dqhat + hat - K + 32 * m);  // head rg - 1's row: K floats earlier (gva_hat_row)
       const float4 b = dev::ldg_cg16(p.dkhat + hat - K + 32 * m);
       xq[m][0] = a.x + xq[m][0]; xq[m][1] = a.y + xq[m][1]; xq[m][2] = a.z + xq[m][2]; xq[m][3] = a.w + xq[m][3];
       xk[m][0] = b.x + xk[m][0]; xk[m][1] = b.y + xk[m][1]; xk[m][2] = b.z + xk[m][2]; xk[m][3] = b.w + xk[m][3];
@@ -1304,7 +1306,7 @@ __device__ __forceinline__ void grads_dqdk_gva(const GradsCtx<WT, K>& c, const f
   float xq[NM][4], xk[NM][4], qh[NM][4], kh[NM][4];
 #pragma unroll
   for (int m = 0; m < NM; ++m) grads_load_x<WT, K>(Xq, Xk, r, s, m, xq[m], xk[m]);
-  if (!grads_gva_chain(c, xq, xk, ((c.tok0 + r) * c.HV + c.hv) * K + 4 * s, r)) return;
+  if (!grads_gva_chain(c, xq, xk, gva_hat_row(c.tok0 + r, c.p.H, c.HV, c.hv, K) + 4 * s, r)) return;
   const float rq = c.sRq()[r], rk = c.sRk()[r];
   float dq_dot = 0.f, dk_dot = 0.f;
 #pragma unroll
@@ -1459,8 +1461,8 @@ __device__ __forceinline__ void grads_finish(const GradsCtx<WT, K>& c) {
   }
   // dq / dk: x' = r (dx^ - x^ (x^ . dx^)) (l2norm; dx' = dx^ without). With GVA dx^ is the sum over
   // the q / k head's group: kGva sums it along a chain of this chunk's CTAs (grads_dqdk_gva); without
-  // the chain (KERNEL_FUN_KDA_GVA_CHAIN=0) each value head's dq^ / dk^ goes to the workspace and
-  // kda_bwd_group_sum finishes. One pass, one item per thread: 8 lanes per row, lane s holding
+  // the chain (the host emulator's reference, gva_flags null) each value head's dq^ / dk^ goes to
+  // the workspace and kda_bwd_group_sum finishes. One pass, one item per thread: 8 lanes per row, lane s holding
   // columns 4 s + 32 m (m < K / 32) in registers, so the row dots are a 3-step shuffle and nothing
   // goes back through smem. Each quarter-warp reads one row's 128 contiguous bytes of X per float4
   // load (the XOR swizzle keeps them on distinct banks).

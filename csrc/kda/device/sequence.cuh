@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #ifdef KF_EMU
+#include <chrono>
 #include <thread>
 #endif
 
@@ -224,16 +225,23 @@ __device__ __forceinline__ bool wait_chunk_ready(const int* flag) { return wait_
 // A wait on another CTA of the SAME grid (thread 0), one that comes earlier in the grid's order and so
 // was handed out to an SM before this one (the hardware hands out CTAs in grid order, which the
 // streamed kernels rely on too): it always runs to its release, whatever this CTA does, so the wait
-// has no timeout. In the host emulator the blocks start in grid order, one at a time per worker, so
-// the earlier block has started too; it may still be running on another worker: spin, yielding.
+// ends within that CTA's lifetime (tens of us). A wait past kEarlierCtaWaitNs can only be a broken
+// assumption (a count never released, CTAs handed out out of order): it traps, a launch error the
+// caller sees, rather than hang the device. In the host emulator the blocks start in grid order, one
+// at a time per worker, so the earlier block has started too; it may still be running on another
+// worker: spin, yielding, and fail past the same bound.
+constexpr long long kEarlierCtaWaitNs = 4000000000LL;  // 4 s
 __device__ __forceinline__ void wait_earlier_cta(const int* p, int need) {
-  while (load_acquire(p) < need) {
 #ifdef KF_EMU
+  const auto t0 = std::chrono::steady_clock::now();
+  while (load_acquire(p) < need) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::nanoseconds(kEarlierCtaWaitNs))
+      kf_emu::detail::failf("wait_earlier_cta: the counter stayed at %d, below %d", load_acquire(p), need);
     std::this_thread::yield();
-#else
-    __nanosleep(200);
-#endif
   }
+#else
+  if (!wait_at_least(p, need, kEarlierCtaWaitNs, 200)) __trap();
+#endif
 }
 
 // The scan side, one chunk ahead (thread 0): a 16-byte cp.async.cg of the aligned group of four

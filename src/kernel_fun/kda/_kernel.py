@@ -307,8 +307,8 @@ def backward_stages(q, k, v, g, beta, do, dht=None, *, opts: KdaOptions, initial
     ddt_bias flat fp32 for the prepared A_log / dt_bias); st = {dA: scale * dAqk (i >= j), dL:
     -(M^T dM M^T) (i > j), both [B*T, HV, 64] fp32; h_ckpt, dh_ckpt: [max_chunks, HV, V, K], the state
     before chunk c and the state gradient dh_{c+1} chunk c reads; M, and the recomputed forward
-    workspace (with GVA dqhat / dkhat, where value head r of a group holds the running sum of dq^ / dk^
-    over the group's heads 0 .. r and the last head's rows are unwritten, and gva_flags: the grads
+    workspace (with GVA dqhat / dkhat, [B*T, HV - H, K]: row r < G - 1 of a group holds the running sum
+    of dq^ / dk^ over its heads 0 .. r, the last head has none; and gva_flags: the grads
     kernel's chain, kda_bwd_grads.cuh's grads_gva_chain); with profile also clock: kda_bwd_grads'
     clock64() at its phase boundaries, [CTAs, 16]}.
     pbias / pA (the per-chunk gate partials) come back as the gate-parameter passes leave them: rows
