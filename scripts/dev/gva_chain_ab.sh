@@ -4,6 +4,8 @@
 # tree, training calls in one process per build, two rounds; the chain switched off inside the alt
 # build; then the alt tree's backward GPU tests. Run as KF_PROBE of scripts/gpu_run.sh, carry
 # [".whl", ".prebuilt", "ab_alt"].
+# (KERNEL_FUN_KDA_GVA_CHAIN is gone since the forty-fifth session: the chain's workspace has no rows
+# for the group sum. The script stays as the record of that call.)
 set -u
 bash scripts/use_prebuilt.sh ab_alt | tail -1 || exit 1
 shape="--shape gva_long:B=1,T=32768,H=16,HV=32,K=128,V=128,gate=bounded"
