@@ -259,7 +259,9 @@ struct WorkBuffer {
 
 // The GVA chain's row of value head hv (not its group's last) at token row `tok` in dqhat / dkhat
 // ([rows, HV - H, K]: the G - 1 running sums of each q / k head's group, in head order; the group's
-// last head holds the whole sum in registers and stores none), in floats.
+// last head holds the whole sum in registers and stores none), in floats. h is derived here, not
+// passed in: passing the grads context's h moved ptxas' spills in the plain unbounded kGva kernel from
+// 4 / 12 to 36 / 56 bytes (docs/notes/2026-12-06-gva-workspace.md).
 __host__ __device__ inline int64_t gva_hat_row(int64_t tok, int H, int HV, int hv, int K) {
   const int G = HV / H, h = hv / G;
   return (tok * (HV - H) + hv - h) * K;  // hv - h = h (G - 1) + (hv - h G): slot rg of group h
