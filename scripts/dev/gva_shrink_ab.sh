@@ -6,6 +6,7 @@
 # and the streamed dh scan's publishes). Training calls in one process per build, two rounds, peak
 # memory beside. Trees prebuilt here by scripts/ab_prepare.sh; run as KF_PROBE of
 # scripts/gpu_run.sh, carry [".whl", ".prebuilt", "ab_base", "ab_alt", "ab_alt2"].
+# (gva-chain-one-fence.patch landed in the forty-sixth session and is deleted: git show a7c031e has it.)
 set -u
 trees="ab_base ab_alt ab_alt2"
 for t in $trees; do bash scripts/use_prebuilt.sh $t | tail -1 || exit 1; done

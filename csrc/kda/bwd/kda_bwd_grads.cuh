@@ -1291,9 +1291,14 @@ __device__ __forceinline__ bool grads_gva_chain(const GradsCtx<WT, K>& c, float 
     dev::stg16(p.dqhat + hat + 32 * m, xq[m][0], xq[m][1], xq[m][2], xq[m][3]);
     dev::stg16(p.dkhat + hat + 32 * m, xk[m][0], xk[m][1], xk[m][2], xk[m][3]);
   }
-  __threadfence();  // every thread's stores visible at GPU scope before the release below
+  // One release for the CTA: the barrier orders every thread's stores before thread 0's fence and
+  // release (cumulative in the PTX model), so only thread 0 waits for the stores' acks, and the other
+  // warps leave at once (every thread's own fence before the barrier: gva 7.23 -> 7.20 ms, H100)
   __syncthreads();
-  if (c.tid == 0) dev::store_release(flag, rg + 1);
+  if (c.tid == 0) {
+    __threadfence();
+    dev::store_release(flag, rg + 1);
+  }
   return false;
 }
 
