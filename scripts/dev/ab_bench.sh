@@ -18,11 +18,11 @@ for alt in "${alts[@]}"; do
   why=$(bash scripts/use_prebuilt.sh "$alt" 2>&1) || { echo "ab_bench: $alt has no usable prebuilt: $why"; exit 1; }
   echo "ab_bench: $alt: $(echo "$why" | tail -1)"
 done
-row() {  # NAME SRC-DIR
-  local dir="$out/$1-$i"
-  PYTHONPATH="$2:${PYTHONPATH:-}" python3 -m kernel_fun.bench --no-fla --no-flashkda --out "$dir" "${@:3}" \
-    > "$dir.log" 2>&1 || { echo "ab_bench: $1 run $i failed"; tail -5 "$dir.log"; }
-  echo "== $1, run $i"
+row() {  # NAME SRC-DIR ROUND [bench args]
+  local dir="$out/$1-$3"
+  PYTHONPATH="$2:${PYTHONPATH:-}" python3 -m kernel_fun.bench --no-fla --no-flashkda --out "$dir" "${@:4}" \
+    > "$dir.log" 2>&1 || { echo "ab_bench: $1 run $3 failed"; tail -5 "$dir.log"; }
+  echo "== $1, run $3"
   # the rows' case, pass, our ms and peak GiB (columns 1, 2, 3 and 14 of the results table)
   cat "$dir"/*.md 2>/dev/null | awk -F'|' 'NF >= 16 && $2 !~ /case|---/ {print $2 "|" $3 "|" $4 "|" $15}'
 }
@@ -31,10 +31,10 @@ mkdir -p "$out"
 # always favour the same build
 for i in $(seq "$runs"); do
   if [ $((i % 2)) = 1 ]; then
-    row this "$PWD/src" "$@"
-    for alt in "${alts[@]}"; do row "$alt" "$PWD/$alt/src" "$@"; done
+    row this "$PWD/src" "$i" "$@"
+    for alt in "${alts[@]}"; do row "$alt" "$PWD/$alt/src" "$i" "$@"; done
   else
-    for ((a = ${#alts[@]} - 1; a >= 0; a--)); do row "${alts[a]}" "$PWD/${alts[a]}/src" "$@"; done
-    row this "$PWD/src" "$@"
+    for ((a = ${#alts[@]} - 1; a >= 0; a--)); do row "${alts[a]}" "$PWD/${alts[a]}/src" "$i" "$@"; done
+    row this "$PWD/src" "$i" "$@"
   fi
 done

@@ -2,8 +2,9 @@
 the eager step, on the CPU (no GPU): a logging CPU kernel stands in for `kernel_fun::kda_forward`
 (it records each argument's shape, strides, dtype, start alignment mod 16 and an md5 of its bytes, and
 returns zero buffers), then the eager and the compiled step of tests/test_kda_bwd_gpu.py's
-test_compile_fullgraph_training_step_runs_our_kernels shape run once each and the two records are
-compared. Written for docs/notes/2026-12-06-gate-fold.md (section 3): the compiled step's loss was not
+test_compile_fullgraph_training_step_runs_our_kernels shape run once each (the front's routing,
+`_route(_call_meta(...))`, and `_kernel.forward`, as chunk_kda calls them for CUDA tensors) and the
+two records are compared. Written for docs/notes/2026-12-06-gate-fold.md (section 3): the compiled step's loss was not
 bitwise the eager one's with gate-fold.patch on an H100.
 
     PYTHONPATH=src python3 scripts/dev/compile_args_cpu.py
@@ -14,8 +15,8 @@ import hashlib
 
 import torch
 
+import kernel_fun.kda as kda
 from kernel_fun.kda import _kernel
-from kernel_fun.kda._options import KdaOptions
 
 calls: list[list[str]] = []
 
@@ -46,10 +47,14 @@ def main() -> None:
     beta = torch.randn(B, T, H, dtype=torch.bfloat16)
     A_log, dt_bias = torch.rand(H) + 1, 0.5 * torch.randn(H * K)
     do = torch.randn(B, T, H, V, dtype=torch.bfloat16)
-    options = KdaOptions(scale=K ** -0.5, gate="unbounded", l2norm=True, beta_sigmoid=1).encode()
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
 
     def step(q, k, v, g, beta):
+        # the front's own routing (chunk_kda's lines for a CUDA call; on CPU tensors chunk_kda itself
+        # would take the torch reference), so the options are built as they are under compile
+        reason, options, _, _ = kda._route(q, v, None, kda._call_meta(
+            q, v, g, beta, K ** -0.5, True, True, True, False, None, False, None, None, {"A_log": A_log}))
+        assert reason is None, reason
         o, _ = _kernel.forward(q, k, v, g, beta, options=options, initial_state=None, output_final_state=False,
                                cu_seqlens=None, cu_seqlens_cpu=None, A_log=A_log, dt_bias=dt_bias,
                                return_intermediate_states=False)
