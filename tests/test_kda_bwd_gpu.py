@@ -552,19 +552,25 @@ def test_compile_fullgraph_training_step_runs_our_kernels():
 
     def step(q, k, v, g, beta):
         o, _ = chunk_kda(q, k, v, g, beta, **call)
-        return (o.float() * do.float()).sum()
+        return (o.float() * do.float()).sum(), o
 
-    eager_loss = step(*leaves)
+    eager_loss, eager_o = step(*leaves)
     eager = torch.autograd.grad(eager_loss, leaves)
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)  # a graph break raises
     before = _ext.op_calls()
-    loss = compiled(*leaves)
+    loss, o = compiled(*leaves)
     grads = torch.autograd.grad(loss, leaves)
     after = _ext.op_calls()
     assert after["kda_fwd"] > before["kda_fwd"], "the compiled graph did not run our forward"
     assert after["kda_bwd"] > before["kda_bwd"], "the compiled graph did not run our backward"
-    assert torch.equal(loss, eager_loss)
+    # Our kernels' results bitwise the eager call's; the loss only to rounding: inductor's fused
+    # multiply-and-sum adds the 10^5 products in another order than eager's sum, and whether the two
+    # round to the same float depends on o's last bits (on an H100, with gate-fold.patch's o, inductor's
+    # sum of the eager o itself was 1 ulp from eager's: scripts/dev/compile_diff_gpu.py,
+    # docs/notes/2026-12-06-gate-fold.md, section 5).
+    assert torch.equal(o, eager_o)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for e, c in zip(eager, grads):
         assert torch.equal(e, c)
 
