@@ -3,7 +3,7 @@ tests/test_kda_bwd_gpu.py's test_compile_fullgraph_training_step_runs_our_kernel
 compiled once, and each of o, the loss and the five gradients compared (equal, or the largest
 difference); then the loss's reduction alone, eager and compiled, on the same o. Says whether a
 compiled step's different loss comes from our kernels (o differs) or from inductor's sum (o equal, the
-compiled sum of the same o differs). Written for docs/notes/2026-12-06-gate-fold.md (section 3).
+compiled sum of the same o differs). Written for docs/notes/2026-12-06-gate-fold.md (sections 3 and 5).
 
     PYTHONPATH=src:tests python3 scripts/dev/compile_diff_gpu.py
 """
