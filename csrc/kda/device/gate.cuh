@@ -24,20 +24,23 @@ constexpr float kLn2 = 0.6931471805599453f;
 // kda_problem.h, beside the options it reads, so that the launch policy can name the kernel form.
 
 // Gate activations without libm's log1pf / expf / IEEE division (a libm softplus is ~70
-// instructions per element, which made the gate the costliest part of the forward intra):
-//   softplus(x) = max(x, 0) + ln2 * log2(1 + u), u = exp(-|x|) in (0, 1]: one ex2 and one lg2 on
-//   the SFU. lg2.approx's absolute error on [1, 2] is ~2^-22 and 1 + u rounds to 2^-24, so the
-//   absolute error is ~2e-7 at any x (the relative error grows only where softplus(x) < ~1e-6,
-//   i.e. x < -14, where the step's whole contribution to the cumsum is below that).
-//   sigmoid(x) = 1 / (1 + exp(-x)) with ex2.approx and the approximate division (~2 ulp; exp(-x) =
-//   inf gives 0, the correct limit).
-__device__ __forceinline__ float softplus_fast(float x) {
-  const float u = fast_exp2(-kRcpLn2 * fabsf(x));
-  const float y = fmaxf(x, 0.f) + kLn2 * fast_lg2(1.f + u);
-  return x > 20.f ? x : y;  // torch / fla: threshold 20 returns x itself (a select, no branch)
+// instructions per element, which made the gate the costliest part of the forward intra), both on
+// one FFMA of the raw input (gate_activation8's GateCoef) and the SFU:
+//   softplus(x) / ln2 = log2(1 + 2^y), y = x / ln2: one ex2 and one lg2. The base-2 form is what the
+//   cumsum wants (g2 = gate / ln2), so the ln2 never comes in. ex2.approx's relative error ~2^-22
+//   costs log2(1 + 2^-22) ~ 3.4e-7 in y's units, lg2.approx's error is ~2^-22 absolute on [1, 2] and
+//   relative above: the result is within ~4e-7 absolute or ~2^-22 relative of softplus (a few ulp of
+//   fp32's own rounding of it), the relative error growing only where softplus(x) < ~1e-6 (x < -14,
+//   where 2^y vanishes beside 1 and the step adds ~0 to the cumsum; lg2(1) itself is within 2^-22 of
+//   0, as in the max(x, 0) + ln2 log2(1 + exp(-|x|)) form it replaces). Above torch's threshold
+//   (x > 20) softplus is x itself: y, by a select that also keeps 2^y's overflow (y >= 128) out.
+//   sigmoid(z) = 1 / (1 + exp2(-z / ln2)) with ex2.approx and rcp.approx (~2 ulp; the reciprocal of
+//   inf is 0, the correct limit).
+__device__ __forceinline__ float softplus_base2(float y) {
+  const float r = fast_lg2(1.f + fast_exp2(y));
+  return y > 20.f * kRcpLn2 ? y : r;  // torch / fla: threshold 20 returns x itself (a select, no branch)
 }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_fast(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 // sigmoid'(z) = s (1 - s) as u / (1 + u)^2, u = exp(-|z|) (symmetric in z): s (1 - s) in fp32 loses
 // its relative accuracy where s is near 1 (1 - s is formed from s's rounding: ~1e-3 relative at
@@ -57,7 +60,7 @@ __device__ __forceinline__ float gate_a_exp(const KdaProblem& p, int hv) {
 
 // The natural-log per-step gate of one element (x = g + dt_bias; g itself for kPrecomputed) in fp32
 // through expf / log1pf (under the build's --use_fast_math expf is the ex2-based form, a few ulp), not
-// the SFU forms of gate_activation8 (softplus_fast, ~2e-7 absolute): for code that runs once per
+// the SFU forms of gate_activation8 (softplus_base2, ~4e-7 absolute or ~2^-22 relative): for code that runs once per
 // element and wants accuracy (the token recurrence of recur/kda_recur.cuh). softplus is x itself
 // above the threshold 20 (torch's rule). gate_derivatives' d/dA_log of the unbounded gate is the same
 // expression, inlined there for the same scheduling reason as gate_a_exp.
@@ -102,26 +105,49 @@ __device__ __forceinline__ void gate_derivatives(GateMode mode, float x, float a
   }
 }
 
-// The natural-log per-step gate of 8 elements (x: the raw g in, the gate out; x + bias is the
-// activation's input), the mode switch outside the element loop: the compiler did not unswitch a
-// per-element switch (intra 6,296 -> 5,920 SASS instructions with it outside).
-__device__ __forceinline__ void gate_activation8(GateMode mode, float (&x)[8], const float (&bias)[8], float a_exp,
-                                                 float lower_bound) {
+// The per-step gate of 8 elements WITHOUT its per-head factor (x: the raw g in, the gate over that
+// factor out, in the units g2_factor says), the mode switch outside the element loop: the compiler
+// did not unswitch a per-element switch (intra 6,296 -> 5,920 SASS instructions with it outside).
+// The factor (-exp(A_log), or lower_bound) multiplies the block-local cumsum once per element at its
+// end (GatePass::finish_row, folded into the 1/ln2 there) instead of every element before it: a sum
+// of factor * a_i and factor * sum(a_i) differ by rounding alone. Every form's argument is one FFMA,
+// x * c1 + c0 per column (GateCoef): for the bounded forms c1 = -exp(A_log) / ln2 (-1 / ln2 without
+// A_log) into ex2, sigmoid(z) = 1 / (1 + exp2(-z / ln2)); for the unbounded one c1 = 1 / ln2 into
+// softplus_base2. Per element, with the running sum, 10 -> 6 instructions for the bounded gate,
+// 11 -> 7 for the unbounded one.
+struct GateCoef {
+  float c1;     // the raw input's factor inside the SFU forms (unused for a precomputed gate)
+  float c0[8];  // per column: c1 * dt_bias (0 without dt_bias or for a precomputed gate)
+};
+__device__ __forceinline__ void gate_activation8(GateMode mode, float (&x)[8], const GateCoef& gc) {
   switch (mode) {
     case GateMode::kPrecomputed: return;
     case GateMode::kUnbounded:
 #pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = -a_exp * softplus_fast(x[e] + bias[e]);
+      for (int e = 0; e < 8; ++e) x[e] = softplus_base2(fmaf(x[e], gc.c1, gc.c0[e]));
       return;
     case GateMode::kBounded:
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = lower_bound * sigmoid_fast(a_exp * (x[e] + bias[e]));
-      return;
     case GateMode::kBoundedNoALog:
 #pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = lower_bound * sigmoid_fast(x[e] + bias[e]);
+      for (int e = 0; e < 8; ++e) x[e] = fast_rcp(1.f + fast_exp2(fmaf(x[e], gc.c1, gc.c0[e])));
       return;
   }
+}
+// gate_activation8's coefficients: c1 (GateCoef) and the factor c0 is c1 times.
+__device__ __forceinline__ float gate_c1(GateMode mode, float a_exp) {
+  return mode == GateMode::kUnbounded ? kRcpLn2 : -kRcpLn2 * a_exp;
+}
+// What turns a sum of gate_activation8's values into g2 (the cumsum of the gate over ln2): the
+// per-head factor it leaves out (-exp(A_log), or lower_bound), over ln2 where the values are in
+// natural units (bounded, precomputed), itself where they are already over ln2 (unbounded).
+__device__ __forceinline__ float g2_factor(GateMode mode, float a_exp, float lower_bound) {
+  switch (mode) {
+    case GateMode::kPrecomputed: return kRcpLn2;
+    case GateMode::kUnbounded: return -a_exp;
+    case GateMode::kBounded:
+    case GateMode::kBoundedNoALog: return kRcpLn2 * lower_bound;
+  }
+  return kRcpLn2;
 }
 
 // gate_derivatives on 8 elements (x = g + dt_bias), the mode switch outside the element loop.
@@ -241,19 +267,34 @@ struct GatePass {
   // the element index of this thread's first row (row0, column d0) in g, and the stride between rows:
   // each row's load is then one multiply-add, not the full (token, head) index in 64 bits
   const int64_t g0, gstride;
-  float a_exp, bias[8], run[8], excl[8];
+  GateCoef gc;   // gate_activation8's coefficients for this thread's 8 columns (c0: dt_bias until coefs())
+  float fin;     // finish_row's factor (g2_factor), from coefs()
+  float a_log;   // A_log[hv] as loaded (0 where the gate does not read it), for coefs()
+  bool a_used;
+  float run[8], excl[8];
   __device__ __forceinline__ GatePass(const KdaProblem& p_, int64_t tok0_, int len_, int hv_)
       : p(p_), tok0(tok0_), len(len_), hv(hv_), m(), mode(p_.opt.gate_mode),
-        g0(((tok0_ + m.row0) * p_.HV + hv_) * K + m.d0), gstride(static_cast<int64_t>(p_.HV) * K), a_exp(1.f) {
+        g0(((tok0_ + m.row0) * p_.HV + hv_) * K + m.d0), gstride(static_cast<int64_t>(p_.HV) * K) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) bias[e] = run[e] = 0.f;
-    if (mode != GateMode::kPrecomputed) {
-      if (p.A_log) a_exp = expf(p.A_log[hv]);
-      if (p.dt_bias) {
+    for (int e = 0; e < 8; ++e) gc.c0[e] = run[e] = 0.f;
+    a_used = mode != GateMode::kPrecomputed && mode != GateMode::kBoundedNoALog && p.A_log;
+    a_log = a_used ? p.A_log[hv] : 0.f;
+    if (mode != GateMode::kPrecomputed && p.dt_bias) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) bias[e] = p.dt_bias[hv * K + m.d0 + e];
-      }
+      for (int e = 0; e < 8; ++e) gc.c0[e] = p.dt_bias[hv * K + m.d0 + e];
     }
+  }
+  // gc and fin from the A_log / dt_bias the constructor loaded. Called after the first gate row's load,
+  // the bulk copies and beta's load are issued: a warp issues in order and waits at the first use of
+  // a loaded value, so computing them in the constructor (gate-fold-v2) put a full global-load wait in
+  // front of every later load of the CTA's first phase (kda_bwd_grads runs one CTA per SM, with
+  // nothing to hide that wait behind).
+  __device__ __forceinline__ void coefs() {
+    const float a_exp = a_used ? expf(a_log) : 1.f;
+    gc.c1 = gate_c1(mode, a_exp);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) gc.c0[e] *= gc.c1;  // dt_bias times c1
+    fin = g2_factor(mode, a_exp, p.opt.lower_bound);
   }
   // Row j of the thread's rows, as loaded; zeros past the end of the sequence (gate 0).
   __device__ __forceinline__ Raw8 load_row(int j) const {
@@ -304,14 +345,20 @@ struct GatePass {
       if (sSlope) sSlope[tid] = sl;
     }
   }
-  // x = the running sum of the gates up to row j (rows past the end add 0).
-  __device__ __forceinline__ void activate_row(float (&x)[8], const Raw8& raw, int j) {
+  // x = the running sum of the gates (over their per-head factor, gate_activation8) up to row j (rows
+  // past the end add 0).
+  // first: row j is the thread's first row and the sum starts here (the unrolled pass knows it at
+  // compile time; an FTZ add of 0 is an instruction the compiler keeps), else the sum goes on.
+  // After coefs() (gc holds the raw dt_bias and no c1 before it; gate_rows and gate_cumsum_beta, the
+  // only callers, call it once the first phase's loads are issued).
+  __device__ __forceinline__ void activate_row(float (&x)[8], const Raw8& raw, int j, bool first = false) {
     const bool ok = m.row0 + j < len;
     gate8_to_float(x, raw, p);
-    gate_activation8(mode, x, bias, a_exp, p.opt.lower_bound);
+    gate_activation8(mode, x, gc);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      run[e] += ok ? x[e] : 0.f;
+      const float v = ok ? x[e] : 0.f;
+      run[e] = first ? v : run[e] + v;
       x[e] = run[e];
     }
   }
@@ -329,11 +376,11 @@ struct GatePass {
       excl[e] = __shfl_up_sync(0xffffffffu, incl, 1, SUBS);  // the sub-groups before this one
     }
   }
-  // Row j's block-local g2 (the prefix added, times 1/ln2); the block total into sBT, bit-identical
-  // to g2 of the block's last row (so T_b - loc_15 is exactly 0).
+  // Row j's block-local g2 (the prefix added, times the per-head factor over ln2); the block total into
+  // sBT, bit-identical to g2 of the block's last row (so T_b - loc_15 is exactly 0).
   __device__ __forceinline__ void finish_row(float (&x)[8], int j, float* sBT) const {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = (m.sub == 0 ? x[e] : excl[e] + x[e]) * kRcpLn2;
+    for (int e = 0; e < 8; ++e) x[e] = (m.sub == 0 ? x[e] : excl[e] + x[e]) * fin;
     if (m.sub == SUBS - 1 && j == RPT - 1) st8(sBT + m.blk * K + m.d0, x);  // one sub-group: no conflict
   }
 };
@@ -359,8 +406,9 @@ __device__ __forceinline__ void gate_rows(GatePass<K, NTH, NB>& gp, float (&g2)[
   gp.load_rows(raw);
   issue_bulk();
   gp.load_beta(sBeta, sSlope);
+  gp.coefs();
 #pragma unroll
-  for (int j = 0; j < RPT; ++j) gp.activate_row(g2[j], raw[j], j);
+  for (int j = 0; j < RPT; ++j) gp.activate_row(g2[j], raw[j], j, j == 0);
   gp.block_prefix();
 #pragma unroll
   for (int j = 0; j < RPT; ++j) gp.finish_row(g2[j], j, sBT);
@@ -386,6 +434,7 @@ __device__ __forceinline__ void gate_cumsum_beta(const KdaProblem& p, int64_t to
     Raw8 raw = gp.load_row(0);
     issue_bulk();
     gp.load_beta(sBeta, sSlope);
+    gp.coefs();
     float x[8];
 #pragma unroll 1
     for (int j = 0; j < RPT; ++j) {

@@ -210,7 +210,9 @@ __device__ __forceinline__ void store8_any(void* p, DType t, int64_t i, const fl
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
-  // ex2.approx: ~2 ulp, exp2(-inf) = 0, and every argument the kernels pass is <= 0 (or -inf).
+  // ex2.approx: ~2 ulp, exp2(-inf) = 0. The kernels' decays pass arguments <= 0 (or -inf); the gate's
+  // sigmoid and softplus any sign (exp2 overflows to inf there: fast_rcp's limit 0, or softplus_base2's
+  // select).
 #ifdef KF_EMU
   return kf_emu::ex2_approx_ftz(x);
 #else
@@ -220,8 +222,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
+__device__ __forceinline__ float fast_rcp(float x) {
+  // rcp.approx: ~1 ulp, rcp(inf) = 0. __fdividef(1, x) computes the same reciprocal and then
+  // multiplies it by 1 (one more instruction per call, kept for the FTZ flush of that product).
+#ifdef KF_EMU
+  return kf_emu::ftz(1.f / kf_emu::ftz(x));
+#else
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 __device__ __forceinline__ float fast_lg2(float x) {
-  // lg2.approx: absolute error ~2^-22 near 1 (the gate's softplus only calls it on [1, 2]).
+  // lg2.approx: absolute error ~2^-22 on [1, 2], relative ~2^-22 above (the gate's softplus calls
+  // it on [1, 2^29]).
 #ifdef KF_EMU
   return kf_emu::lg2_approx_ftz(x);
 #else
