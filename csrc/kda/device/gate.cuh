@@ -286,9 +286,9 @@ struct GatePass {
   }
   // gc and fin from the A_log / dt_bias the constructor loaded. Called after the first gate row's load,
   // the bulk copies and beta's load are issued: a warp issues in order and waits at the first use of
-  // a loaded value, so computing them in the constructor (gate-fold-v2) put a full global-load wait in
-  // front of every later load of the CTA's first phase (kda_bwd_grads runs one CTA per SM, with
-  // nothing to hide that wait behind).
+  // a loaded value, so computing them in the constructor (as its expf(A_log) once did) put a full
+  // global-load wait in front of every later load of the CTA's first phase (kda_bwd_grads runs one CTA
+  // per SM, with nothing to hide that wait behind).
   __device__ __forceinline__ void coefs() {
     const float a_exp = a_used ? expf(a_log) : 1.f;
     gc.c1 = gate_c1(mode, a_exp);
