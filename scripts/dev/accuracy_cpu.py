@@ -5,7 +5,10 @@ against the fp64 recurrence on the same inputs, over several seeds per mix. A mo
 differ at the median, before device time is spent on it.
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/dev/accuracy_cpu.py [--seeds 3] [--max-t 1100] \\
-        [--cases a,b,..] --out cpu-acc.json
+        [--cases a,b,..] [--impls ours] --out cpu-acc.json
+
+--impls ours runs the emulator alone (no fla, no interpreter: minutes instead of hours), e.g. to see
+what a kernel change does to the errors, seed for seed, against a committed run's `ours_runs`.
 
 Mixes longer than --max-t tokens are skipped (the interpreter runs fla at ~1 s per 10 tokens).
 """
@@ -32,16 +35,16 @@ def ours_emu(inputs, kw, seeds):
     return kda_emu.chunk_kda_outputs(inputs, kw, seeds)
 
 
-def run(case, seeds: int) -> dict:
-    from fla.ops.kda import chunk_kda  # noqa: F401  (fla_interp.enable() ran first)
-
-    per = {"ours": [], "fla": []}
+def run(case, seeds: int, impls=("ours", "fla")) -> dict:
+    per = {impl: [] for impl in impls}
     why = {}
     for s in range(seeds):
         c = dataclasses.replace(case, seed=case.seed + s)
         inputs, kw, sd = acc.make_inputs(c, device="cpu")
         ref = acc.reference(inputs, kw, sd)
         for impl, fn in (("ours", ours_emu), ("fla", acc.fla)):
+            if impl not in per:
+                continue
             try:
                 per[impl].append(acc.errors(ref, fn(inputs, kw, sd)))
             except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
@@ -62,9 +65,12 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--max-t", type=int, default=1100)
     ap.add_argument("--cases", default="")
+    ap.add_argument("--impls", default="ours,fla", help="ours, fla or both (comma-separated)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    fla_interp.enable()
+    impls = tuple(a.impls.split(","))
+    if "fla" in impls:
+        fla_interp.enable()
     names = a.cases.split(",") if a.cases else list(acc.CASE_NAMES)
     rows = []
     if os.path.exists(a.out):
@@ -78,11 +84,11 @@ def main() -> int:
             rows.append({"case": name, "label": case.label(), "skipped": f"B*T = {case.B * case.T} > --max-t"})
             continue
         t0 = time.time()
-        row = run(case, a.seeds)
+        row = run(case, a.seeds, impls)
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
         fmt = lambda e: "-" if not e else " ".join(f"{k} {v:.1e}" for k, v in e.items())  # noqa: E731
-        print(f"{name} ({row['seconds']} s)\n  ours {fmt(row['ours'])}\n  fla  {fmt(row['fla'])}", flush=True)
+        print(f"{name} ({row['seconds']} s)" + "".join(f"\n  {i:4s} {fmt(row[i])}" for i in impls), flush=True)
         with open(a.out, "w") as f:  # after every case: a long run can be resumed
             json.dump({"meta": {"what": __doc__.split("\n\n")[0], "seeds": a.seeds}, "rows": rows}, f, indent=1)
     return 0
