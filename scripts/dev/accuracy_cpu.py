@@ -35,18 +35,19 @@ def ours_emu(inputs, kw, seeds):
     return kda_emu.chunk_kda_outputs(inputs, kw, seeds)
 
 
-def run(case, seeds: int, impls=("ours", "fla")) -> dict:
+IMPLS = {"ours": ours_emu, "fla": acc.fla}
+
+
+def run(case, seeds: int, impls=tuple(IMPLS)) -> dict:
     per = {impl: [] for impl in impls}
     why = {}
     for s in range(seeds):
         c = dataclasses.replace(case, seed=case.seed + s)
         inputs, kw, sd = acc.make_inputs(c, device="cpu")
         ref = acc.reference(inputs, kw, sd)
-        for impl, fn in (("ours", ours_emu), ("fla", acc.fla)):
-            if impl not in per:
-                continue
+        for impl in impls:
             try:
-                per[impl].append(acc.errors(ref, fn(inputs, kw, sd)))
+                per[impl].append(acc.errors(ref, IMPLS[impl](inputs, kw, sd)))
             except Exception as e:  # noqa: BLE001 - a row records why an implementation could not run
                 why[impl] = acc._short(e)
     row = {"case": case.name, "label": case.label(), "seeds": seeds}
@@ -69,6 +70,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     impls = tuple(a.impls.split(","))
+    if not impls or not set(impls) <= set(IMPLS):
+        ap.error(f"--impls: {a.impls!r}: each one of {', '.join(IMPLS)}")
     if "fla" in impls:
         fla_interp.enable()
     names = a.cases.split(",") if a.cases else list(acc.CASE_NAMES)
