@@ -6,8 +6,8 @@
 #   KF_PREBUILT=1 KF_FLA_TESTS=0 KF_TESTS=none KF_FLASHKDA=1 KF_PROBE='bash scripts/dev/next_call_probe.sh rows' \
 #     bash scripts/gpu_run.sh          # carry [".whl", ".prebuilt", ".flashkda"]
 # rows: the forward rows of every KDA case, ours and FlashKDA's (no fla: its compile costs ~1 min a
-# row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target;
-# KF_ROWS_FLA=0: ours alone, where fla's compile on a fresh machine would not fit the call).
+# row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target), or
+# with KF_ROWS_FLA=0 (fla's compile on a fresh machine would not fit the call) every training row of ours.
 # bnd (any card): the bounded-gate grads kernel streamed at 128 chains at 128 columns unsliced, which
 # the policy keeps unstreamed on the measurement of the same shape as bounded_b16's batch slices (1.4%
 # slower streamed: docs/notes/2026-12-06-stream-bounds-and-bench.md), and the unbounded shape beside
@@ -49,11 +49,14 @@ step "H200: the KDA forward rows, ours and FlashKDA's"
 python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s 240 --out "$out/rows/h200-fwd" \
   > /dev/null 2>&1
 grep "^| " "$out/rows/h200-fwd"/*.md | head -40
-step "H200: prod8192 with fla (the training call's 3x target)"
 if [ "${KF_ROWS_FLA:-1}" = 1 ]; then
+  step "H200: prod8192 with fla (the training call's 3x target)"
   python3 -m kernel_fun.bench --family kda --case prod8192 --no-flashkda --out "$out/rows/prod8192" > /dev/null 2>&1
-else  # ours only (fla's compile does not fit the call): fla's H200 row is an earlier process's
-  python3 -m kernel_fun.bench --family kda --case prod8192 --no-flashkda --no-fla --out "$out/rows/prod8192" > /dev/null 2>&1
+  grep "^| prod8192 |" "$out/rows/prod8192"/*.md
+else  # ours only (fla's compile does not fit the call): fla's H200 rows are an earlier process's
+  step "H200: the KDA training rows, ours (fla's are an earlier process's)"
+  python3 -m kernel_fun.bench --family kda --pass fwd+bwd --no-fla --no-flashkda --budget-s 200 \
+    --out "$out/rows/h200-train" > /dev/null 2>&1
+  grep "^| " "$out/rows/h200-train"/*.md | head -40
 fi
-grep "^| prod8192 |" "$out/rows/prod8192"/*.md
 fi
