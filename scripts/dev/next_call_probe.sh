@@ -8,6 +8,7 @@
 # rows: the forward rows of every KDA case, ours and FlashKDA's (no fla: its compile costs ~1 min a
 # row; the H200 rows predate the 32-token default), then prod8192's rows with fla (its 3x target), or
 # with KF_ROWS_FLA=0 (fla's compile on a fresh machine would not fit the call) every training row of ours.
+# KF_ROWS_FWD_S / KF_ROWS_TRAIN_S: the two passes' --budget-s (default 240 / 200 s).
 # bnd (any card): the bounded-gate grads kernel streamed at 128 chains at 128 columns unsliced, which
 # the policy keeps unstreamed on the measurement of the same shape as bounded_b16's batch slices (1.4%
 # slower streamed: docs/notes/2026-12-06-stream-bounds-and-bench.md), and the unbounded shape beside
@@ -46,7 +47,7 @@ if ! echo "$gpu" | grep -q H200; then
   exit 0
 fi
 step "H200: the KDA forward rows, ours and FlashKDA's"
-python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s 240 --out "$out/rows/h200-fwd" \
+python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s "${KF_ROWS_FWD_S:-240}" --out "$out/rows/h200-fwd" \
   > /dev/null 2>&1
 grep "^| " "$out/rows/h200-fwd"/*.md | head -40
 if [ "${KF_ROWS_FLA:-1}" = 1 ]; then
@@ -55,7 +56,7 @@ if [ "${KF_ROWS_FLA:-1}" = 1 ]; then
   grep "^| prod8192 |" "$out/rows/prod8192"/*.md
 else  # ours only (fla's compile does not fit the call): fla's H200 rows are an earlier process's
   step "H200: the KDA training rows, ours (fla's are an earlier process's)"
-  python3 -m kernel_fun.bench --family kda --pass fwd+bwd --no-fla --no-flashkda --budget-s 200 \
+  python3 -m kernel_fun.bench --family kda --pass fwd+bwd --no-fla --no-flashkda --budget-s "${KF_ROWS_TRAIN_S:-200}" \
     --out "$out/rows/h200-train" > /dev/null 2>&1
   grep "^| " "$out/rows/h200-train"/*.md | head -40
 fi
