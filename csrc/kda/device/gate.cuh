@@ -277,9 +277,7 @@ struct GatePass {
         g0(((tok0_ + m.row0) * p_.HV + hv_) * K + m.d0), gstride(static_cast<int64_t>(p_.HV) * K) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) gc.c0[e] = run[e] = 0.f;
-    // KdaProblem's contract: A_log is null unless the gate mode reads it (the binding and the emulator
-    // both honour it), so the pointer alone says whether to load it.
-    a_used = p.A_log != nullptr;
+    a_used = mode != GateMode::kPrecomputed && mode != GateMode::kBoundedNoALog && p.A_log;
     a_log = a_used ? p.A_log[hv] : 0.f;
     if (mode != GateMode::kPrecomputed && p.dt_bias) {
 #pragma unroll
