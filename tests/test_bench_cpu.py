@@ -554,6 +554,10 @@ def test_merge_runs_prefers_the_newest_timed_row(tmp_path):
     got = {(r["case"], r["status"]): r["ms"] for r in rows}
     assert got == {("prod8192", "ok"): 6.4, ("varlen", "ok"): 0.8}
     assert "merged from 2 runs" in meta["notes"][0]
+    # a merged table merged again with a third run counts the runs its rows come from, not its inputs
+    c = [row("small", "kernel_fun", "ok", 0.5, "2026-11-29T23:00")]
+    _, meta2 = report.merge_runs([rows, c])
+    assert "merged from 3 runs" in meta2["notes"][0]
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))

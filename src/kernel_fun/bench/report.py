@@ -271,7 +271,8 @@ def merge_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
             "iters": ", ".join(sorted({str(r.get("iters")) for r in timed if r.get("iters")})) or None,
             "warmup": last.get("warmup"), "flush_l2": True,
             "host_ahead": _host_ahead_summary(timed),
-            "notes": [f"merged from {len(runs)} runs of the benchmark (one per device call); each row "
+            # runs by the dates of the rows kept (each run stamps its own): an input may itself be merged
+            "notes": [f"merged from {len(dates) or len(runs)} runs of the benchmark (one per device call); each row "
                       f"keeps its own date and versions in the JSON; {same}"]}
     return merged, meta
 
