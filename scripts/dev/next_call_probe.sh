@@ -47,8 +47,8 @@ if ! echo "$gpu" | grep -q H200; then
   exit 0
 fi
 step "H200: the KDA forward rows, ours and FlashKDA's"
-python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s "${KF_ROWS_FWD_S:-240}" --out "$out/rows/h200-fwd" \
-  > /dev/null 2>&1
+python3 -m kernel_fun.bench --family kda --pass fwd --no-fla --budget-s "${KF_ROWS_FWD_S:-240}" \
+  --out "$out/rows/h200-fwd" > /dev/null 2>&1
 grep "^| " "$out/rows/h200-fwd"/*.md | head -40
 if [ "${KF_ROWS_FLA:-1}" = 1 ]; then
   step "H200: prod8192 with fla (the training call's 3x target)"
