@@ -784,6 +784,10 @@ def test_merge_note_names_the_rows_whose_fla_time_is_older():
     assert "prod8192 fwd (ours D2, fla D1)" in meta["notes"][0] and "small" not in meta["notes"][0]
     _, meta = report.merge_runs([old])
     assert "come from the same process" in meta["notes"][0] and "except" not in meta["notes"][0]
+    # FlashKDA's rows likewise: a run without FlashKDA over one with it
+    old_fk = [row("bounded_b16", "kernel_fun", 3.0, "D1"), row("bounded_b16", "flashkda", 3.5, "D1")]
+    _, meta = report.merge_runs([old_fk, [row("bounded_b16", "kernel_fun", 2.9, "D2")]])
+    assert "bounded_b16 fwd (ours D2, flashkda D1)" in meta["notes"][0]
 
 
 def test_merge_runs_keeps_flashkda_rows():

@@ -260,12 +260,14 @@ def merge_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
     # A run without fla (--no-fla) leaves an older run's fla row beside its own: the ratio of such a
     # row pair is across processes, and the note says so, case by case.
     ok = {(r.get("family"), r.get("case"), r.get("pass"), r.get("impl")): r for r in merged if r.get("status") == "ok"}
-    apart = [f"{c} {p} (ours {r.get('date')}, fla {ok[(f, c, p, 'fla')].get('date')})"
-             for (f, c, p, i), r in ok.items()
-             if i == "kernel_fun" and (f, c, p, "fla") in ok and ok[(f, c, p, "fla")].get("date") != r.get("date")]
-    same = ("ours and fla's of one case come from the same process" if not apart else
-            "ours and fla's of one case come from the same process, except in these rows, where fla's time "
-            "(and so the ratio) is from an earlier run: " + "; ".join(apart))
+    # The same for FlashKDA's rows (a run with --no-flashkda, or one without its build, over one with).
+    apart = [f"{c} {p} (ours {r.get('date')}, {o} {ok[(f, c, p, o)].get('date')})"
+             for (f, c, p, i), r in ok.items() if i == "kernel_fun"
+             for o in ("fla", "flashkda")
+             if (f, c, p, o) in ok and ok[(f, c, p, o)].get("date") != r.get("date")]
+    same = ("ours and fla's (FlashKDA's) of one case come from the same process" if not apart else
+            "ours and fla's (FlashKDA's) of one case come from the same process, except in these rows, where "
+            "the other's time (and so the ratio) is from an earlier run: " + "; ".join(apart))
     meta = {"device_name": last.get("device_name"), "gpu": last.get("gpu"), "versions": last.get("versions"),
             "copy_tbps": last.get("copy_tbps"), "date": ", ".join(dates) or last.get("date"),
             "iters": ", ".join(sorted({str(r.get("iters")) for r in timed if r.get("iters")})) or None,
