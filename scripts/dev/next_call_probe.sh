@@ -19,6 +19,9 @@
 # launch in prod8192's training call (per-instruction stall samples; split them per phase here with
 # scripts/ncu_phases.py): where the kernel's ~74k cycles per CTA wait, on today's code (the last
 # ncu of it predates the wgmma V phase).
+# acc (any card): the two strong-unbounded draws whose dA_log of ours exceeded fla's tolerance on the
+# H100 (2026-12-07: mix11 seed 1012 1.75e-2, mix29 seed 1032 4.2e-3) again with fla's errors beside
+# them, which decide whether they are over the bound (docs/notes/2026-12-07-per-token-targets.md).
 set -u
 out=${OUT:-/tmp/next-call}
 part=${1:-rows}  # bnd has run; "all" runs both
@@ -40,7 +43,13 @@ bash scripts/ncu_kda.sh prod8192 kda_bwd_grads
 python3 scripts/ncu_phases.py "$out/ncu_kda_bwd_grads_sass.csv.gz" --top 4 || true
 fi
 
-if [ "$part" = rows ] || [ "$part" = all ] || [ "$part" = "grads rows" ]; then
+if [ "$part" = acc ] || [ "$part" = "acc rows" ]; then
+step "bench.accuracy: mix11 and mix29 on five more seeds, with fla"
+python3 -m kernel_fun.bench.accuracy --draws 5 --case mix11 --case mix29 --workers 2 --label draws-fla \
+  --out "$out/acc" 2>&1 | tail -8
+fi
+
+if [ "$part" = rows ] || [ "$part" = all ] || [ "$part" = "grads rows" ] || [ "$part" = "acc rows" ]; then
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 if ! echo "$gpu" | grep -q H200; then
   echo "next_call_probe: $gpu is not an H200; the rows left are the H200's"
