@@ -267,7 +267,7 @@ def merge_runs(runs: list[list[dict]]) -> tuple[list[dict], dict]:
              if (f, c, p, o) in ok and ok[(f, c, p, o)].get("date") != r.get("date")]
     same = ("ours and fla's (FlashKDA's) of one case come from the same process" if not apart else
             "ours and fla's (FlashKDA's) of one case come from the same process, except in these rows, where "
-            "the other's time (and so the ratio) is from an earlier run: " + "; ".join(apart))
+            "the other's time (and so the ratio) is from another run: " + "; ".join(apart))
     meta = {"device_name": last.get("device_name"), "gpu": last.get("gpu"), "versions": last.get("versions"),
             "copy_tbps": last.get("copy_tbps"), "date": ", ".join(dates) or last.get("date"),
             "iters": ", ".join(sorted({str(r.get("iters")) for r in timed if r.get("iters")})) or None,
