@@ -13,6 +13,7 @@
 #                          more than 300 s on an H100)
 set -u
 out="${1:-${OUT:-/tmp}}"
+mkdir -p "$out"  # a fresh subfolder of $OUT (2026-12-07: its log was lost to a missing folder)
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "sanitize_kda: no compute-sanitizer"; exit 1; }
 rc=0
