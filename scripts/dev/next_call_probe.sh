@@ -24,7 +24,7 @@
 # them, which decide whether they are over the bound (docs/notes/2026-12-07-per-token-targets.md).
 set -u
 out=${OUT:-/tmp/next-call}
-part=${1:-rows}  # bnd has run; "all" runs both
+part=${1:-rows}  # rows, bnd, grads, acc, "grads rows", "acc rows"; "all" = bnd and rows
 mkdir -p "$out"
 step() { echo "== $* ($(date +%T))"; }
 
